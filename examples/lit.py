@@ -1,0 +1,63 @@
+"""`CausalLM`: an ordinary LightningModule around any next-token model; nothing in it is parallel.
+
+The model is built in ``configure_model`` (so under `NDParallel` it starts on the meta device and
+each rank materialises only its shard), or passed in ready-made (the zero-change path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from lightning.pytorch import LightningModule
+from torch import nn
+
+
+def logits_of(output: object) -> torch.Tensor:
+    """Plain tensors, or the ``.logits`` of a Hugging Face output."""
+    return output.logits if hasattr(output, "logits") else output
+
+
+class CausalLM(LightningModule):
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        model_factory: Callable[[], nn.Module] | None = None,
+        lr: float = 3e-3,
+        weight_decay: float = 0.01,
+    ) -> None:
+        super().__init__()
+        if (model is None) == (model_factory is None):
+            raise ValueError("Pass exactly one of `model` (built now) or `model_factory` (built in configure_model).")
+        self.model = model
+        self.model_factory = model_factory
+        self.lr, self.weight_decay = lr, weight_decay
+        self.train_samples = torchmetrics.SumMetric()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self.model_factory()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return logits_of(self.model(tokens))
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self(batch["tokens"])
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.train_samples.update(torch.tensor(float(batch["tokens"].shape[0]), device=self.device))
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("train_samples", self.train_samples, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=self.weight_decay)

@@ -1,0 +1,90 @@
+"""Build the N-D `DeviceMesh` for a `ParallelDims` and name the sub-meshes every technique uses.
+
+Named sub-meshes (all slices of one world mesh, so ``mesh["tp"]``, ``mesh["dp_shard_cp"]`` work):
+
+- ``pp, dp_replicate, dp_shard, cp, tp``: the five mesh dims, outermost first.
+- ``dp``: ``dp_replicate x dp_shard``, the ranks that see different samples (sampler, metrics).
+- ``dp_shard_cp``: ``dp_shard x cp``, the ranks FSDP shards parameters over.
+- ``dp_cp``: ``dp_replicate x dp_shard x cp``, the ranks a token-mean loss is averaged over.
+- ``hsdp``: the 2-D ``(dp_replicate, dp_shard_cp)`` mesh HSDP replicates and shards over.
+- ``ep``: ranks borrowed from ``dp_shard x cp`` that hold different experts (only when ``ep > 1``).
+
+Flattening is private API in torch 2.13 (``DeviceMesh._flatten``/``_unflatten``); this is the one place
+that uses it, and it keeps the flattened meshes itself (slicing them from the root is deprecated).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from lightning_nd.dims import MESH_DIMS, ParallelDims
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+class NDMesh:
+    """The world mesh plus its named sub-meshes; ``mesh["tp"]`` returns a 1-D or N-D `DeviceMesh`."""
+
+    def __init__(self, world: DeviceMesh, named: dict[str, DeviceMesh]) -> None:
+        self.world = world
+        self._named = named
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._named)
+
+    def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(name, str) and name in self._named:
+            return self._named[name]
+        if isinstance(name, tuple) and all(part in self.world.mesh_dim_names for part in name):
+            return self.world[name]
+        raise KeyError(f"No sub-mesh named {name!r}. Valid names: {', '.join(self.names)}.")
+
+    def group(self, name: str):
+        """The process group of this rank along a named dim."""
+        return self[name].get_group()
+
+    def ranks(self, name: str) -> list[int]:
+        """Global ranks of this rank's group along a named dim."""
+        return self[name].mesh.flatten().tolist()
+
+    def size(self, name: str) -> int:
+        return self[name].size()
+
+    def local_rank(self, name: str) -> int:
+        return self[name].get_local_rank() if self[name].ndim == 1 else self[name].get_rank()
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> NDMesh:
+    """Create the world mesh (needs an initialised default process group) with every named sub-mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    shard_parts: tuple[str, ...] = ("dp_shard",)
+    shape = dict(zip(MESH_DIMS, dims.shape))
+    if dims.ep > 1:
+        # EP borrows the inner part of dp_shard (and all of cp): split dp_shard in two real mesh dims.
+        inside = dims.ep // dims.cp
+        shard_parts = ("dp_shard_mod_ep", "dp_shard_in_ep")
+        shape = {**shape, "dp_shard": (dims.dp_shard // inside, inside)}
+    world_names, world_shape = [], []
+    for name in MESH_DIMS:
+        sizes = shape[name] if isinstance(shape[name], tuple) else (shape[name],)
+        world_names += shard_parts if name == "dp_shard" else (name,)
+        world_shape += sizes
+    world = init_device_mesh(device_type, tuple(world_shape), mesh_dim_names=tuple(world_names))
+
+    named = {name: world[name] for name in world_names}
+    flatten = {
+        "dp": ("dp_replicate", *shard_parts),
+        "dp_shard_cp": (*shard_parts, "cp"),
+        "dp_cp": ("dp_replicate", *shard_parts, "cp"),
+    }
+    if dims.ep > 1:
+        flatten = {"dp_shard": shard_parts, **flatten, "ep": ("dp_shard_in_ep", "cp")}
+    for flat_name, parts in flatten.items():
+        named[flat_name] = world[parts]._flatten(flat_name)
+    # HSDP wants one 2-D (replicate, shard) mesh.
+    named["hsdp"] = named["dp_cp"]._unflatten(
+        0, (dims.dp_replicate, dims.dp_shard * dims.cp), ("dp_replicate", "dp_shard_cp")
+    )
+    return NDMesh(world, named)

@@ -1,0 +1,86 @@
+"""Data parallelism with FSDP2: ``apply_fsdp(root, blocks, mesh, *, zero_stage, ...)``.
+
+One FSDP unit per repeated block plus one for the root (everything left: embeddings, final norm,
+head). A 1-D mesh shards (FSDP); a 2-D ``(dp_replicate, dp_shard_cp)`` mesh replicates over the
+first dim and shards over the second (HSDP).
+
+``zero_stage`` in the terms the field uses, mapped onto FSDP2:
+
+- 3: parameters, gradients and optimizer state sharded; parameters are freed after forward and
+  all-gathered again in backward (least memory, one more all-gather per step).
+- 2: as 3, but parameters stay gathered from forward to backward (no second all-gather).
+- 1: as 2, and under gradient accumulation the gradients of all micro-batches accumulate unsharded
+  and are reduced once per optimizer step, with the parameters kept gathered in between; only the
+  optimizer state (with the fp32 master weights) stays sharded across the window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+
+ZERO_STAGES = (1, 2, 3)
+
+
+def apply_fsdp(
+    root: nn.Module,
+    blocks: Sequence[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    zero_stage: int = 3,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
+    forward_methods: Iterable[str] = (),
+) -> None:
+    """Shard ``blocks`` one by one, then ``root``; ``forward_methods`` of the root also trigger FSDP's hooks."""
+    if zero_stage not in ZERO_STAGES:
+        raise ValueError(f"`zero_stage={zero_stage}` is not one of {ZERO_STAGES}.")
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
+    }
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them.
+        reshard = zero_stage == 3 and index < len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(root, reshard_after_forward=False, **kwargs)
+    for method in forward_methods:
+        if callable(getattr(root, method, None)):
+            register_fsdp_forward_method(root, method)
+
+
+def fsdp_modules(root: nn.Module) -> list[FSDPModule]:
+    return [module for module in root.modules() if isinstance(module, FSDPModule)]
+
+
+@contextmanager
+def accumulate_without_sync(root: nn.Module, zero_stage: int) -> Iterator[None]:
+    """Context for the micro-batches of an accumulation window that do not end it.
+
+    ZeRO-1 accumulates unsharded gradients locally and keeps parameters gathered; ZeRO-2/3 reduce
+    every micro-batch (their point is to never hold a full gradient), so this is a no-op for them.
+    """
+    modules = fsdp_modules(root) if zero_stage == 1 else []
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+        module.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)
+            module.set_reshard_after_backward(True, recurse=False)

@@ -1,0 +1,202 @@
+"""Tensor + sequence parallelism: ``apply_tp(model, tp_mesh, entries, *, sequence_parallel, loss_parallel)``.
+
+Without sequence parallelism the residual stream is replicated on every tp rank: colwise layers
+fan out (no communication), rowwise layers all-reduce their output.
+
+With sequence parallelism the residual stream is a DTensor sharded on the sequence dim: norms run
+on their shard, each attention/MLP module all-gathers its input once (one hook per module, not one
+per projection), and rowwise layers reduce-scatter back onto the sequence shards. Keeping the
+residual a DTensor (not a local tensor) keeps ``hidden.shape[1]`` the global sequence length, which
+models that derive positions from it (Hugging Face) rely on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lightning_nd.structure import HEAD_ATTRS, KV_HEAD_ATTRS, get_submodule, parent_name
+
+SEQUENCE_DIM = 1
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """Colwise for a fused ``[gate; up]`` weight: each rank keeps its slice of *both* halves.
+
+    The rows are regrouped so that a plain ``Shard(0)`` gives rank r ``[gate_r; up_r]``; the full
+    tensor of the DTensor is therefore in that regrouped order.
+    """
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for param_name, param in list(module.named_parameters(recurse=False)):
+            parts = param.detach().chunk(2, dim=0)
+            per_rank = [torch.cat(pair) for pair in zip(*(p.chunk(device_mesh.size(), dim=0) for p in parts))]
+            regrouped = torch.cat(per_rank) if not param.is_meta else param
+            dist = nn.Parameter(distribute_tensor(regrouped, device_mesh, [Shard(0)]), requires_grad=param.requires_grad)
+            module.register_parameter(param_name, dist)
+
+
+class ShardingSequenceParallel(SequenceParallel):
+    """`SequenceParallel` that slices a plain (full, replicated) input instead of assuming it is a shard.
+
+    torch's version takes a plain tensor to be the local shard already; a norm that sees the full
+    residual (one before the first block, say) would then be silently wrong.
+    """
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        value = inputs[0]
+        if not isinstance(value, DTensor):
+            value = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+        if value.placements != tuple(sequence_sharding):
+            value = value.redistribute(placements=sequence_sharding)
+        return value
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters become replicated DTensors so they mix with DTensor activations."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh)
+
+
+def style_for(name: str, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle:
+    """The torch `ParallelStyle` for a style name, in the current SP / loss-parallel mode."""
+    residual = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
+    # Colwise layers declare the layout they may receive: torch redistributes by the declared layout,
+    # not by the actual placement of a DTensor input, so a sequence-sharded input must be declared.
+    if name == "colwise":
+        return ColwiseParallel(input_layouts=residual)
+    if name == "packed_colwise":
+        return PackedColwiseParallel(input_layouts=residual)
+    if name == "rowwise":
+        return RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
+    if name == "embedding_rowwise":
+        # Replicated even under SP: code between the embedding and the first block (positions, masks)
+        # sees an ordinary full tensor; the first block's pre-hook slices it (no communication).
+        return RowwiseParallel(input_layouts=Replicate())
+    if name == "colwise_gather_output":
+        if loss_parallel:
+            return ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+        return ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+    if name == "sequence_parallel":
+        return ShardingSequenceParallel(sequence_dim=SEQUENCE_DIM)
+    if name == "replicate":
+        return ReplicateParallel()
+    raise ValueError(f"Unknown TP style {name!r}.")
+
+
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    entries: Mapping[str, object],
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    block_names: list[str],
+) -> None:
+    """Shard every module named in ``entries`` (concrete module names, see `plans.py`).
+
+    ``block_names`` are the repeated blocks; with sequence parallelism they bound the sharded region.
+    """
+    for name, style in entries.items():
+        parallel_style = style if isinstance(style, ParallelStyle) else style_for(style, sequence_parallel, loss_parallel)
+        parallelize_module(get_submodule(model, name), tp_mesh, parallel_style)
+    fanned_out = {parent_name(name) for name, style in entries.items() if style in ("colwise", "packed_colwise")}
+    for name in sorted(fanned_out):
+        module = get_submodule(model, name)
+        _divide_head_counts(module, tp_mesh.size())
+        if sequence_parallel:
+            module.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+    if sequence_parallel:
+        _mark_sequence_parallel_region(model, entries, tp_mesh, block_names)
+
+
+def _mark_sequence_parallel_region(
+    model: nn.Module, entries: Mapping[str, object], tp_mesh: DeviceMesh, block_names: list[str]
+) -> None:
+    """The residual stream is sequence-sharded from the first block to the head.
+
+    A colwise head gathers the sequence itself; any other head gets a full tensor from the last
+    module of the region (the final norm, or the last block when there is none).
+    """
+    if not block_names:
+        raise ValueError(
+            "`NDParallel(sequence_parallel=True)` needs the model's repeated blocks to mark the sequence-parallel"
+            " region, and none were found. HINT: pass `NDParallel(block_classes=[YourBlock])`."
+        )
+    enter = _enter_sequence_parallel(tp_mesh)
+    for name in block_names:
+        get_submodule(model, name).register_forward_pre_hook(enter, with_kwargs=True)
+    if any(style == "colwise_gather_output" for style in entries.values()):
+        return
+    outside = [
+        name for name, style in entries.items()
+        if style == "sequence_parallel" and not any(name.startswith(b + ".") for b in block_names)
+    ]
+    last = outside[-1] if outside else block_names[-1]
+    get_submodule(model, last).register_forward_hook(_leave_sequence_parallel)
+
+
+def _divide_head_counts(module: nn.Module, tp: int) -> None:
+    """Modules that reshape with their head count must see the local count (heads / tp)."""
+    for attr in (*HEAD_ATTRS, *KV_HEAD_ATTRS):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value % tp == 0:
+            setattr(module, attr, value // tp)
+
+
+def _to_replicate(value: object) -> object:
+    if isinstance(value, DTensor) and any(isinstance(p, Shard) for p in value.placements):
+        return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim)
+    return value
+
+
+def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """One all-gather of the sequence-sharded input for a whole attention/MLP module."""
+    return tuple(_to_replicate(a) for a in args), {k: _to_replicate(v) for k, v in kwargs.items()}
+
+
+def _is_plain_float(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point()
+
+
+def _map_first(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
+    """Apply ``fn`` to the first positional argument, or to the first keyword argument if there is none."""
+    if args:
+        return (fn(args[0]), *args[1:]), kwargs
+    if kwargs:
+        first = next(iter(kwargs))
+        return args, {**kwargs, first: fn(kwargs[first])}
+    return args, kwargs
+
+
+def _enter_sequence_parallel(tp_mesh: DeviceMesh):
+    """Pre-hook for every block: a replicated residual input becomes sequence-sharded (a local slice, no comm)."""
+
+    def to_shard(value: object) -> object:
+        if _is_plain_float(value):
+            full = DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False)
+            return full.redistribute(placements=[Shard(SEQUENCE_DIM)])
+        return value
+
+    return lambda module, args, kwargs: _map_first(args, kwargs, to_shard)
+
+
+def _leave_sequence_parallel(module: nn.Module, args: tuple, output: object) -> object:
+    """Post-hook on the last module of the region: later modules get a plain, full tensor."""
+    full = lambda value: value.full_tensor() if isinstance(value, DTensor) else value  # noqa: E731
+    if isinstance(output, tuple):
+        return (full(output[0]), *output[1:])
+    return full(output)

@@ -1,0 +1,234 @@
+"""Where a tensor-parallel plan comes from, in order: the user's explicit plan > the plan the model
+declares (Hugging Face ``_tp_plan`` / ``config.base_model_tp_plan``) > name-pattern auto-detection.
+
+A plan maps module-name patterns (``*`` matches one name component, as in ``layers.*.q_proj``) to a
+style name. The resolved plan names concrete modules and is checked against ``tp`` before any
+weight is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_nd.structure import (
+    ModelFacts,
+    find_blocks,
+    get_submodule,
+    is_norm,
+    linear_names,
+    parent_name,
+)
+
+log = logging.getLogger(__name__)
+
+STYLES = (
+    "colwise",
+    "rowwise",
+    "packed_colwise",
+    "embedding_rowwise",
+    "colwise_gather_output",
+    "sequence_parallel",
+    "replicate",
+)
+COLWISE_STYLES = ("colwise", "packed_colwise")
+NAME_PATTERNS = {
+    "colwise": ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value",
+                "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc"),
+    "rowwise": ("o_proj", "wo", "out_proj", "down_proj", "w2", "fc2", "c_proj"),
+    "packed_colwise": ("gate_up_proj", "w13"),
+    "embedding_rowwise": ("embed_tokens", "tok_embeddings", "wte", "word_embeddings", "tok_emb", "token_embedding"),
+    "colwise_gather_output": ("lm_head", "output", "head", "out"),
+}
+
+
+@dataclass
+class TPPlan:
+    """A resolved plan: concrete module name -> style name, plus where it came from."""
+
+    entries: dict[str, str]
+    source: str
+
+    def modules_with(self, *styles: str) -> list[str]:
+        return [name for name, style in self.entries.items() if style in styles]
+
+
+def pattern_to_regex(pattern: str) -> re.Pattern[str]:
+    return re.compile("^" + r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$")
+
+
+def expand(model: nn.Module, plan: Mapping[str, object]) -> dict[str, object]:
+    """Concrete module names for each pattern; a pattern that matches nothing is an error."""
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, object] = {}
+    for pattern, style in plan.items():
+        regex = pattern_to_regex(pattern)
+        matched = [name for name in names if regex.match(name)]
+        if not matched:
+            raise ValueError(
+                f"TP plan entry {pattern!r} matches no module of `{type(model).__name__}`."
+                f" HINT: patterns are module names with `*` for one component, e.g. {_example_names(model)}."
+            )
+        resolved.update(dict.fromkeys(matched, style))
+    return resolved
+
+
+def declared_plan(model: nn.Module) -> dict[str, str]:
+    """The plan a model declares in the Hugging Face convention, keyed by full module name pattern."""
+    plan: dict[str, str] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        own = getattr(module, "_tp_plan", None)
+        config_plan = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        if config_plan and getattr(type(module), "base_model_prefix", None) is not None and _is_base(module):
+            plan.update({prefix + key: style for key, style in config_plan.items()})
+        if isinstance(own, Mapping):
+            plan.update({prefix + key: style for key, style in own.items()})
+    return plan
+
+
+def _is_base(module: nn.Module) -> bool:
+    """An HF base model: no child is itself the base model (``model.model`` in ``LlamaForCausalLM``)."""
+    prefix = getattr(type(module), "base_model_prefix", "")
+    return not (prefix and isinstance(getattr(module, prefix, None), nn.Module))
+
+
+def pattern_plan(model: nn.Module) -> dict[str, str]:
+    """Name-pattern detection of the common families; heads and embeddings only outside the blocks."""
+    blocks = [name for name, _ in find_blocks(model)]
+    inside = lambda name: any(name.startswith(block + ".") for block in blocks)  # noqa: E731
+    plan: dict[str, str] = {}
+    for name, module in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        for style, leaves in NAME_PATTERNS.items():
+            if leaf not in leaves:
+                continue
+            outer_only = style in ("embedding_rowwise", "colwise_gather_output")
+            kind = nn.Embedding if style == "embedding_rowwise" else nn.Linear
+            if isinstance(module, kind) and not (outer_only and inside(name)):
+                plan[name] = style
+    return plan
+
+
+def resolve_tp_plan(
+    model: nn.Module,
+    explicit: Mapping[str, object] | None,
+    *,
+    tp: int,
+    facts: ModelFacts,
+    sequence_parallel: bool,
+) -> TPPlan:
+    """Pick the plan source, expand it to concrete modules, add norms for SP, and check it against tp."""
+    if explicit:
+        entries, source = expand(model, explicit), "the plan passed to `NDParallel(tp_plan=...)`"
+    elif declared := declared_plan(model):
+        entries, source = expand(model, declared), "the plan the model declares (`_tp_plan`)"
+    else:
+        entries, source = pattern_plan(model), "name patterns"
+    if not any(style in ("colwise", "rowwise", "packed_colwise") for style in entries.values()):
+        raise ValueError(_no_plan_message(model, tp))
+    entries = _drop_tied(model, entries)
+    if sequence_parallel:
+        entries.update(dict.fromkeys(_residual_norms(model), "sequence_parallel"))
+    else:
+        entries = {name: style for name, style in entries.items() if style != "sequence_parallel"}
+    for name, style in entries.items():
+        if isinstance(style, str) and style not in STYLES:
+            raise ValueError(f"TP plan entry {name!r} has unknown style {style!r}. HINT: use one of {STYLES}.")
+    check_plan(model, entries, tp, facts)
+    return TPPlan(entries, source)
+
+
+def _drop_tied(model: nn.Module, entries: dict[str, object]) -> dict[str, object]:
+    """A head whose weight is the embedding's (tied) stays replicated: two shardings of one tensor would split it."""
+    weights: dict[int, list[str]] = {}
+    for name in entries:
+        weight = getattr(get_submodule(model, name), "weight", None)
+        if weight is not None:
+            weights.setdefault(id(weight), []).append(name)
+    tied = {name for names in weights.values() if len(names) > 1 for name in names}
+    if tied:
+        log.info("Tied weights stay replicated under TP: %s", ", ".join(sorted(tied)))
+    return {name: style for name, style in entries.items() if name not in tied}
+
+
+def _residual_norms(model: nn.Module) -> list[str]:
+    """Norms on the residual stream: direct children of a block, or outside every block (the final norm)."""
+    blocks = [name for name, _ in find_blocks(model)]
+    norms = []
+    for name, module in model.named_modules():
+        if not name or not is_norm(module):
+            continue
+        in_block = [block for block in blocks if name.startswith(block + ".")]
+        if not in_block or parent_name(name) in in_block:
+            norms.append(name)
+    return norms
+
+
+def check_plan(model: nn.Module, entries: Mapping[str, object], tp: int, facts: ModelFacts) -> None:
+    """Every sharded dimension and every head count must divide by tp."""
+    for fact in ("num_attention_heads", "num_key_value_heads"):
+        count = getattr(facts, fact)
+        if count is not None and count % tp:
+            valid = [d for d in range(1, count + 1) if count % d == 0]
+            raise ValueError(
+                f"`NDParallel(tp={tp})` does not divide `{fact}={count}` (read from {facts.sources[fact]})."
+                f" HINT: choose tp from {valid}."
+            )
+    for name, style in entries.items():
+        module = get_submodule(model, name)
+        size, what = _sharded_size(module, style)
+        if size is not None and size % tp:
+            raise ValueError(
+                f"`NDParallel(tp={tp})` does not divide `{name}.{what}={size}` ({style})."
+                f" HINT: choose tp dividing {size}, or leave `{name}` out of the plan."
+            )
+
+
+def _sharded_size(module: nn.Module, style: object) -> tuple[int | None, str]:
+    if isinstance(module, nn.Embedding) and style == "embedding_rowwise":
+        return module.num_embeddings, "num_embeddings"
+    if not isinstance(module, nn.Linear):
+        return None, ""
+    if style in ("colwise", "colwise_gather_output"):
+        return module.out_features, "out_features"
+    if style == "packed_colwise":
+        return module.out_features // 2, "out_features/2"
+    if style == "rowwise":
+        return module.in_features, "in_features"
+    return None, ""
+
+
+def _no_plan_message(model: nn.Module, tp: int) -> str:
+    linears = linear_names(model)
+    suggestion = _suggest_plan(model)
+    listing = "\n".join(f"    {name}" for name in linears) or "    (none)"
+    return (
+        f"`NDParallel(tp={tp})` found no tensor-parallel plan for `{type(model).__name__}`: it declares none"
+        f" (`_tp_plan`) and none of its linear layers has a known name ({', '.join(NAME_PATTERNS['colwise'][:6])}, ...)."
+        f"\n  Linear layers:\n{listing}\n"
+        f"  HINT: pass a plan, e.g. `NDParallel(tp={tp}, tp_plan={suggestion})`: 'colwise' for a layer that"
+        " fans out of the residual stream, 'rowwise' for the one that comes back into it."
+    )
+
+
+def _suggest_plan(model: nn.Module) -> dict[str, str]:
+    blocks = find_blocks(model)
+    if not blocks:
+        return {name: "colwise" for name in linear_names(model)[:1]}
+    first_name, first = blocks[0]
+    pattern_prefix = first_name.rsplit(".", 1)[0] + ".*." if "." in first_name else "*."
+    plan = {}
+    for name, module in first.named_modules():
+        if isinstance(module, nn.Linear):
+            fans_out = module.out_features >= module.in_features
+            plan[pattern_prefix + name] = "colwise" if fans_out else "rowwise"
+    return plan
+
+
+def _example_names(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)][:3]

@@ -1,0 +1,239 @@
+"""`NDParallel`: the Lightning glue. Environment, mesh, calling the composer, step hooks, clipping.
+
+No parallelism logic lives here: see `parallelize.py` and `parallel/`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Generator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_nd.clip import clip_grad_norm_
+from lightning_nd.dims import ParallelDims
+from lightning_nd.mesh import NDMesh, build_mesh
+from lightning_nd.parallel.data import accumulate_without_sync
+from lightning_nd.parallelize import ParallelConfig, ParallelizeReport, check_model, parallelize
+
+log = logging.getLogger("lightning_nd")
+
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+NOT_YET = {"pp": "pipeline", "cp": "context", "ep": "expert"}
+
+
+class NDParallel(ModelParallelStrategy):
+    """N-D parallel training of an ordinary LightningModule.
+
+    Args:
+        dp_replicate, dp_shard, cp, tp, pp, ep: sizes of the parallel dims (see `ParallelDims`);
+            ``dp_shard=-1`` fills the world size.
+        zero_stage, tp_plan, sequence_parallel, loss_parallel, block_classes, activation_checkpointing,
+            compile, cpu_offload: how to parallelize (see `ParallelConfig`).
+        init_on_meta: build the layers created in ``configure_model`` on the meta device, then
+            materialise only each rank's shard with every module's ``reset_parameters()``.
+        timeout: process-group timeout.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; chosen from the device when None.
+    """
+
+    strategy_name = "nd"
+
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        pp: int = 1,
+        ep: int = 1,
+        *,
+        zero_stage: Literal[1, 2, 3] = 3,
+        tp_plan: Mapping[str, object] | None = None,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = False,
+        block_classes: Sequence[type | str] | None = None,
+        activation_checkpointing: Literal["none", "full", "selective"] = "none",
+        compile: bool | str = False,
+        cpu_offload: bool = False,
+        init_on_meta: bool = True,
+        timeout: timedelta = timedelta(minutes=10),
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
+        self._sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
+        ParallelDims.check_sizes(self._sizes)
+        for name, technique in NOT_YET.items():
+            if self._sizes[name] > 1:
+                raise ValueError(
+                    f"`NDParallel({name}={self._sizes[name]})`: {technique} parallelism is not available in this"
+                    f" release of lightning-nd. HINT: use `{name}=1` and put the ranks into dp_shard or tp."
+                )
+        self.config = ParallelConfig(
+            zero_stage=zero_stage, tp_plan=tp_plan, sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel, block_classes=block_classes,
+            activation_checkpointing=activation_checkpointing, compile=compile, cpu_offload=cpu_offload,
+        )
+        if loss_parallel and tp == 1:
+            raise ValueError("`NDParallel(loss_parallel=True)` shards the logits over tp, but tp=1. HINT: set tp > 1.")
+        if sequence_parallel and tp == 1:
+            raise ValueError("`NDParallel(sequence_parallel=True)` shards activations over tp, but tp=1. HINT: set tp > 1.")
+        self._init_on_meta = init_on_meta
+        self._dims: ParallelDims | None = None
+        self._nd_mesh: NDMesh | None = None
+        self.report: ParallelizeReport | None = None
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        registry.register(cls.strategy_name, cls, description="N-D parallel: FSDP2/HSDP x TP (lightning-nd)")
+
+    # ---- dims, mesh and validation -------------------------------------------------------------
+
+    @property
+    def dims(self) -> ParallelDims:
+        if self._dims is None:
+            raise RuntimeError("`NDParallel.dims` is known once the Trainer has set the number of devices.")
+        return self._dims
+
+    @property
+    @override
+    def device_mesh(self) -> NDMesh:
+        if self._nd_mesh is None:
+            raise RuntimeError("The device mesh exists once the processes have started (in `configure_model` and later).")
+        return self._nd_mesh
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The Trainer knows devices x nodes here, before any process is launched: validate now.
+        self._dims = ParallelDims(**self._sizes, world_size=self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    @override
+    def connect(self, model: LightningModule) -> None:
+        super().connect(model)
+        if any(True for _ in model.parameters()):
+            check_model(model, self.dims, self.config)
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self._nd_mesh = build_mesh(self.dims, self.root_device.type)
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._nd_mesh
+        self.dims.check_topology(int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None)
+        rank_zero_info(f"lightning-nd mesh {self.dims.as_dict()}\n{self.dims.rank_table()}")
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Only ranks on different batch coordinates get different samples: tp ranks share a batch.
+        return {"num_replicas": self.device_mesh.size("dp"), "rank": self.device_mesh.local_rank("dp")}
+
+    # ---- model setup -----------------------------------------------------------------------------
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        meta = self._init_on_meta if empty_init is None else empty_init
+        with torch.device("meta") if meta else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if _already_parallel(self.model):
+            rank_zero_info("lightning-nd: `configure_model` parallelized the model itself; the composer is skipped.")
+        else:
+            self._configure_mixed_precision()
+            self.report = parallelize(self.model, self.dims, self.device_mesh, self.config, forward_methods=STEP_METHODS)
+            for line in self.report.applied:
+                rank_zero_info(f"lightning-nd: {line}")
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model_to_device()
+        self._sync_metrics_over_batch_ranks()
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _configure_mixed_precision(self) -> None:
+        if getattr(self.precision_plugin, "precision", None) == "bf16-mixed":
+            # FSDP gathers bf16 parameters (half the traffic) and reduces gradients in fp32.
+            self.config.param_dtype, self.config.reduce_dtype = torch.bfloat16, torch.float32
+
+    def _sync_metrics_over_batch_ranks(self) -> None:
+        from torchmetrics import Metric
+
+        group = self.device_mesh.group("dp")
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric) and module.process_group is None:
+                module.process_group = group
+
+    # ---- step hooks ------------------------------------------------------------------------------
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        # A logged value is the same on tp ranks: reduce over the ranks that saw different tokens only.
+        return super().reduce(tensor, group=group if group is not None else self.device_mesh.group("dp_cp"),
+                              reduce_op=reduce_op)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        assert self.model is not None
+        with accumulate_without_sync(self.model, self.config.zero_stage):
+            yield None
+
+    def _loss_context(self):
+        if not self.config.loss_parallel:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        with self._loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
+        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+
+
+def _already_parallel(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+NDParallel.register_strategies(StrategyRegistry)

@@ -1,0 +1,120 @@
+"""What a model looks like to the parallelizer: its repeated blocks, attention modules and head counts.
+
+Pure inspection of an ``nn.Module``; nothing here changes the model or talks to other ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from torch import nn
+
+HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "n_local_heads")
+KV_HEAD_ATTRS = ("num_kv_heads", "n_kv_heads", "num_key_value_heads", "n_local_kv_heads")
+CONFIG_FACTS = {
+    "num_attention_heads": ("num_attention_heads", "n_head", "n_heads"),
+    "num_key_value_heads": ("num_key_value_heads", "n_kv_heads"),
+    "hidden_size": ("hidden_size", "n_embd", "d_model", "dim"),
+    "intermediate_size": ("intermediate_size", "ffn_dim", "n_inner"),
+    "num_hidden_layers": ("num_hidden_layers", "n_layer", "n_layers"),
+    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+}
+
+
+def find_blocks(model: nn.Module, block_classes: Sequence[type | str] | None = None) -> list[tuple[str, nn.Module]]:
+    """The repeated blocks (transformer layers) of ``model``, outermost matches only, in order.
+
+    With ``block_classes`` (classes or class names), every outermost module of those classes.
+    Otherwise the children of the container (``ModuleList``/``Sequential``/``ModuleDict``) holding the
+    most parameters in two or more children of one class.
+    """
+    if block_classes:
+        wanted = tuple(c for c in block_classes if isinstance(c, type))
+        names = {c for c in block_classes if isinstance(c, str)}
+        matches = [
+            (name, module)
+            for name, module in model.named_modules()
+            if name and (isinstance(module, wanted) or type(module).__name__ in names)
+        ]
+        return _outermost(matches)
+    best: list[tuple[str, nn.Module]] = []
+    best_params = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            continue
+        children = [(f"{name}.{child_name}" if name else child_name, child) for child_name, child in module.named_children()]
+        by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+        for child_name, child in children:
+            by_class.setdefault(type(child), []).append((child_name, child))
+        for group in by_class.values():
+            params = sum(p.numel() for _, child in group for p in child.parameters())
+            if len(group) >= 2 and params > best_params:
+                best, best_params = group, params
+    return best
+
+
+def _outermost(matches: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    kept: list[tuple[str, nn.Module]] = []
+    for name, module in matches:
+        if not any(name.startswith(parent + ".") for parent, _ in kept):
+            kept.append((name, module))
+    return kept
+
+
+def is_norm(module: nn.Module) -> bool:
+    """LayerNorm, RMSNorm and the many model-specific norms named ``*Norm``."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.lower().endswith("norm")
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+
+
+def parent_name(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def get_submodule(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name) if name else model
+
+
+@dataclass
+class ModelFacts:
+    """Sizes the parallel dims must divide, read from an HF-style ``config`` or from module attributes."""
+
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_experts: int | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+def read_model_facts(model: nn.Module, blocks: Iterable[tuple[str, nn.Module]] | None = None) -> ModelFacts:
+    """Collect the sizes parallel dims must divide; the first place that names a fact wins."""
+    facts = ModelFacts()
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is None or isinstance(config, (dict, str)):
+            continue
+        for fact, attrs in CONFIG_FACTS.items():
+            _set_fact(facts, fact, (getattr(config, attr, None) for attr in attrs), f"`{name or 'model'}.config`")
+    for name, module in model.named_modules():
+        _set_fact(facts, "num_attention_heads", (getattr(module, a, None) for a in HEAD_ATTRS), f"`{name}`")
+        _set_fact(facts, "num_key_value_heads", (getattr(module, a, None) for a in KV_HEAD_ATTRS), f"`{name}`")
+    block_list = list(blocks) if blocks is not None else find_blocks(model)
+    if block_list:
+        _set_fact(facts, "num_hidden_layers", [len(block_list)], "the repeated blocks")
+    return facts
+
+
+def _set_fact(facts: ModelFacts, fact: str, candidates: Iterable[object], source: str) -> None:
+    if getattr(facts, fact) is not None:
+        return
+    for value in candidates:
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            setattr(facts, fact, value)
+            facts.sources[fact] = source
+            return

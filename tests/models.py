@@ -1,0 +1,30 @@
+"""The three models every layout is checked on: the example Llama, the unlike-it GPT, and a tiny
+randomly initialised Hugging Face Llama with no plan written by us (it declares its own)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from examples.models.gpt import GPT, GPTConfig
+from examples.models.llama import Llama, LlamaConfig
+
+VOCAB = 256
+
+
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    if name == "llama":
+        return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=8, num_key_value_heads=4))
+    if name == "gpt":
+        return GPT(GPTConfig(vocab_size=VOCAB, n_embd=48, n_head=4, n_layer=2, block_size=64))
+    if name == "hf_llama":
+        from transformers import LlamaConfig as HFLlamaConfig
+        from transformers import LlamaForCausalLM
+
+        config = HFLlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                               attn_implementation="sdpa")
+        return LlamaForCausalLM(config)
+    raise ValueError(f"unknown test model {name!r}")
