@@ -1,38 +1,51 @@
 """Gradient clipping by the true global norm, for gradients sharded over any mix of meshes.
 
-``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails (or is wrong) when
-parameters live on different meshes (FSDP-only vs FSDP x TP) or are plain replicated tensors.
-Here each group of gradients that share a mesh and placements is reduced once, then the groups add.
+``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when parameters live on
+different meshes (FSDP-only vs FSDP x TP) and costs one collective per mesh dim otherwise. Here
+each rank sums ``|g|^p`` over its local shards, weighting each by how many ranks hold the same
+shard, and one all-reduce over all ranks gives the norm of the unsharded gradients.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+
+def _copies(grad: torch.Tensor, world_size: int) -> int:
+    """How many ranks hold the same values as this rank's local piece of ``grad``."""
+    if not isinstance(grad, DTensor):
+        return world_size
+    shards = math.prod(grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if isinstance(p, Shard))
+    return world_size // shards
 
 
 def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients as if they sat unsharded on one device (same value on every rank)."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for param in parameters:
-        grad = param.grad
-        if grad is None:
-            continue
-        key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else "local"
-        groups.setdefault(key, []).append(grad)
+    """The norm of all gradients as if they sat unsharded on one device (the same value on every rank)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
-    partial_norms = []
-    for key, grads in groups.items():
-        norms = torch._foreach_norm(grads, norm_type)
-        group_norm = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        if isinstance(group_norm, DTensor):
-            group_norm = group_norm.full_tensor()
-        partial_norms.append(group_norm)
-    if not partial_norms:
-        return torch.tensor(0.0)
-    return torch.linalg.vector_norm(torch.stack(partial_norms), norm_type)
+    distributed = dist.is_initialized()
+    world_size = dist.get_world_size() if distributed else 1
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    device = locals_[0].device if locals_ else torch.device("cpu")
+    if math.isinf(norm_type):
+        total = max((g.detach().abs().max().float() for g in locals_ if g.numel()), default=torch.zeros((), device=device))
+        total = total.to(device)
+        if distributed:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return total
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for grad, local in zip(grads, locals_):
+        if local.numel():
+            power_sum = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32).pow(norm_type)
+            total += power_sum / _copies(grad, world_size)
+    if distributed:
+        dist.all_reduce(total)
+    return total.pow(1.0 / norm_type)
 
 
 @torch.no_grad()
@@ -42,5 +55,6 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     total = global_grad_norm(parameters, norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for param in parameters:
-        param.grad.mul_(coefficient.to(param.grad.device) if not isinstance(param.grad, DTensor) else coefficient.item())
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        grad.mul_(coefficient.to(grad.device, grad.dtype))
     return total

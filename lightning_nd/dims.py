@@ -26,7 +26,8 @@ def _divisors(n: int) -> list[int]:
 class ParallelDims:
     """Sizes of the parallel dimensions of one run.
 
-    ``dp_shard=-1`` fills whatever ``world_size`` leaves after the other dims.
+    One mesh dim may be -1: it fills whatever ``world_size`` leaves after the others (``dp_shard``
+    by default, so ``ParallelDims(tp=2, world_size=8)`` is dp_shard=4 x tp=2).
     """
 
     dp_replicate: int = 1
@@ -45,29 +46,34 @@ class ParallelDims:
 
     @staticmethod
     def check_sizes(sizes: Mapping[str, Any]) -> None:
-        """Each size alone: an int >= 1 (``dp_shard`` may be -1). Needs no world size."""
+        """Each size alone: an int >= 1, or -1 ('fill the rest') for a mesh dim. Needs no world size."""
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"`{name}={value!r}` must be an int, got {type(value).__name__}.")
-            if value < 1 and not (name == "dp_shard" and value == -1):
-                fill = " (only `dp_shard` may be -1, meaning 'fill the rest')" if value == -1 else ""
-                raise ValueError(f"`{name}={value}` must be >= 1{fill}.")
+            if value < 1 and not (value == -1 and name in MESH_DIMS):
+                raise ValueError(f"`{name}={value}` must be >= 1, or -1 to fill the rest of the world size.")
 
     def __post_init__(self) -> None:
         self.check_sizes({name: getattr(self, name) for name in DIM_NAMES})
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"`world_size={self.world_size!r}` must be a positive int.")
-        others = self.pp * self.dp_replicate * self.cp * self.tp
-        if self.dp_shard == -1:
+        filling = [name for name in MESH_DIMS if getattr(self, name) == -1]
+        if len(filling) > 1:
+            raise ValueError(
+                f"Only one dim may be -1 ('fill the rest'), but {filling} are."
+                f" HINT: give all but one a size, e.g. `dp_shard=1` when `{filling[-1]}=-1`."
+            )
+        if filling:
+            fill = filling[0]
+            others = math.prod(getattr(self, name) for name in MESH_DIMS if name != fill)
             if self.world_size % others:
                 raise ValueError(
-                    f"pp*dp_replicate*cp*tp = {self.pp}*{self.dp_replicate}*{self.cp}*{self.tp} = {others}"
-                    f" does not divide world_size={self.world_size}, so `dp_shard=-1` cannot fill the rest."
-                    f" HINT: choose dims whose product divides {self.world_size}"
-                    f" (divisors: {_divisors(self.world_size)})."
+                    f"The other dims multiply to {others}, which does not divide world_size={self.world_size},"
+                    f" so `{fill}=-1` cannot fill the rest. HINT: choose dims whose product divides"
+                    f" {self.world_size} (divisors: {_divisors(self.world_size)})."
                 )
-            object.__setattr__(self, "dp_shard", self.world_size // others)
-        product = others * self.dp_shard
+            object.__setattr__(self, fill, self.world_size // others)
+        product = math.prod(self.shape)
         if product != self.world_size:
             raise ValueError(
                 f"pp*dp_replicate*dp_shard*cp*tp = {self.pp}*{self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp}"

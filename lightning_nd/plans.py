@@ -144,16 +144,16 @@ def resolve_tp_plan(
 
 
 def _drop_tied(model: nn.Module, entries: dict[str, object]) -> dict[str, object]:
-    """A head whose weight is the embedding's (tied) stays replicated: two shardings of one tensor would split it."""
-    weights: dict[int, list[str]] = {}
-    for name in entries:
-        weight = getattr(get_submodule(model, name), "weight", None)
-        if weight is not None:
-            weights.setdefault(id(weight), []).append(name)
-    tied = {name for names in weights.values() if len(names) > 1 for name in names}
+    """A module whose weight is shared (a head tied to the embedding) stays replicated under TP:
+    sharding it would replace the shared parameter in one module only and silently untie it."""
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(parent_name(name))
+    shared = {owner for names in owners.values() if len(names) > 1 for owner in names}
+    tied = sorted(name for name in entries if name in shared)
     if tied:
-        log.info("Tied weights stay replicated under TP: %s", ", ".join(sorted(tied)))
-    return {name: style for name, style in entries.items() if name not in tied}
+        log.info("Tied weights stay replicated under TP: %s", ", ".join(tied))
+    return {name: style for name, style in entries.items() if name not in shared}
 
 
 def _residual_norms(model: nn.Module) -> list[str]:

@@ -7,23 +7,25 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_nd.clip import clip_grad_norm_
 from lightning_nd.dims import ParallelDims
+from lightning_nd.materialize import materialize
 from lightning_nd.mesh import NDMesh, build_mesh
 from lightning_nd.parallel.data import accumulate_without_sync
 from lightning_nd.parallelize import ParallelConfig, ParallelizeReport, check_model, parallelize
@@ -74,21 +76,12 @@ class NDParallel(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
         self._sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
         ParallelDims.check_sizes(self._sizes)
-        for name, technique in NOT_YET.items():
-            if self._sizes[name] > 1:
-                raise ValueError(
-                    f"`NDParallel({name}={self._sizes[name]})`: {technique} parallelism is not available in this"
-                    f" release of lightning-nd. HINT: use `{name}=1` and put the ranks into dp_shard or tp."
-                )
         self.config = ParallelConfig(
             zero_stage=zero_stage, tp_plan=tp_plan, sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel, block_classes=block_classes,
             activation_checkpointing=activation_checkpointing, compile=compile, cpu_offload=cpu_offload,
         )
-        if loss_parallel and tp == 1:
-            raise ValueError("`NDParallel(loss_parallel=True)` shards the logits over tp, but tp=1. HINT: set tp > 1.")
-        if sequence_parallel and tp == 1:
-            raise ValueError("`NDParallel(sequence_parallel=True)` shards activations over tp, but tp=1. HINT: set tp > 1.")
+        _check_supported(self._sizes, self.config)
         self._init_on_meta = init_on_meta
         self._dims: ParallelDims | None = None
         self._nd_mesh: NDMesh | None = None
@@ -117,6 +110,7 @@ class NDParallel(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # The Trainer knows devices x nodes here, before any process is launched: validate now.
         self._dims = ParallelDims(**self._sizes, world_size=self.num_nodes * self.num_processes)
+        _check_supported(self._dims.as_dict(), self.config)
         super()._configure_launcher()
 
     @override
@@ -128,6 +122,11 @@ class NDParallel(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._setup_distributed()
+        if self.global_rank != 0:  # one copy of each "Applied ..." line, not one per rank
+            log.setLevel(logging.WARNING)
+        elif not log.hasHandlers():
+            log.addHandler(logging.StreamHandler())
+            log.setLevel(logging.INFO)
         self._nd_mesh = build_mesh(self.dims, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._nd_mesh
@@ -158,11 +157,14 @@ class NDParallel(ModelParallelStrategy):
         if _already_parallel(self.model):
             rank_zero_info("lightning-nd: `configure_model` parallelized the model itself; the composer is skipped.")
         else:
+            # FSDP2 warns when a wrapped module returns a view; the LightningModule root returns logits
+            # that are views of the head's output on every step. Only this root's warning is silenced.
+            warnings.filterwarnings(
+                "ignore", message=rf"FSDP2-wrapped module \(FSDP{type(self.model).__name__}\) returned a view tensor"
+            )
             self._configure_mixed_precision()
             self.report = parallelize(self.model, self.dims, self.device_mesh, self.config, forward_methods=STEP_METHODS)
-            for line in self.report.applied:
-                rank_zero_info(f"lightning-nd: {line}")
-        _materialize_distributed_module(self.model, self.root_device)
+        materialize(self.model, self.root_device, seed=torch.initial_seed() % 2**31)
         self.model_to_device()
         self._sync_metrics_over_batch_ranks()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -191,6 +193,8 @@ class NDParallel(ModelParallelStrategy):
     @override
     def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
         # A logged value is the same on tp ranks: reduce over the ranks that saw different tokens only.
+        if isinstance(tensor, DTensor):  # a loss-parallel loss: replicated over tp
+            tensor = tensor.full_tensor()
         return super().reduce(tensor, group=group if group is not None else self.device_mesh.group("dp_cp"),
                               reduce_op=reduce_op)
 
@@ -225,6 +229,21 @@ class NDParallel(ModelParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+
+
+def _check_supported(sizes: Mapping[str, int], config: ParallelConfig) -> None:
+    """Options that need a dim that is off, and dims this release does not run; -1 (not yet known) passes."""
+    for name, technique in NOT_YET.items():
+        if sizes[name] > 1:
+            raise ValueError(
+                f"`NDParallel({name}={sizes[name]})`: {technique} parallelism is not available in this"
+                f" release of lightning-nd. HINT: use `{name}=1` and put the ranks into dp_shard or tp."
+            )
+    for option in ("sequence_parallel", "loss_parallel"):
+        if getattr(config, option) and sizes["tp"] == 1:
+            raise ValueError(
+                f"`NDParallel({option}=True)` splits work over tp, but tp=1. HINT: set tp > 1 or {option}=False."
+            )
 
 
 def _already_parallel(module: torch.nn.Module) -> bool:

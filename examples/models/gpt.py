@@ -26,7 +26,9 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_head = config.n_head
         self.wq = nn.Linear(config.n_embd, config.n_embd)
-        self.wk = nn.Linear(config.n_embd, config.n_embd)
+        # No key bias: softmax ignores a shift shared by all keys, so its gradient is exactly zero
+        # in exact arithmetic and pure rounding noise in practice (Adam would amplify it to lr-sized steps).
+        self.wk = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.wv = nn.Linear(config.n_embd, config.n_embd)
         self.wo = nn.Linear(config.n_embd, config.n_embd)
 

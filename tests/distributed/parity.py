@@ -25,7 +25,7 @@ from tests.models import VOCAB, build
 SEQ_LEN = 16
 PER_RANK_BATCH = 2
 STEPS = 5
-LR = 1e-2
+LR = 1e-3
 
 
 class LossRecorder(Callback):

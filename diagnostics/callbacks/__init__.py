@@ -1,0 +1,1 @@
+"""Thin Lightning callbacks: collect, call one analysis, log on rank zero."""

@@ -1,0 +1,129 @@
+"""Every bad configuration fails before any process group exists, with the bad value and a HINT.
+
+Each case is built exactly as a user would: `NDParallel(...)`, `Trainer(...)` (which validates the
+dims against devices without launching anything) and `trainer.strategy.connect(module)` (the model
+checks `fit` would run first). `Trainer.fit` is never called.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from torch import nn
+
+from examples.lit import CausalLM
+from lightning_nd import NDParallel, ParallelDims
+from tests.models import build
+
+
+class Mixer(nn.Module):
+    """A block whose linear layers have names no auto-detection knows."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.alpha = nn.Linear(hidden, inner)
+        self.beta = nn.Linear(inner, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.beta(torch.relu(self.alpha(x)))
+
+
+class MixerNet(nn.Module):
+    def __init__(self, hidden: int = 16, inner: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Mixer(hidden, inner) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _trainer(devices: int, strategy: NDParallel) -> Trainer:
+    return Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False,
+                   enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+
+
+def _connect(devices: int, strategy: NDParallel, model: nn.Module) -> None:
+    _trainer(devices, strategy).strategy.connect(CausalLM(model=model))
+
+
+MIXER_PLAN = {"model.blocks.*.alpha": "colwise", "model.blocks.*.beta": "rowwise"}
+
+# (id, what the user does, exception type, substrings the message must contain)
+CASES = [
+    ("world_size_mismatch", lambda: _trainer(4, NDParallel(dp_shard=2, tp=3)),
+     ValueError, ["= 6", "world_size=4"]),
+    ("dp_shard_cannot_fill", lambda: _trainer(4, NDParallel(tp=3)),
+     ValueError, ["dp_shard=-1", "world_size=4"]),
+    ("tp_zero", lambda: NDParallel(tp=0), ValueError, ["tp=0"]),
+    ("tp_float", lambda: NDParallel(tp=2.0), TypeError, ["tp=2.0"]),
+    ("dp_shard_minus_two", lambda: NDParallel(dp_shard=-2), ValueError, ["dp_shard=-2"]),
+    ("zero_stage_four", lambda: NDParallel(zero_stage=4), ValueError, ["zero_stage=4"]),
+    ("activation_checkpointing_unknown", lambda: NDParallel(activation_checkpointing="some"),
+     ValueError, ["'some'", "selective"]),
+    ("sequence_parallel_without_tp", lambda: NDParallel(sequence_parallel=True),
+     ValueError, ["sequence_parallel=True", "tp=1"]),
+    ("loss_parallel_without_tp", lambda: NDParallel(loss_parallel=True),
+     ValueError, ["loss_parallel=True", "tp=1"]),
+    ("pp_not_available", lambda: NDParallel(pp=2), ValueError, ["pp=2", "pipeline"]),
+    ("cp_not_available", lambda: NDParallel(cp=2), ValueError, ["cp=2", "context"]),
+    ("ep_not_available", lambda: NDParallel(ep=2), ValueError, ["ep=2", "expert"]),
+    ("unknown_dim_name", lambda: ParallelDims.from_mapping({"dq": 2}, world_size=2),
+     ValueError, ["`dq`", "`dp_"]),
+    ("ep_minus_one", lambda: ParallelDims(ep=-1, world_size=2), ValueError, ["ep=-1"]),
+    ("ep_not_dividing_dp_shard", lambda: ParallelDims(ep=3, dp_shard=4, world_size=4),
+     ValueError, ["ep=3", "[1, 2, 4]"]),
+    ("tp_not_dividing_heads", lambda: _connect(3, NDParallel(tp=3), build("llama")),
+     ValueError, ["tp=3", "num_attention_heads=8", "[1, 2, 4, 8]"]),
+    ("tp_not_dividing_kv_heads", lambda: _connect(8, NDParallel(tp=8), build("llama")),
+     ValueError, ["tp=8", "num_key_value_heads=4", "[1, 2, 4]"]),
+    ("plan_style_typo", lambda: _connect(2, NDParallel(tp=2, tp_plan={
+        "model.layers.*.self_attn.q_proj": "colwize", "model.layers.*.self_attn.o_proj": "rowwise"}), build("llama")),
+     ValueError, ["'colwize'", "'colwise'"]),
+    ("plan_styles_all_typos", lambda: _connect(2, NDParallel(tp=2, tp_plan={
+        "model.layers.*.mlp.up_proj": "colwize", "model.layers.*.mlp.down_proj": "rowwize"}), build("llama")),
+     ValueError, ["'colwize'", "'colwise'"]),
+    ("plan_pattern_matches_nothing", lambda: _connect(2, NDParallel(tp=2, tp_plan={
+        "model.layers.*.attn.q_proj": "colwise"}), build("llama")),
+     ValueError, ["'model.layers.*.attn.q_proj'", "model.layers.0.self_attn.q_proj"]),
+    ("no_known_linear_names", lambda: _connect(2, NDParallel(tp=2), MixerNet()),
+     ValueError, ["model.blocks.0.alpha", "model.blocks.0.beta", "model.blocks.1.alpha", "model.blocks.1.beta",
+                  f"tp_plan={MIXER_PLAN}"]),
+    ("block_classes_not_in_model", lambda: _connect(2, NDParallel(block_classes=["TransformerBlock"]), build("llama")),
+     ValueError, ["TransformerBlock", "DecoderLayer"]),
+    ("colwise_out_features_not_divisible", lambda: _connect(8, NDParallel(tp=8, tp_plan=MIXER_PLAN), MixerNet(16, 12)),
+     ValueError, ["tp=8", "model.blocks.0.alpha", "out_features=12"]),
+]
+
+
+@pytest.mark.parametrize(("make", "error", "facts"), [case[1:] for case in CASES], ids=[case[0] for case in CASES])
+def test_bad_configuration_raises_with_the_facts_and_a_hint(make, error, facts):
+    with pytest.raises(error) as raised:
+        make()
+    message = str(raised.value)
+    for fact in [*facts, "HINT"]:
+        assert fact in message, f"{fact!r} missing from: {message}"
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_same_setups_with_good_values_connect():
+    """The model cases above fail for the stated reason, not because connect fails without a process group."""
+    _connect(2, NDParallel(tp=2), build("llama"))
+    _connect(4, NDParallel(tp=4), build("llama"))
+    _connect(2, NDParallel(tp=2, block_classes=["DecoderLayer"]), build("llama"))
+    _connect(4, NDParallel(tp=4, tp_plan=MIXER_PLAN), MixerNet(16, 12))
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_suggested_plan_can_be_copied():
+    with pytest.raises(ValueError) as raised:
+        _connect(2, NDParallel(tp=2), MixerNet())
+    suggested = ast.literal_eval(re.search(r"tp_plan=(\{.*?\})", str(raised.value)).group(1))
+    trainer = _trainer(2, NDParallel(tp=2, tp_plan=suggested))
+    trainer.strategy.connect(CausalLM(model=MixerNet()))
+    assert not torch.distributed.is_initialized()
