@@ -13,19 +13,35 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def _copies(grad: torch.Tensor, world_size: int) -> int:
     """How many ranks hold the same values as this rank's local piece of ``grad``."""
     if not isinstance(grad, DTensor):
         return world_size
-    shards = math.prod(grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if isinstance(p, Shard))
+    # Anything neither replicated nor partial splits the tensor (Shard, and FSDP x TP's _StridedShard).
+    shards = math.prod(
+        grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial())
+    )
     return world_size // shards
 
 
+def reduce_partial_grads(parameters: Iterable[torch.Tensor]) -> None:
+    """Finish pending reductions: a replicated parameter fed by sharded activations (a norm weight
+    under sequence parallel) gets a Partial gradient whose local values are only summands."""
+    for param in parameters:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            placements = [Replicate() if p.is_partial() else p for p in grad.placements]
+            param.grad = grad.redistribute(grad.device_mesh, placements)
+
+
 def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all gradients as if they sat unsharded on one device (the same value on every rank)."""
+    """The norm of all gradients as if they sat unsharded on one device (the same value on every rank).
+
+    Gradients must hold no Partial placement (see `reduce_partial_grads`).
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     distributed = dist.is_initialized()
@@ -52,6 +68,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0)
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale every gradient by ``max_norm / global_norm`` when the global norm exceeds ``max_norm``."""
     parameters = [p for p in parameters if p.grad is not None]
+    reduce_partial_grads(parameters)
     total = global_grad_norm(parameters, norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for param in parameters:

@@ -49,9 +49,12 @@ class ParallelDims:
         """Each size alone: an int >= 1, or -1 ('fill the rest') for a mesh dim. Needs no world size."""
         for name, value in sizes.items():
             if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"`{name}={value!r}` must be an int, got {type(value).__name__}.")
+                raise TypeError(
+                    f"`{name}={value!r}` must be an int, got {type(value).__name__}. HINT: write `{name}=2`, not 2.0 or '2'."
+                )
             if value < 1 and not (value == -1 and name in MESH_DIMS):
-                raise ValueError(f"`{name}={value}` must be >= 1, or -1 to fill the rest of the world size.")
+                fill = "; -1 fills the rest of the world size" if name in MESH_DIMS else " (it borrows ranks, so it cannot be -1)"
+                raise ValueError(f"`{name}={value}` must be >= 1{fill}. HINT: use `{name}=1` to switch it off.")
 
     def __post_init__(self) -> None:
         self.check_sizes({name: getattr(self, name) for name in DIM_NAMES})
@@ -100,9 +103,10 @@ class ParallelDims:
         """Build from a mapping such as a Hydra config; unknown names raise with the closest valid one."""
         for name in sizes:
             if name not in DIM_NAMES:
-                close = difflib.get_close_matches(name, DIM_NAMES, n=1)
-                hint = f" Did you mean `{close[0]}`?" if close else ""
-                raise ValueError(f"Unknown parallel dim `{name}`. Valid dims: {', '.join(DIM_NAMES)}.{hint}")
+                closest = difflib.get_close_matches(str(name), DIM_NAMES, n=1, cutoff=0.0)
+                raise ValueError(
+                    f"Unknown parallel dim `{name}`. HINT: did you mean `{closest[0]}`? Valid dims: {', '.join(DIM_NAMES)}."
+                )
         return cls(**dict(sizes), world_size=world_size)
 
     # ---- which techniques are on -------------------------------------------------------------

@@ -55,7 +55,10 @@ class ParallelConfig:
             raise ValueError(f"`zero_stage={self.zero_stage!r}` must be one of {ZERO_STAGES}."
                              " HINT: 3 for the least memory, 2 for less communication.")
         if self.activation_checkpointing not in AC_MODES:
-            raise ValueError(f"`activation_checkpointing={self.activation_checkpointing!r}` must be one of {AC_MODES}.")
+            raise ValueError(
+                f"`activation_checkpointing={self.activation_checkpointing!r}` is not a mode. HINT: use one of {AC_MODES}:"
+                " 'selective' recomputes cheap ops only, 'full' recomputes whole blocks (least memory)."
+            )
 
 
 @dataclass
@@ -131,6 +134,7 @@ def parallelize(
         _applied(report, f"Applied tensor parallel (tp={dims.tp}, sequence_parallel={config.sequence_parallel},"
                          f" loss_parallel={config.loss_parallel}) to {len(plan.entries)} modules from {plan.source}")
     if config.activation_checkpointing != "none":
+        _disable_kv_cache(module)
         apply_ac(block_modules, config.activation_checkpointing)
         _applied(report, f"Applied {config.activation_checkpointing} activation checkpointing to {len(blocks)} blocks")
     if config.compile:
@@ -148,6 +152,16 @@ def parallelize(
             f"FSDP (shard={dims.dp_shard * dims.cp})")
         _applied(report, f"Applied {kind} with zero_stage={config.zero_stage} to {len(blocks)} blocks and the root")
     return report
+
+
+def _disable_kv_cache(module: nn.Module) -> None:
+    """A KV cache filled during forward changes what recomputation sees (Hugging Face models keep
+    ``config.use_cache=True`` even in training); their own gradient checkpointing turns it off too."""
+    for name, submodule in module.named_modules():
+        config = getattr(submodule, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            log.info("Set `%s.config.use_cache=False`: a KV cache breaks activation recomputation", name or "model")
 
 
 def _applied(report: ParallelizeReport, message: str) -> None:

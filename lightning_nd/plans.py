@@ -35,7 +35,7 @@ STYLES = (
     "sequence_parallel",
     "replicate",
 )
-COLWISE_STYLES = ("colwise", "packed_colwise")
+SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise")
 NAME_PATTERNS = {
     "colwise": ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value",
                 "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc"),
@@ -129,16 +129,16 @@ def resolve_tp_plan(
         entries, source = expand(model, declared), "the plan the model declares (`_tp_plan`)"
     else:
         entries, source = pattern_plan(model), "name patterns"
-    if not any(style in ("colwise", "rowwise", "packed_colwise") for style in entries.values()):
+    for name, style in entries.items():
+        if isinstance(style, str) and style not in STYLES:
+            raise ValueError(f"TP plan entry {name!r} has unknown style {style!r}. HINT: use one of {STYLES}.")
+    if not any(not isinstance(style, str) or style in SHARDING_STYLES for style in entries.values()):
         raise ValueError(_no_plan_message(model, tp))
     entries = _drop_tied(model, entries)
     if sequence_parallel:
         entries.update(dict.fromkeys(_residual_norms(model), "sequence_parallel"))
     else:
         entries = {name: style for name, style in entries.items() if style != "sequence_parallel"}
-    for name, style in entries.items():
-        if isinstance(style, str) and style not in STYLES:
-            raise ValueError(f"TP plan entry {name!r} has unknown style {style!r}. HINT: use one of {STYLES}.")
     check_plan(model, entries, tp, facts)
     return TPPlan(entries, source)
 

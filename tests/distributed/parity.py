@@ -25,6 +25,7 @@ from tests.models import VOCAB, build
 SEQ_LEN = 16
 PER_RANK_BATCH = 2
 STEPS = 5
+ACCUMULATE = 2
 LR = 1e-3
 
 
@@ -35,7 +36,9 @@ class LossRecorder(Callback):
         self.losses: list[float] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
+        # Lightning hands back the loss divided by the accumulation factor (what backward saw).
+        loss = outputs["loss"].detach() * trainer.accumulate_grad_batches
+        self.losses.append(trainer.strategy.reduce(loss, reduce_op="mean").item())
 
 
 def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
@@ -44,57 +47,68 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
 
-def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None, world: int) -> dict[str, Any]:
+def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None, accumulate: int, world: int) -> dict[str, Any]:
     model = build(model_name)
     recorder = LossRecorder()
     trainer = Trainer(
         strategy=NDParallel(**layout), accelerator="cpu", devices=world, max_steps=STEPS, precision="32-true",
-        gradient_clip_val=clip, callbacks=[recorder], logger=False, enable_checkpointing=False,
+        gradient_clip_val=clip, accumulate_grad_batches=accumulate, callbacks=[recorder], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )
     dp = trainer.strategy.dims.batch_size_multiplier
-    data = TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=PER_RANK_BATCH * dp * STEPS,
+    data = TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=PER_RANK_BATCH * dp * accumulate * STEPS,
                            batch_size=PER_RANK_BATCH)
     module = CausalLM(model=model, lr=LR)
     trainer.fit(module, datamodule=data)
     params = {name: _full(p) for name, p in module.model.named_parameters()}
     grads = {name: _full(p.grad) for name, p in module.model.named_parameters()}
-    return {"losses": recorder.losses, "params": params, "grads": grads, "global_batch": PER_RANK_BATCH * dp,
+    return {"losses": recorder.losses, "params": params, "grads": grads,
+            "global_batch": PER_RANK_BATCH * dp * accumulate,
             "applied": trainer.strategy.report.applied if trainer.strategy.report else []}
 
 
 def reference(model_name: str, global_batch: int, clip: float | None) -> dict[str, Any]:
-    """The same training on one process with plain torch: the ground truth."""
+    """The same training on one process with plain torch: the ground truth.
+
+    ``global_batch`` counts every sample of one optimizer step; with gradient accumulation the
+    mean loss over the accumulated micro-batches is the mean over this one larger batch.
+    """
     model = build(model_name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     dataset = SyntheticTokens(VOCAB, SEQ_LEN, global_batch * STEPS)
     # Lightning's DistributedSampler (seed 0, epoch 0) permutes, then rank r takes every dp-th index:
     # the union over ranks of step i is the i-th contiguous chunk of that permutation.
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(0)).tolist()
-    losses = []
+    losses, unclipped_norms = [], []
     for batch in DataLoader(dataset, batch_size=global_batch, sampler=order):
         optimizer.zero_grad()
         logits = logits_of(model(batch["tokens"]))
         loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
         loss.backward()
         if clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            unclipped_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         optimizer.step()
         losses.append(loss.item())
     return {
         "losses": losses,
+        "max_unclipped_norm": max(unclipped_norms, default=0.0),
         "params": {name: p.detach().clone() for name, p in model.named_parameters()},
         "grads": {name: p.grad.clone() for name, p in model.named_parameters()},
     }
 
 
-def run_layouts(model_name: str, layouts: dict[str, dict[str, Any]], clip: dict[str, float] | None = None) -> Any:
+def run_layouts(
+    model_name: str,
+    layouts: dict[str, dict[str, Any]],
+    clip: dict[str, float] | None = None,
+    accumulate: dict[str, int] | None = None,
+) -> Any:
     """Every rank trains each layout; rank 0 also runs the reference and returns both per layout."""
-    clip = clip or {}
+    clip, accumulate = clip or {}, accumulate or {}
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # Lightning's teardown unsets them
     results = {}
     for key, layout in layouts.items():
-        parallel = _train_parallel(model_name, layout, clip.get(key), world)
+        parallel = _train_parallel(model_name, layout, clip.get(key), accumulate.get(key, 1), world)
         results[key] = {"parallel": parallel}
     dist.barrier()
     if rank != 0:
