@@ -1,24 +1,25 @@
 """Turn a sharded meta-device model into real tensors, each rank allocating only its own shards.
 
 ``to_empty`` allocates the local shards, then every module's ``reset_parameters()`` fills them.
-On CUDA, DTensor's offset-based RNG makes each shard draw the numbers it would hold in a
-single-device init. On CPU that RNG does not exist (torch warns "DTensor random operators may not
-have complete support on cpu device mesh") and every rank would draw the *same* numbers, so all
-shards of a weight would be copies of each other. There, each rank draws from its own seed and
-then the replicas of each shard (its Replicate mesh dims, or every rank for a plain tensor) take
-the values of the first rank of their group, so replicas agree and shards differ.
+On CPU meshes DTensor has no distributed RNG (torch warns "DTensor random operators may not have
+complete support on cpu device mesh"): every rank would draw the *same* numbers, so all shards of
+a weight would be copies of each other. So each tensor is drawn under a seed made from the identity
+of its shard (module, mesh dims and this rank's coordinate on the dims that split it): ranks that
+hold the same shard draw the same numbers, ranks that hold different shards draw different ones.
+That holds however a tensor is replicated: on a Replicate mesh dim, or on dims outside its mesh
+(a norm weight FSDP shards over dp is still replicated over tp), or everywhere (a plain tensor).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import warnings
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("lightning_nd")
 
@@ -27,9 +28,27 @@ def has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in _tensors(module))
 
 
-def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    yield from module.parameters()
-    yield from module.buffers()
+def _tensors(module: nn.Module, recurse: bool = True) -> Iterator[torch.Tensor]:
+    yield from module.parameters(recurse=recurse)
+    yield from module.buffers(recurse=recurse)
+
+
+def shard_identity(tensor: torch.Tensor) -> tuple:
+    """Equal on exactly the ranks that hold the same values of ``tensor``."""
+    if not isinstance(tensor, DTensor):
+        return ()
+    mesh = tensor.device_mesh
+    coordinate = mesh.get_coordinate() or []
+    return tuple(
+        (mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else dim, coordinate[dim])
+        for dim, placement in enumerate(tensor.placements)
+        if not (placement.is_replicate() or placement.is_partial())
+    )
+
+
+def _seed(base: int, module_index: int, identity: tuple) -> int:
+    digest = hashlib.sha256(repr((base, module_index, identity)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") % (2**63)
 
 
 def materialize(module: nn.Module, device: torch.device, seed: int = 0) -> list[str]:
@@ -38,25 +57,19 @@ def materialize(module: nn.Module, device: torch.device, seed: int = 0) -> list[
     if not has_meta(module):
         return []
     module.to_empty(device=device)
-    cpu_rng = device.type == "cpu" and dist.is_initialized()
     uninitialised = set()
-    with torch.random.fork_rng(devices=[], enabled=cpu_rng), warnings.catch_warnings():
-        # torch's warning is about exactly the gap this function closes for CPU meshes.
+    cuda_devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_devices), warnings.catch_warnings():
+        # torch's warning is about exactly the gap the per-shard seeds close on CPU meshes.
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
-        if cpu_rng:
-            torch.manual_seed(seed + dist.get_rank())
-        for submodule in module.modules():
-            if not any(True for _ in submodule.parameters(recurse=False)) and not any(
-                True for _ in submodule.buffers(recurse=False)
-            ):
+        for index, submodule in enumerate(module.modules()):
+            own = list(_tensors(submodule, recurse=False))
+            if not own:
                 continue
-            reset = getattr(submodule, "reset_parameters", None)
-            if callable(reset):
-                reset()
+            if callable(getattr(submodule, "reset_parameters", None)):
+                _reset_per_identity(submodule, own, seed, index)
             else:
                 uninitialised.add(type(submodule).__name__)
-    if cpu_rng:
-        _agree_on_replicas(module)
     if uninitialised:
         log.warning(
             "Modules without `reset_parameters()` keep uninitialised memory after meta-device init: %s."
@@ -67,12 +80,24 @@ def materialize(module: nn.Module, device: torch.device, seed: int = 0) -> list[
 
 
 @torch.no_grad()
-def _agree_on_replicas(module: nn.Module) -> None:
-    for tensor in _tensors(module):
-        if isinstance(tensor, DTensor):
-            local = tensor.to_local()
-            for dim, placement in enumerate(tensor.placements):
-                if isinstance(placement, Replicate) and tensor.device_mesh.size(dim) > 1:
-                    dist.broadcast(local, group=tensor.device_mesh.get_group(dim), group_src=0)
-        else:
-            dist.broadcast(tensor.data, src=0)
+def _reset_per_identity(submodule: nn.Module, own: list[torch.Tensor], seed: int, index: int) -> None:
+    """One ``reset_parameters()`` per distinct shard identity among the module's tensors, each kept
+    only for the tensors of that identity (usually one pass; two for e.g. a rowwise weight + bias)."""
+    identities = {id(t): shard_identity(t) for t in own}
+    if len(set(identities.values())) == 1:
+        torch.manual_seed(_seed(seed, index, next(iter(identities.values()))))
+        submodule.reset_parameters()
+        return
+    kept: dict[int, torch.Tensor] = {}
+    for identity in dict.fromkeys(identities.values()):
+        torch.manual_seed(_seed(seed, index, identity))
+        submodule.reset_parameters()
+        for tensor in own:
+            if identities[id(tensor)] == identity:
+                kept[id(tensor)] = _local(tensor).clone()
+    for tensor in own:
+        _local(tensor).copy_(kept[id(tensor)])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor.data

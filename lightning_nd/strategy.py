@@ -164,7 +164,8 @@ class NDParallel(ModelParallelStrategy):
             )
             self._configure_mixed_precision()
             self.report = parallelize(self.model, self.dims, self.device_mesh, self.config, forward_methods=STEP_METHODS)
-        materialize(self.model, self.root_device, seed=torch.initial_seed() % 2**31)
+        # Ranks that hold the same shard must draw the same numbers: one seed for all, from rank 0.
+        materialize(self.model, self.root_device, seed=self.broadcast(torch.initial_seed() % 2**31))
         self.model_to_device()
         self._sync_metrics_over_batch_ranks()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
@@ -198,6 +199,13 @@ class NDParallel(ModelParallelStrategy):
         return super().reduce(tensor, group=group if group is not None else self.device_mesh.group("dp_cp"),
                               reduce_op=reduce_op)
 
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.config.sequence_parallel:
+            check_sequence_lengths(batch, self.dims.tp)
+        return batch
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -229,6 +237,21 @@ class NDParallel(ModelParallelStrategy):
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+
+
+def check_sequence_lengths(batch: Any, tp: int) -> None:
+    """Sequence parallel splits dim 1 of every activation over tp: token tensors must divide by it."""
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+
+    def check(tensor: Tensor) -> None:
+        if tensor.ndim >= 2 and not tensor.is_floating_point() and tensor.shape[1] % tp:
+            raise ValueError(
+                f"`NDParallel(sequence_parallel=True, tp={tp})` splits the sequence over tp, but the batch has a"
+                f" tensor of shape {tuple(tensor.shape)} whose sequence length {tensor.shape[1]} does not divide by"
+                f" {tp}. HINT: pad or crop sequences to a multiple of {tp}, or set sequence_parallel=False."
+            )
+
+    apply_to_collection(batch, Tensor, check)
 
 
 def _check_supported(sizes: Mapping[str, int], config: ParallelConfig) -> None:

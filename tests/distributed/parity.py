@@ -103,7 +103,7 @@ def run_layouts(
     clip: dict[str, float] | None = None,
     accumulate: dict[str, int] | None = None,
 ) -> Any:
-    """Every rank trains each layout; rank 0 also runs the reference and returns both per layout."""
+    """Every rank trains each layout and returns what it holds; rank 0 also runs the reference."""
     clip, accumulate = clip or {}, accumulate or {}
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # Lightning's teardown unsets them
     results = {}
@@ -112,7 +112,7 @@ def run_layouts(
         results[key] = {"parallel": parallel}
     dist.barrier()
     if rank != 0:
-        return None
+        return results  # its own copies of every parameter: replicas must agree with rank 0's reference
     references: dict[tuple[int, float | None], dict[str, Any]] = {}
     for key, result in results.items():
         ref_key = (result["parallel"]["global_batch"], clip.get(key))

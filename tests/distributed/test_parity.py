@@ -45,13 +45,13 @@ def results(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"parity_{request.param}")
     per_rank = launch("tests.distributed.parity:run_layouts", WORLD, out, timeout=900, model_name=request.param,
                       layouts=LAYOUTS, clip=CLIP, accumulate=ACCUMULATING)
-    return request.param, per_rank[0]
+    return request.param, per_rank
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(results, layout):
-    model_name, by_layout = results
-    parallel, reference = by_layout[layout]["parallel"], by_layout[layout]["reference"]
+    model_name, per_rank = results
+    parallel, reference = per_rank[0][layout]["parallel"], per_rank[0][layout]["reference"]
     assert len(parallel["losses"]) == STEPS * ACCUMULATING.get(layout, 1)
     step_losses = torch.tensor(parallel["losses"]).view(STEPS, -1).mean(dim=1)
     torch.testing.assert_close(step_losses, torch.tensor(reference["losses"]), rtol=1e-6, atol=2e-6)
@@ -62,9 +62,19 @@ def test_layout_matches_one_process(results, layout):
         torch.testing.assert_close(parallel["params"][name], expected, rtol=1e-4, atol=5e-5, msg=lambda m: f"param {name}: {m}")
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_rank_holds_the_same_model(results, layout):
+    """A replica that drifted (a tp copy of a norm, say) is invisible in rank 0's full tensors."""
+    _, per_rank = results
+    expected = per_rank[0][layout]["parallel"]["params"]
+    for rank in range(1, WORLD):
+        for name, value in per_rank[rank][layout]["parallel"]["params"].items():
+            torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=lambda m: f"rank {rank} {name}: {m}")
+
+
 def test_each_layout_applied_what_it_asked_for(results):
     """The parity above is only meaningful if the techniques really ran."""
-    _, by_layout = results
+    by_layout = results[1][0]
     applied = {name: " | ".join(r["parallel"]["applied"]) for name, r in by_layout.items()}
     assert "FSDP (shard=4) with zero_stage=3" in applied["fsdp4"]
     assert "HSDP (replicate=2 x shard=2)" in applied["hsdp_2x2_clip"]
@@ -79,6 +89,6 @@ def test_each_layout_applied_what_it_asked_for(results):
 
 def test_clipping_was_active(results):
     """A clip that never fires proves nothing: the unclipped reference norm must exceed the threshold."""
-    _, by_layout = results
+    by_layout = results[1][0]
     for layout, max_norm in CLIP.items():
         assert by_layout[layout]["reference"]["max_unclipped_norm"] > max_norm, layout
