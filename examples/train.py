@@ -42,7 +42,7 @@ def model_factory(model_cfg: DictConfig):
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     seed_everything(cfg.seed, workers=True)
-    strategy = NDParallel(**OmegaConf.to_container(cfg.parallel, resolve=True))
+    strategy = NDParallel.from_config(OmegaConf.to_container(cfg.parallel, resolve=True))
     logger = TensorBoardLogger(save_dir=cfg.log_dir, name="", version="")
     trainer = Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy, logger=logger,
                       callbacks=[LayoutCard()])

@@ -70,6 +70,30 @@ class ParallelizeReport:
     applied: list[str] = field(default_factory=list)
 
 
+NOT_YET = {"pp": "pipeline", "cp": "context", "ep": "expert"}
+
+
+def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> None:
+    """Options that need a dim that is off, and dims this release does not run; -1 (not yet known) passes."""
+    for name, technique in NOT_YET.items():
+        if sizes[name] > 1:
+            raise ValueError(
+                f"`NDParallel({name}={sizes[name]})`: {technique} parallelism is not available in this"
+                f" release of lightning-nd. HINT: use `{name}=1` and put the ranks into dp_shard or tp."
+            )
+    if config.compile and sizes["tp"] > 1:
+        raise ValueError(
+            f"`NDParallel(compile=..., tp={sizes['tp']})`: compiled blocks with tensor parallelism gave wrong gradients"
+            " in our parity test (torch 2.13, gloo), so this release refuses the combination."
+            " HINT: compile with tp=1 (FSDP/HSDP layouts), or keep tp and set compile=False."
+        )
+    for option in ("sequence_parallel", "loss_parallel"):
+        if getattr(config, option) and sizes["tp"] == 1:
+            raise ValueError(
+                f"`NDParallel({option}=True)` splits work over tp, but tp=1. HINT: set tp > 1 or {option}=False."
+            )
+
+
 def inspect_model(module: nn.Module, config: ParallelConfig) -> tuple[list[tuple[str, nn.Module]], ModelFacts]:
     blocks = find_blocks(module, config.block_classes)
     return blocks, read_model_facts(module, blocks)
@@ -120,6 +144,7 @@ def parallelize(
     forward_methods: Sequence[str] = (),
 ) -> ParallelizeReport:
     """Apply every enabled technique to ``module`` in the fixed order, in place."""
+    check_config(dims.as_dict(), config)
     plan = check_model(module, dims, config)
     blocks, _ = inspect_model(module, config)
     report = ParallelizeReport(blocks=[name for name, _ in blocks], tp_plan=plan)

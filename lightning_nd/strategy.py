@@ -5,6 +5,8 @@ No parallelism logic lives here: see `parallelize.py` and `parallel/`.
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
 import os
 import warnings
@@ -28,12 +30,11 @@ from lightning_nd.dims import ParallelDims
 from lightning_nd.materialize import materialize
 from lightning_nd.mesh import NDMesh, build_mesh
 from lightning_nd.parallel.data import accumulate_without_sync
-from lightning_nd.parallelize import ParallelConfig, ParallelizeReport, check_model, parallelize
+from lightning_nd.parallelize import ParallelConfig, ParallelizeReport, check_config, check_model, parallelize
 
 log = logging.getLogger("lightning_nd")
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
-NOT_YET = {"pp": "pipeline", "cp": "context", "ep": "expert"}
 
 
 class NDParallel(ModelParallelStrategy):
@@ -81,11 +82,23 @@ class NDParallel(ModelParallelStrategy):
             loss_parallel=loss_parallel, block_classes=block_classes,
             activation_checkpointing=activation_checkpointing, compile=compile, cpu_offload=cpu_offload,
         )
-        _check_supported(self._sizes, self.config)
+        check_config(self._sizes, self.config)
         self._init_on_meta = init_on_meta
         self._dims: ParallelDims | None = None
         self._nd_mesh: NDMesh | None = None
         self.report: ParallelizeReport | None = None
+
+    @classmethod
+    def from_config(cls, options: Mapping[str, Any]) -> NDParallel:
+        """Build from a mapping (a Hydra ``parallel`` group); an unknown key names the closest valid one."""
+        valid = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
+        for key in options:
+            if key not in valid:
+                closest = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.0)
+                raise ValueError(
+                    f"`NDParallel` has no option `{key}`. HINT: did you mean `{closest[0]}`? Options: {', '.join(valid)}."
+                )
+        return cls(**options)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
@@ -110,7 +123,7 @@ class NDParallel(ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # The Trainer knows devices x nodes here, before any process is launched: validate now.
         self._dims = ParallelDims(**self._sizes, world_size=self.num_nodes * self.num_processes)
-        _check_supported(self._dims.as_dict(), self.config)
+        check_config(self._dims.as_dict(), self.config)
         super()._configure_launcher()
 
     @override
@@ -252,21 +265,6 @@ def check_sequence_lengths(batch: Any, tp: int) -> None:
             )
 
     apply_to_collection(batch, Tensor, check)
-
-
-def _check_supported(sizes: Mapping[str, int], config: ParallelConfig) -> None:
-    """Options that need a dim that is off, and dims this release does not run; -1 (not yet known) passes."""
-    for name, technique in NOT_YET.items():
-        if sizes[name] > 1:
-            raise ValueError(
-                f"`NDParallel({name}={sizes[name]})`: {technique} parallelism is not available in this"
-                f" release of lightning-nd. HINT: use `{name}=1` and put the ranks into dp_shard or tp."
-            )
-    for option in ("sequence_parallel", "loss_parallel"):
-        if getattr(config, option) and sizes["tp"] == 1:
-            raise ValueError(
-                f"`NDParallel({option}=True)` splits work over tp, but tp=1. HINT: set tp > 1 or {option}=False."
-            )
 
 
 def _already_parallel(module: torch.nn.Module) -> bool:

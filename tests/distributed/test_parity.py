@@ -32,6 +32,8 @@ LAYOUTS = {
     "fsdp2_tp2_sp_loss_parallel": {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "loss_parallel": True},
     "fsdp4_ac_full": {"dp_shard": 4, "activation_checkpointing": "full"},
     "fsdp2_tp2_ac_selective": {"dp_shard": 2, "tp": 2, "activation_checkpointing": "selective"},
+    # aot_eager runs the whole torch.compile stack but inductor's codegen (tests/distributed/test_compile.py).
+    "fsdp4_compile": {"dp_shard": 4, "compile": "aot_eager"},
 }
 CLIP = {"hsdp_2x2_clip": 0.5, "tp4_sp_clip": 0.5, "fsdp2_tp2_clip": 1.0}
 ACCUMULATING = {name: ACCUMULATE for name in LAYOUTS if name.endswith("_accum")}
@@ -85,6 +87,7 @@ def test_each_layout_applied_what_it_asked_for(results):
     assert "full activation checkpointing" in applied["fsdp4_ac_full"]
     assert "selective activation checkpointing" in applied["fsdp2_tp2_ac_selective"]
     assert "loss_parallel=True" in applied["fsdp2_tp2_sp_loss_parallel"]
+    assert "Compiled 2 blocks with torch.compile(backend='aot_eager')" in applied["fsdp4_compile"]
 
 
 def test_clipping_was_active(results):

@@ -73,6 +73,8 @@ CASES = [
     ("pp_not_available", lambda: NDParallel(pp=2), ValueError, ["pp=2", "pipeline"]),
     ("cp_not_available", lambda: NDParallel(cp=2), ValueError, ["cp=2", "context"]),
     ("ep_not_available", lambda: NDParallel(ep=2), ValueError, ["ep=2", "expert"]),
+    ("compile_with_tp", lambda: NDParallel(tp=2, compile=True), ValueError, ["tp=2", "wrong gradients"]),
+    ("pp_filled_by_minus_one", lambda: _trainer(2, NDParallel(pp=-1, dp_shard=1)), ValueError, ["pp=2", "pipeline"]),
     ("unknown_dim_name", lambda: ParallelDims.from_mapping({"dq": 2}, world_size=2),
      ValueError, ["`dq`", "`dp_"]),
     ("ep_minus_one", lambda: ParallelDims(ep=-1, world_size=2), ValueError, ["ep=-1"]),

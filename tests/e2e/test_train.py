@@ -1,0 +1,88 @@
+"""The README's main job and a Hydra sweep, run as a user runs them; results read back with
+TensorBoard's own event reader."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util.tensor_util import make_ndarray
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def quick_start_commands() -> list[str]:
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.+?)\n```", section, flags=re.S)
+
+
+def train_args(command: str) -> list[str]:
+    """The arguments the README passes to examples/train.py."""
+    words = shlex.split(command.split("&&")[-1])
+    return words[words.index("examples/train.py") + 1:]
+
+
+def run_train(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "examples/train.py", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def events(folder: Path) -> EventAccumulator:
+    accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def layout_card(accumulator: EventAccumulator) -> str:
+    return make_ndarray(accumulator.Tensors("lightning_nd/layout/text_summary")[0].tensor_proto)[0].decode()
+
+
+def test_readme_quick_start_is_two_commands_sharing_one_setup():
+    commands = quick_start_commands()
+    assert len(commands) == 2
+    setup = commands[0].split("&& .venv/bin/python")[0]
+    assert commands[1].startswith(setup) and "pip install torch==2.13.0" in setup
+    assert commands[1].endswith("-m pytest")
+    assert (REPO / ".ci" / "run").read_text().count(commands[1]) == 1, ".ci/run must run the README's test command"
+
+
+def test_readme_main_job_trains_and_writes_tensorboard(tmp_path):
+    args = train_args(quick_start_commands()[0])
+    assert args[:1] == ["parallel=fsdp_tp"] and "trainer.devices=4" in args
+    done = run_train([*args, f"hydra.run.dir={tmp_path}"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    accumulator = events(tmp_path / "tensorboard")
+    losses = [event.value for event in accumulator.Scalars("train_loss")]
+    assert len(losses) == 20
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    card = layout_card(accumulator)
+    assert "| `tp` | 2 |" in card and "| `dp_shard` | 2 |" in card
+    assert "Applied tensor parallel (tp=2, sequence_parallel=True" in card and "Applied FSDP (shard=2)" in card
+
+
+def test_hydra_sweep_runs_every_layout(tmp_path):
+    layouts = {"fsdp": "Applied FSDP (shard=4)", "hsdp": "HSDP (replicate=2 x shard=2)",
+               "ddp": "replicate=4", "tp": "tensor parallel (tp=4"}
+    done = run_train(["-m", f"parallel={','.join(layouts)}", "trainer.devices=4", "trainer.max_steps=3",
+                      "trainer.val_check_interval=3", f"hydra.sweep.dir={tmp_path}"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for job, expected in enumerate(layouts.values()):
+        accumulator = events(tmp_path / str(job) / "tensorboard")
+        assert len(accumulator.Scalars("train_loss")) == 3
+        assert expected in layout_card(accumulator)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("parallel.tp=3", "does not divide"),
+    ("+parallel.dq=2", "has no option `dq`"),
+])
+def test_bad_override_fails_before_training_with_a_hint(override, message):
+    done = run_train(["parallel=fsdp_tp", "trainer.devices=4", override], timeout=300)
+    assert done.returncode != 0
+    assert message in done.stderr + done.stdout
