@@ -5,7 +5,8 @@
 
 from lightning_nd.dims import ParallelDims
 from lightning_nd.mesh import NDMesh
-from lightning_nd.parallelize import ParallelConfig, parallelize
+from lightning_nd.config import ParallelConfig
+from lightning_nd.parallelize import parallelize
 from lightning_nd.plans import STYLES as TP_STYLES
 from lightning_nd.strategy import NDParallel
 

@@ -37,6 +37,13 @@ def reduce_partial_grads(parameters: Iterable[torch.Tensor]) -> None:
             param.grad = grad.redistribute(grad.device_mesh, placements)
 
 
+def _collective_device(tensors: list[torch.Tensor]) -> torch.device:
+    """Where the all-reduce can run: NCCL needs CUDA even when the gradients sit in host memory (CPU offload)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
 def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients as if they sat unsharded on one device (the same value on every rank).
 
@@ -47,10 +54,10 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0)
     distributed = dist.is_initialized()
     world_size = dist.get_world_size() if distributed else 1
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-    device = locals_[0].device if locals_ else torch.device("cpu")
+    device = _collective_device(locals_)
     if math.isinf(norm_type):
-        total = max((g.detach().abs().max().float() for g in locals_ if g.numel()), default=torch.zeros((), device=device))
-        total = total.to(device)
+        maxima = [g.detach().abs().max().float().to(device) for g in locals_ if g.numel()]
+        total = torch.stack(maxima).max() if maxima else torch.zeros((), device=device)
         if distributed:
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
         return total
@@ -58,7 +65,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0)
     for grad, local in zip(grads, locals_):
         if local.numel():
             power_sum = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32).pow(norm_type)
-            total += power_sum / _copies(grad, world_size)
+            total += power_sum.to(device) / _copies(grad, world_size)
     if distributed:
         dist.all_reduce(total)
     return total.pow(1.0 / norm_type)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -18,8 +18,13 @@ MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DIM_NAMES = (*MESH_DIMS, "ep")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def closest_name(name: object, valid: Sequence[str]) -> str:
+    """The valid name most like ``name``, for "did you mean" hints."""
+    return difflib.get_close_matches(str(name), list(valid), n=1, cutoff=0.0)[0]
 
 
 @dataclass(frozen=True)
@@ -73,7 +78,7 @@ class ParallelDims:
                 raise ValueError(
                     f"The other dims multiply to {others}, which does not divide world_size={self.world_size},"
                     f" so `{fill}=-1` cannot fill the rest. HINT: choose dims whose product divides"
-                    f" {self.world_size} (divisors: {_divisors(self.world_size)})."
+                    f" {self.world_size} (divisors: {divisors(self.world_size)})."
                 )
             object.__setattr__(self, fill, self.world_size // others)
         product = math.prod(self.shape)
@@ -86,13 +91,13 @@ class ParallelDims:
             )
         fsdp_size = self.dp_shard * self.cp
         if fsdp_size % self.ep:
-            valid = [d for d in _divisors(fsdp_size) if d % self.cp == 0]
+            valid = [d for d in divisors(fsdp_size) if d % self.cp == 0]
             raise ValueError(
                 f"`ep={self.ep}` must divide dp_shard*cp = {fsdp_size}: expert parallelism borrows its ranks"
                 f" from dp_shard x cp. HINT: choose ep from {valid}."
             )
         if self.ep > 1 and self.ep % self.cp:
-            valid = [d for d in _divisors(fsdp_size) if d % self.cp == 0]
+            valid = [d for d in divisors(fsdp_size) if d % self.cp == 0]
             raise ValueError(
                 f"`ep={self.ep}` must be a multiple of cp={self.cp}: an expert group takes whole context-parallel"
                 f" groups. HINT: choose ep from {valid}."
@@ -103,9 +108,9 @@ class ParallelDims:
         """Build from a mapping such as a Hydra config; unknown names raise with the closest valid one."""
         for name in sizes:
             if name not in DIM_NAMES:
-                closest = difflib.get_close_matches(str(name), DIM_NAMES, n=1, cutoff=0.0)
                 raise ValueError(
-                    f"Unknown parallel dim `{name}`. HINT: did you mean `{closest[0]}`? Valid dims: {', '.join(DIM_NAMES)}."
+                    f"Unknown parallel dim `{name}`. HINT: did you mean `{closest_name(name, DIM_NAMES)}`?"
+                    f" Valid dims: {', '.join(DIM_NAMES)}."
                 )
         return cls(**dict(sizes), world_size=world_size)
 
@@ -120,24 +125,8 @@ class ParallelDims:
         return self.dp_shard * self.cp > 1
 
     @property
-    def hsdp_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
     def tp_enabled(self) -> bool:
         return self.tp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
 
     @property
     def batch_size_multiplier(self) -> int:
@@ -193,7 +182,7 @@ class ParallelDims:
 
     def _spanning_message(self, name: str, size: int, span: int, local_world_size: int) -> str:
         nodes = math.ceil(span / local_world_size)
-        inner = [d for d in _divisors(local_world_size) if d <= size]
+        inner = [d for d in divisors(local_world_size) if d <= size]
         return (
             f"`{name}={size}` makes groups of {span} neighbouring ranks, which span {nodes} nodes of"
             f" {local_world_size} processes: its collectives cross the slow inter-node network every step."

@@ -13,16 +13,12 @@ That holds however a tensor is replicated: on a Replicate mesh dim, or on dims o
 from __future__ import annotations
 
 import hashlib
-import logging
 import warnings
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-
-log = logging.getLogger("lightning_nd")
-
 
 def has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in _tensors(module))
@@ -51,32 +47,55 @@ def _seed(base: int, module_index: int, identity: tuple) -> int:
     return int.from_bytes(digest[:8], "little") % (2**63)
 
 
-def materialize(module: nn.Module, device: torch.device, seed: int = 0) -> list[str]:
-    """Allocate and initialise every meta tensor of ``module``; returns the classes left uninitialised
-    (they have parameters or buffers but no ``reset_parameters``)."""
+def uninitialisable(module: nn.Module) -> list[str]:
+    """Classes of modules that own parameters or buffers a meta-device build could not initialise
+    (no ``reset_parameters()``, and no other module that does initialises the same tensor)."""
+    covered = {
+        id(t) for m in module.modules() if callable(getattr(m, "reset_parameters", None)) for t in _tensors(m, False)
+    }
+    return sorted({
+        type(m).__name__ for m in module.modules()
+        if not callable(getattr(m, "reset_parameters", None)) and any(id(t) not in covered for t in _tensors(m, False))
+    })
+
+
+def check_initialisable(module: nn.Module) -> None:
+    """Raise, naming the fix, when materialising ``module`` would leave uninitialised memory."""
+    missing = uninitialisable(module)
+    if missing:
+        raise ValueError(
+            f"The model is built on the meta device (in `configure_model`), but {', '.join(missing)} cannot be"
+            " initialised there: they own parameters or buffers and have no `reset_parameters()`."
+            " HINT: give them a `reset_parameters()`, build the model in `__init__`, or pass"
+            " `NDParallel(init_on_meta=False)` to run `configure_model` on the real device."
+        )
+
+
+def materialize(module: nn.Module, device: torch.device, seed: int = 0) -> None:
+    """Allocate and initialise every meta tensor of ``module``, each rank only its shards.
+
+    A tensor shared by several modules (a tied head) is initialised by the first module that owns
+    it, as when the tie is made after construction (``head.weight = embedding.weight``).
+    """
     if not has_meta(module):
-        return []
+        return
+    check_initialisable(module)
     module.to_empty(device=device)
-    uninitialised = set()
     cuda_devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda_devices), warnings.catch_warnings():
+    done: set[int] = set()
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices), warnings.catch_warnings():
         # torch's warning is about exactly the gap the per-shard seeds close on CPU meshes.
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
         for index, submodule in enumerate(module.modules()):
             own = list(_tensors(submodule, recurse=False))
-            if not own:
+            if not own or not callable(getattr(submodule, "reset_parameters", None)):
                 continue
-            if callable(getattr(submodule, "reset_parameters", None)):
-                _reset_per_identity(submodule, own, seed, index)
-            else:
-                uninitialised.add(type(submodule).__name__)
-    if uninitialised:
-        log.warning(
-            "Modules without `reset_parameters()` keep uninitialised memory after meta-device init: %s."
-            " HINT: give them a `reset_parameters()` or build them outside `configure_model`.",
-            ", ".join(sorted(uninitialised)),
-        )
-    return sorted(uninitialised)
+            earlier = {id(t): _local(t).clone() for t in own if id(t) in done}
+            _reset_per_identity(submodule, own, seed, index)
+            for tensor in own:
+                if id(tensor) in earlier:
+                    _local(tensor).copy_(earlier[id(tensor)])
+            done.update(id(t) for t in own)
 
 
 @torch.no_grad()

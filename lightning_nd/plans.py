@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_nd.dims import divisors
+
 from lightning_nd.structure import (
     ModelFacts,
     find_blocks,
@@ -48,13 +50,11 @@ NAME_PATTERNS = {
 
 @dataclass
 class TPPlan:
-    """A resolved plan: concrete module name -> style name, plus where it came from."""
+    """A resolved plan: concrete module name -> style name (or `ParallelStyle`), plus where it came from."""
 
     entries: dict[str, str]
     source: str
 
-    def modules_with(self, *styles: str) -> list[str]:
-        return [name for name, style in self.entries.items() if style in styles]
 
 
 def pattern_to_regex(pattern: str) -> re.Pattern[str]:
@@ -131,7 +131,8 @@ def resolve_tp_plan(
         entries, source = pattern_plan(model), "name patterns"
     for name, style in entries.items():
         if isinstance(style, str) and style not in STYLES:
-            raise ValueError(f"TP plan entry {name!r} has unknown style {style!r}. HINT: use one of {STYLES}.")
+            fix = "" if explicit else " The model declares it; override the model's plan with `NDParallel(tp_plan=...)`."
+            raise ValueError(f"TP plan entry {name!r} has unknown style {style!r}.{fix} HINT: use one of {STYLES}.")
     if not any(not isinstance(style, str) or style in SHARDING_STYLES for style in entries.values()):
         raise ValueError(_no_plan_message(model, tp))
     entries = _drop_tied(model, entries)
@@ -174,10 +175,9 @@ def check_plan(model: nn.Module, entries: Mapping[str, object], tp: int, facts: 
     for fact in ("num_attention_heads", "num_key_value_heads"):
         count = getattr(facts, fact)
         if count is not None and count % tp:
-            valid = [d for d in range(1, count + 1) if count % d == 0]
             raise ValueError(
                 f"`NDParallel(tp={tp})` does not divide `{fact}={count}` (read from {facts.sources[fact]})."
-                f" HINT: choose tp from {valid}."
+                f" HINT: choose tp from {divisors(count)}."
             )
     for name, style in entries.items():
         module = get_submodule(model, name)

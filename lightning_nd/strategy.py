@@ -8,7 +8,6 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-import os
 import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -25,12 +24,14 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_nd.clip import clip_grad_norm_
+from lightning_nd.checks import already_parallel, check_sequence_lengths, model_to_check
+from lightning_nd.clip import clip_grad_norm_, reduce_partial_grads
 from lightning_nd.dims import ParallelDims
 from lightning_nd.materialize import materialize
 from lightning_nd.mesh import NDMesh, build_mesh
 from lightning_nd.parallel.data import accumulate_without_sync
-from lightning_nd.parallelize import ParallelConfig, ParallelizeReport, check_config, check_model, parallelize
+from lightning_nd.config import ParallelConfig, check_config, check_model
+from lightning_nd.parallelize import ParallelizeReport, parallelize
 
 log = logging.getLogger("lightning_nd")
 
@@ -124,13 +125,14 @@ class NDParallel(ModelParallelStrategy):
         # The Trainer knows devices x nodes here, before any process is launched: validate now.
         self._dims = ParallelDims(**self._sizes, world_size=self.num_nodes * self.num_processes)
         check_config(self._dims.as_dict(), self.config)
+        self._dims.check_topology(self.num_processes)
         super()._configure_launcher()
 
     @override
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
-        if any(True for _ in model.parameters()):
-            check_model(model, self.dims, self.config)
+        if (probe := model_to_check(model)) is not None:
+            check_model(probe, self.dims, self.config)
 
     @override
     def setup_environment(self) -> None:
@@ -143,7 +145,6 @@ class NDParallel(ModelParallelStrategy):
         self._nd_mesh = build_mesh(self.dims, self.root_device.type)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._nd_mesh
-        self.dims.check_topology(int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None)
         rank_zero_info(f"lightning-nd mesh {self.dims.as_dict()}\n{self.dims.rank_table()}")
 
     @property
@@ -167,7 +168,7 @@ class NDParallel(ModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        if _already_parallel(self.model):
+        if already_parallel(self.model):
             rank_zero_info("lightning-nd: `configure_model` parallelized the model itself; the composer is skipped.")
         else:
             # FSDP2 warns when a wrapped module returns a view; the LightningModule root returns logits
@@ -177,9 +178,12 @@ class NDParallel(ModelParallelStrategy):
             )
             self._configure_mixed_precision()
             self.report = parallelize(self.model, self.dims, self.device_mesh, self.config, forward_methods=STEP_METHODS)
+        # With CPU offload FSDP keeps the shards in host memory and moves them itself.
+        device = torch.device("cpu") if self.config.cpu_offload else self.root_device
         # Ranks that hold the same shard must draw the same numbers: one seed for all, from rank 0.
-        materialize(self.model, self.root_device, seed=self.broadcast(torch.initial_seed() % 2**31))
-        self.model_to_device()
+        materialize(self.model, device, seed=self.broadcast(torch.initial_seed() % 2**31))
+        if not self.config.cpu_offload:
+            self.model_to_device()
         self._sync_metrics_over_batch_ranks()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         self.barrier()
@@ -244,36 +248,37 @@ class NDParallel(ModelParallelStrategy):
             return super().validation_step(*args, **kwargs)
 
     @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            return super().predict_step(*args, **kwargs)
+
+    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         with self._loss_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        # Replicated weights fed by sequence shards (SP norms) end backward with Partial gradients;
+        # sum them now so clipping by value, hooks and the optimizer all see the true gradient.
+        assert self.model is not None
+        reduce_partial_grads(self.model.parameters())
+        return loss
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # A decision is counted over every rank (Lightning compares the sum with world_size),
+        # not over the batch ranks `reduce` uses by default.
+        import torch.distributed as dist
+
+        flag = torch.tensor(int(decision), device=self.root_device)
+        flag = self.reduce(flag, group=dist.group.WORLD, reduce_op="sum")
+        return bool(flag == self.world_size) if all else bool(flag)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
         clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
-
-
-def check_sequence_lengths(batch: Any, tp: int) -> None:
-    """Sequence parallel splits dim 1 of every activation over tp: token tensors must divide by it."""
-    from lightning.fabric.utilities.apply_func import apply_to_collection
-
-    def check(tensor: Tensor) -> None:
-        if tensor.ndim >= 2 and not tensor.is_floating_point() and tensor.shape[1] % tp:
-            raise ValueError(
-                f"`NDParallel(sequence_parallel=True, tp={tp})` splits the sequence over tp, but the batch has a"
-                f" tensor of shape {tuple(tensor.shape)} whose sequence length {tensor.shape[1]} does not divide by"
-                f" {tp}. HINT: pad or crop sequences to a multiple of {tp}, or set sequence_parallel=False."
-            )
-
-    apply_to_collection(batch, Tensor, check)
-
-
-def _already_parallel(module: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
 
 
 NDParallel.register_strategies(StrategyRegistry)

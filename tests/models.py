@@ -1,9 +1,11 @@
 """The three models every layout is checked on: the example Llama, the unlike-it GPT, and a tiny
-randomly initialised Hugging Face Llama with no plan written by us (it declares its own)."""
+randomly initialised Hugging Face Llama with no plan written by us (it declares its own); plus a
+Llama whose MLP has one fused ``gate_up_proj`` (the ``packed_colwise`` style)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from examples.models.gpt import GPT, GPTConfig
@@ -12,8 +14,24 @@ from examples.models.llama import Llama, LlamaConfig
 VOCAB = 256
 
 
+class FusedSwiGLU(nn.Module):
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
+    if name == "fused_llama":
+        model = build("llama", seed)
+        for layer in model.layers:
+            layer.mlp = FusedSwiGLU(64, 128)
+        return model
     if name == "llama":
         return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=8, num_key_value_heads=4))

@@ -22,6 +22,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -30,9 +32,6 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
-
-ZERO_STAGES = (1, 2, 3)
-
 
 def apply_fsdp(
     root: nn.Module,
@@ -46,10 +45,9 @@ def apply_fsdp(
     forward_methods: Iterable[str] = (),
 ) -> None:
     """Shard ``blocks`` one by one, then ``root``; ``forward_methods`` of the root also trigger FSDP's hooks."""
-    if zero_stage not in ZERO_STAGES:
-        raise ValueError(f"`zero_stage={zero_stage}` is not one of {ZERO_STAGES}.")
     kwargs = {
         "mesh": mesh,
+        "shard_placement_fn": _shard_placement,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
     }
@@ -61,6 +59,14 @@ def apply_fsdp(
     for method in forward_methods:
         if callable(getattr(root, method, None)):
             register_fsdp_forward_method(root, method)
+
+
+def _shard_placement(param: nn.Parameter) -> Shard | None:
+    """FSDP shards dim 0, except under a strided TP split of dim 0 (packed projections): FSDP's
+    dim-0 sharding on top of it mixed rows of the two halves (wrong gradients), so it takes dim 1."""
+    if isinstance(param, DTensor) and param.ndim > 1 and any(isinstance(p, _StridedShard) for p in param.placements):
+        return Shard(1)
+    return None
 
 
 def fsdp_modules(root: nn.Module) -> list[FSDPModule]:

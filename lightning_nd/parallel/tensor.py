@@ -17,7 +17,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -32,19 +33,23 @@ SEQUENCE_DIM = 1
 
 
 class PackedColwiseParallel(ColwiseParallel):
-    """Colwise for a fused ``[gate; up]`` weight: each rank keeps its slice of *both* halves.
+    """Colwise for a fused ``[gate; up]`` weight: rank r keeps rows ``[gate_r; up_r]``.
 
-    The rows are regrouped so that a plain ``Shard(0)`` gives rank r ``[gate_r; up_r]``; the full
-    tensor of the DTensor is therefore in that regrouped order.
+    A plain ``Shard(0)`` would give rank 0 all of gate and rank 1 all of up. ``_StridedShard(0, 2)``
+    splits each half separately, and the DTensor still means the original weight: its full tensor,
+    state dict and checkpoints are in the model's own row order. The output stays in the same
+    strided layout, which locally is ``[x @ gate_r, x @ up_r]``: what the module's ``chunk(2)`` expects.
     """
 
     def _partition_linear_fn(self, name, module, device_mesh):
         for param_name, param in list(module.named_parameters(recurse=False)):
-            parts = param.detach().chunk(2, dim=0)
-            per_rank = [torch.cat(pair) for pair in zip(*(p.chunk(device_mesh.size(), dim=0) for p in parts))]
-            regrouped = torch.cat(per_rank) if not param.is_meta else param
-            dist = nn.Parameter(distribute_tensor(regrouped, device_mesh, [Shard(0)]), requires_grad=param.requires_grad)
+            placement = _StridedShard(0, split_factor=2)
+            dist = nn.Parameter(distribute_tensor(param, device_mesh, [placement]), requires_grad=param.requires_grad)
             module.register_parameter(param_name, dist)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local() if use_local_output else outputs
 
 
 class ShardingSequenceParallel(SequenceParallel):
@@ -62,13 +67,6 @@ class ShardingSequenceParallel(SequenceParallel):
         if value.placements != tuple(sequence_sharding):
             value = value.redistribute(placements=sequence_sharding)
         return value
-
-
-class ReplicateParallel(ParallelStyle):
-    """Parameters become replicated DTensors so they mix with DTensor activations."""
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh)
 
 
 def style_for(name: str, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle:
@@ -92,8 +90,6 @@ def style_for(name: str, sequence_parallel: bool, loss_parallel: bool) -> Parall
         return ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
     if name == "sequence_parallel":
         return ShardingSequenceParallel(sequence_dim=SEQUENCE_DIM)
-    if name == "replicate":
-        return ReplicateParallel()
     raise ValueError(f"Unknown TP style {name!r}.")
 
 
@@ -111,13 +107,17 @@ def apply_tp(
     ``block_names`` are the repeated blocks; with sequence parallelism they bound the sharded region.
     """
     for name, style in entries.items():
+        if style == "replicate":  # the Hugging Face meaning: every rank keeps the full parameters
+            continue
         parallel_style = style if isinstance(style, ParallelStyle) else style_for(style, sequence_parallel, loss_parallel)
         parallelize_module(get_submodule(model, name), tp_mesh, parallel_style)
-    fanned_out = {parent_name(name) for name, style in entries.items() if style in ("colwise", "packed_colwise")}
-    for name in sorted(fanned_out):
+    for name in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
         module = get_submodule(model, name)
-        _divide_head_counts(module, tp_mesh.size())
-        if sequence_parallel:
+        _divide_head_counts(name, module, tp_mesh.size())
+        # A module strictly inside a block (attention, MLP) gathers its input once for all its
+        # projections; a block's own projections gather their input themselves (declared Shard(1)),
+        # so the residual stream between blocks stays sharded.
+        if sequence_parallel and name not in block_names:
             module.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
     if sequence_parallel:
         _mark_sequence_parallel_region(model, entries, tp_mesh, block_names)
@@ -131,11 +131,6 @@ def _mark_sequence_parallel_region(
     A colwise head gathers the sequence itself; any other head gets a full tensor from the last
     module of the region (the final norm, or the last block when there is none).
     """
-    if not block_names:
-        raise ValueError(
-            "`NDParallel(sequence_parallel=True)` needs the model's repeated blocks to mark the sequence-parallel"
-            " region, and none were found. HINT: pass `NDParallel(block_classes=[YourBlock])`."
-        )
     enter = _enter_sequence_parallel(tp_mesh)
     for name in block_names:
         get_submodule(model, name).register_forward_pre_hook(enter, with_kwargs=True)
@@ -149,12 +144,25 @@ def _mark_sequence_parallel_region(
     get_submodule(model, last).register_forward_hook(_leave_sequence_parallel)
 
 
-def _divide_head_counts(module: nn.Module, tp: int) -> None:
+def is_colwise(style: object) -> bool:
+    """Styles that fan a module's input out into per-rank heads or features."""
+    return style in ("colwise", "packed_colwise") or (
+        isinstance(style, ColwiseParallel) and not isinstance(style.output_layouts[0], Replicate)
+    )
+
+
+def _divide_head_counts(name: str, module: nn.Module, tp: int) -> None:
     """Modules that reshape with their head count must see the local count (heads / tp)."""
     for attr in (*HEAD_ATTRS, *KV_HEAD_ATTRS):
         value = getattr(module, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value % tp == 0:
-            setattr(module, attr, value // tp)
+        if not isinstance(value, int) or isinstance(value, bool):
+            continue
+        if value % tp:
+            raise ValueError(
+                f"`{name}.{attr}={value}` does not divide by tp={tp}: its heads would be split mid-head."
+                f" HINT: choose tp dividing {value}."
+            )
+        setattr(module, attr, value // tp)
 
 
 def _to_replicate(value: object) -> object:

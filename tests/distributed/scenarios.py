@@ -104,19 +104,21 @@ class SampleIds(Callback):
 
 
 def batch_ranks(layout: dict[str, Any]) -> dict[str, Any]:
-    """Which samples each rank sees, the synced sample count, and the logged loss."""
-    ids, recorder = SampleIds(), LossRecorder()
-    trainer = _trainer(layout, max_epochs=1, callbacks=[ids, recorder])
+    """Which samples each rank sees, the synced sample count, and cross-rank decisions."""
+    ids = SampleIds()
+    trainer = _trainer(layout, max_epochs=1, callbacks=[ids])
     module = CausalLM(model=build("llama"))
     data = TokenDataModule(vocab_size=VOCAB, seq_len=16, num_samples=20, batch_size=2)
     trainer.fit(module, datamodule=data)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, ids.firsts)
+    rank = dist.get_rank()
+    decide = trainer.strategy.reduce_boolean_decision
     return {
         "samples_per_rank": gathered,
         "train_samples": trainer.callback_metrics["train_samples"].item(),
-        "logged_loss": trainer.callback_metrics["train_loss"].item(),
-        "last_reduced_loss": recorder.losses[-1],
+        # ModelCheckpoint and EarlyStopping agree across ranks through these (all=True sums over the world).
+        "decisions": [decide(True), decide(rank == 0, all=True), decide(rank == 0, all=False)],
         "dataset": [data.train_dataloader().dataset[i]["tokens"][:4].tolist() for i in range(20)],
     }
 
@@ -153,7 +155,7 @@ def zero_sync(zero_stage: int) -> dict[str, Any]:
 
 
 def precision(precision_flag: str) -> dict[str, Any]:
-    """bf16 runs: parameter dtypes, and loss per step next to a one-process autocast run."""
+    """bf16 runs: parameter dtypes, FSDP's gather dtype, and the loss per step."""
     recorder = LossRecorder()
     trainer = _trainer({"dp_shard": 2, "tp": 2}, max_steps=6, precision=precision_flag, callbacks=[recorder])
     module = CausalLM(model=build("llama"), lr=3e-3)

@@ -3,8 +3,8 @@ AdamW steps in float32, for three models of different structure (see tests/model
 
 One launch of 4 ranks per model trains all layouts (tests/distributed/parity.py); each layout is
 then its own test here. Tolerances: float32 reductions in a different order differ by ~1e-7
-relative; five Adam steps at lr=1e-3 keep parameter differences below ~2e-5 (measured max over all
-layouts and models: see the README's testing section).
+relative; five Adam steps at lr=1e-3 keep parameter differences below ~2e-5 (the measured maxima over
+all layouts and models are in the README's "How correct is it").
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ LAYOUTS = {
     "ddp2_tp2": {"dp_replicate": 2, "dp_shard": 1, "tp": 2},
     "ddp2_tp2_sp": {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "sequence_parallel": True},
     "tp4": {"tp": 4},
+    "tp4_sp": {"tp": 4, "sequence_parallel": True},
     "tp4_sp_clip": {"tp": 4, "sequence_parallel": True},
     "fsdp2_tp2_clip": {"dp_shard": 2, "tp": 2},
     "fsdp2_tp2_sp_loss_parallel": {"dp_shard": 2, "tp": 2, "sequence_parallel": True, "loss_parallel": True},
@@ -38,6 +39,12 @@ LAYOUTS = {
 CLIP = {"hsdp_2x2_clip": 0.5, "tp4_sp_clip": 0.5, "fsdp2_tp2_clip": 1.0}
 ACCUMULATING = {name: ACCUMULATE for name in LAYOUTS if name.endswith("_accum")}
 MODELS = ("llama", "gpt", "hf_llama")
+# GPT's head is tied to its embedding, so it stays whole and loss parallel is refused (tests/unit).
+SKIP = {"gpt": {"fsdp2_tp2_sp_loss_parallel"}}
+
+
+def layouts_for(model_name: str) -> dict[str, dict]:
+    return {name: layout for name, layout in LAYOUTS.items() if name not in SKIP.get(model_name, ())}
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -46,13 +53,15 @@ def results(request, tmp_path_factory):
         pytest.importorskip("transformers", reason="the dev extra (pip install -e '.[dev]') brings transformers")
     out = tmp_path_factory.mktemp(f"parity_{request.param}")
     per_rank = launch("tests.distributed.parity:run_layouts", WORLD, out, timeout=900, model_name=request.param,
-                      layouts=LAYOUTS, clip=CLIP, accumulate=ACCUMULATING)
+                      layouts=layouts_for(request.param), clip=CLIP, accumulate=ACCUMULATING)
     return request.param, per_rank
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(results, layout):
     model_name, per_rank = results
+    if layout not in per_rank[0]:
+        pytest.skip(f"{layout} does not apply to {model_name} (see SKIP)")
     parallel, reference = per_rank[0][layout]["parallel"], per_rank[0][layout]["reference"]
     assert len(parallel["losses"]) == STEPS * ACCUMULATING.get(layout, 1)
     step_losses = torch.tensor(parallel["losses"]).view(STEPS, -1).mean(dim=1)
@@ -67,7 +76,9 @@ def test_layout_matches_one_process(results, layout):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_rank_holds_the_same_model(results, layout):
     """A replica that drifted (a tp copy of a norm, say) is invisible in rank 0's full tensors."""
-    _, per_rank = results
+    model_name, per_rank = results
+    if layout not in per_rank[0]:
+        pytest.skip(f"{layout} does not apply to {model_name} (see SKIP)")
     expected = per_rank[0][layout]["parallel"]["params"]
     for rank in range(1, WORLD):
         for name, value in per_rank[rank][layout]["parallel"]["params"].items():
@@ -76,8 +87,8 @@ def test_every_rank_holds_the_same_model(results, layout):
 
 def test_each_layout_applied_what_it_asked_for(results):
     """The parity above is only meaningful if the techniques really ran."""
-    by_layout = results[1][0]
-    applied = {name: " | ".join(r["parallel"]["applied"]) for name, r in by_layout.items()}
+    model_name, per_rank = results
+    applied = {name: " | ".join(r["parallel"]["applied"]) for name, r in per_rank[0].items()}
     assert "FSDP (shard=4) with zero_stage=3" in applied["fsdp4"]
     assert "HSDP (replicate=2 x shard=2)" in applied["hsdp_2x2_clip"]
     assert "replicate=4" in applied["ddp4"]
@@ -86,7 +97,8 @@ def test_each_layout_applied_what_it_asked_for(results):
     assert "FSDP" not in applied["tp4"] and "HSDP" not in applied["tp4"]
     assert "full activation checkpointing" in applied["fsdp4_ac_full"]
     assert "selective activation checkpointing" in applied["fsdp2_tp2_ac_selective"]
-    assert "loss_parallel=True" in applied["fsdp2_tp2_sp_loss_parallel"]
+    if model_name not in SKIP:
+        assert "loss_parallel=True" in applied["fsdp2_tp2_sp_loss_parallel"]
     assert "Compiled 2 blocks with torch.compile(backend='aot_eager')" in applied["fsdp4_compile"]
 
 

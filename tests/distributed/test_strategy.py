@@ -60,7 +60,12 @@ def _samples(flat: list[int]) -> list[tuple[int, ...]]:
 def test_metrics_count_a_sample_once_under_tp(outcomes):
     facts = result(outcomes, "batch_ranks")
     assert facts["train_samples"] == 20  # 40 if the tp replicas were counted too
-    assert facts["logged_loss"] == pytest.approx(facts["last_reduced_loss"], rel=1e-6)
+
+
+def test_boolean_decisions_count_every_rank(outcomes):
+    """`reduce` averages over batch ranks only; decisions (ModelCheckpoint, EarlyStopping) need all ranks."""
+    for rank in range(4):
+        assert result(outcomes, "batch_ranks", rank)["decisions"] == [True, False, True]
 
 
 @pytest.mark.parametrize("stage, reduce_grads, gathered", [

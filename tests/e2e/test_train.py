@@ -84,5 +84,7 @@ def test_hydra_sweep_runs_every_layout(tmp_path):
 ])
 def test_bad_override_fails_before_training_with_a_hint(override, message):
     done = run_train(["parallel=fsdp_tp", "trainer.devices=4", override], timeout=300)
+    output = done.stderr + done.stdout
     assert done.returncode != 0
-    assert message in done.stderr + done.stdout
+    assert message in output and "HINT" in output
+    assert "Initializing distributed" not in output, "the error must come before any process group starts"

@@ -1,0 +1,167 @@
+"""`ParallelConfig` (how to parallelize, beyond the sizes of the dims) and every check of a config,
+alone, against the dims, and against a model. All run before any process group or weight moves.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from lightning_nd.dims import ParallelDims, closest_name, divisors
+from lightning_nd.plans import TPPlan, resolve_tp_plan
+from lightning_nd.structure import ModelFacts, find_blocks, read_model_facts
+
+log = logging.getLogger("lightning_nd")
+
+ZERO_STAGES = (1, 2, 3)
+AC_MODES = ("none", "full", "selective")
+NOT_YET = {"pp": "pipeline", "cp": "context", "ep": "expert"}
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How to parallelize, beyond the sizes of the dims."""
+
+    zero_stage: Literal[1, 2, 3] = 3
+    """What FSDP shards: 3 = params+grads+optimizer (params freed after forward), 2 = params kept from
+    forward to backward, 1 = only optimizer state across a gradient-accumulation window."""
+    tp_plan: Mapping[str, object] | None = None
+    """Explicit TP plan: module-name pattern (``*`` = one component) -> style name or `ParallelStyle`."""
+    sequence_parallel: bool = False
+    """Shard the residual stream (norms, dropout) over tp along the sequence: saves activation memory."""
+    loss_parallel: bool = False
+    """Keep the head's logits sharded over the vocabulary; the loss is computed without gathering them."""
+    block_classes: Sequence[type | str] | None = None
+    """Classes (or class names) of the repeated blocks; auto-detected when None."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations per block in backward: all of them, or all but matmul/attention outputs."""
+    compile: bool | str = False
+    """``torch.compile`` each block; a string names the backend (True means ``"inductor"``)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 offload policy)."""
+    param_dtype: torch.dtype | None = None
+    """FSDP compute dtype for parameters (set from `bf16-mixed` by the strategy)."""
+    reduce_dtype: torch.dtype | None = None
+    """FSDP gradient-reduction dtype."""
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
+            raise ValueError(f"`zero_stage={self.zero_stage!r}` is not a ZeRO stage. HINT: use one of {ZERO_STAGES}:"
+                             " 3 for the least memory, 2 for less communication.")
+        if self.activation_checkpointing not in AC_MODES:
+            raise ValueError(
+                f"`activation_checkpointing={self.activation_checkpointing!r}` is not a mode. HINT: use one of {AC_MODES}:"
+                " 'selective' recomputes cheap ops only, 'full' recomputes whole blocks (least memory)."
+            )
+        for option in ("sequence_parallel", "loss_parallel", "cpu_offload"):
+            if not isinstance(getattr(self, option), bool):
+                raise TypeError(f"`{option}={getattr(self, option)!r}` must be True or False. HINT: `{option}=True`.")
+        self._check_tp_plan()
+        self._check_block_classes()
+        self._check_compile()
+
+    def _check_tp_plan(self) -> None:
+        if self.tp_plan is None:
+            return
+        if not isinstance(self.tp_plan, Mapping):
+            raise TypeError(f"`tp_plan` must map module-name patterns to styles, got {type(self.tp_plan).__name__}."
+                            " HINT: `tp_plan={'layers.*.q_proj': 'colwise', 'layers.*.o_proj': 'rowwise'}`.")
+        for pattern, style in self.tp_plan.items():
+            if not isinstance(pattern, str) or not isinstance(style, (str, ParallelStyle)):
+                raise TypeError(f"`tp_plan` entry {pattern!r}: {style!r} must be a name pattern mapped to a style name"
+                                " or a torch `ParallelStyle`. HINT: e.g. 'colwise' or `ColwiseParallel()`.")
+
+    def _check_block_classes(self) -> None:
+        if self.block_classes is None:
+            return
+        if isinstance(self.block_classes, (str, type)):
+            self.block_classes = [self.block_classes]
+        self.block_classes = list(self.block_classes)
+        if not self.block_classes or not all(isinstance(c, (str, type)) for c in self.block_classes):
+            raise TypeError(f"`block_classes={self.block_classes!r}` must be a non-empty list of classes or class"
+                            " names. HINT: `block_classes=[DecoderLayer]` or `block_classes=['DecoderLayer']`.")
+
+    def _check_compile(self) -> None:
+        if isinstance(self.compile, bool):
+            return
+        if not isinstance(self.compile, str):
+            raise TypeError(f"`compile={self.compile!r}` must be True/False or a backend name. HINT: `compile=True`.")
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if self.compile not in backends:
+            raise ValueError(f"`compile={self.compile!r}` is not a torch.compile backend."
+                             f" HINT: did you mean {closest_name(self.compile, backends)!r}? Or `compile=True` (inductor).")
+
+
+def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> None:
+    """Options that need a dim that is off, and dims this release does not run; -1 (not yet known) passes."""
+    for name, technique in NOT_YET.items():
+        if sizes[name] > 1:
+            raise ValueError(
+                f"`NDParallel({name}={sizes[name]})`: {technique} parallelism is not available in this"
+                f" release of lightning-nd. HINT: use `{name}=1` and put the ranks into dp_shard or tp."
+            )
+    if config.compile and sizes["tp"] > 1:
+        raise ValueError(
+            f"`NDParallel(compile=..., tp={sizes['tp']})`: compiled blocks with tensor parallelism gave wrong gradients"
+            " in our parity test (torch 2.13, gloo), so this release refuses the combination."
+            " HINT: compile with tp=1 (FSDP/HSDP layouts), or keep tp and set compile=False."
+        )
+    for option in ("sequence_parallel", "loss_parallel"):
+        if getattr(config, option) and sizes["tp"] == 1:
+            raise ValueError(
+                f"`NDParallel({option}=True)` splits work over tp, but tp=1. HINT: set tp > 1 or {option}=False."
+            )
+    if config.tp_plan and sizes["tp"] == 1:
+        log.warning("`tp_plan` is ignored: tp=1, so no layer is split.")
+
+
+def inspect_model(module: nn.Module, config: ParallelConfig) -> tuple[list[tuple[str, nn.Module]], ModelFacts]:
+    blocks = find_blocks(module, config.block_classes)
+    return blocks, read_model_facts(module, blocks)
+
+
+def check_model(
+    module: nn.Module, dims: ParallelDims, config: ParallelConfig
+) -> tuple[list[tuple[str, nn.Module]], TPPlan | None]:
+    """Everything about the model that can be wrong for these dims; returns its blocks and TP plan."""
+    blocks, facts = inspect_model(module, config)
+    if config.block_classes and not blocks:
+        raise ValueError(
+            f"`block_classes={list(config.block_classes)}` matches no module of `{type(module).__name__}`."
+            f" HINT: use one of the classes it contains, e.g. {_repeated_class_names(module)}."
+        )
+    if dims.pp > 1 and facts.num_hidden_layers is not None and dims.pp > facts.num_hidden_layers:
+        raise ValueError(f"`NDParallel(pp={dims.pp})` exceeds the model's {facts.num_hidden_layers} layers."
+                         f" HINT: choose pp <= {facts.num_hidden_layers}.")
+    if dims.ep > 1 and facts.num_experts is not None and facts.num_experts % dims.ep:
+        raise ValueError(f"`NDParallel(ep={dims.ep})` does not divide `num_experts={facts.num_experts}`."
+                         f" HINT: choose ep from {divisors(facts.num_experts)}.")
+    if (dims.dp_enabled or dims.fsdp_enabled) and not blocks:
+        log.warning("No repeated blocks found: FSDP shards the whole model as one unit (more peak memory)."
+                    " Pass `NDParallel(block_classes=[...])` to shard block by block.")
+    if config.sequence_parallel and not blocks:
+        raise ValueError("`NDParallel(sequence_parallel=True)` needs the model's repeated blocks to bound the"
+                         " sequence-parallel region, and none were found. HINT: pass `NDParallel(block_classes=[YourBlock])`.")
+    if not dims.tp_enabled:
+        return blocks, None
+    plan = resolve_tp_plan(module, config.tp_plan, tp=dims.tp, facts=facts, sequence_parallel=config.sequence_parallel)
+    if config.loss_parallel and "colwise_gather_output" not in plan.entries.values():
+        raise ValueError("`NDParallel(loss_parallel=True)` needs a vocabulary-sharded output head, and the plan has"
+                         " none (a head tied to the embedding stays whole). HINT: set loss_parallel=False, or put the"
+                         " head in `tp_plan` as 'colwise_gather_output'.")
+    return blocks, plan
+
+
+def _repeated_class_names(module: nn.Module) -> list[str]:
+    counts: dict[str, int] = {}
+    for child in module.modules():
+        counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
+    return sorted(name for name, count in counts.items() if count > 1)[:5]
