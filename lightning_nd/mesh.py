@@ -22,6 +22,7 @@ from lightning_nd.dims import MESH_DIMS, ParallelDims
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+
 class NDMesh:
     """The world mesh plus its named sub-meshes; ``mesh["tp"]`` returns a 1-D or N-D `DeviceMesh`."""
 
@@ -52,7 +53,12 @@ class NDMesh:
         return self[name].size()
 
     def local_rank(self, name: str) -> int:
-        return self[name].get_local_rank() if self[name].ndim == 1 else self[name].get_rank()
+        """This rank's index within its group along a named dim (row-major over an N-D sub-mesh)."""
+        mesh = self[name]
+        index = 0
+        for size, coordinate in zip(mesh.shape, mesh.get_coordinate()):
+            index = index * size + coordinate
+        return index
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> NDMesh:

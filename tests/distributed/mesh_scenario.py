@@ -18,5 +18,8 @@ def group_ranks(layouts: list[dict[str, int]]) -> list[dict[str, Any]]:
     reports = []
     for sizes in layouts:
         mesh = build_mesh(ParallelDims(**sizes, world_size=world), "cpu")
-        reports.append({name: mesh.ranks(name) for name in mesh.names})
+        reports.append({
+            **{name: mesh.ranks(name) for name in mesh.names},
+            "local_rank": {name: mesh.local_rank(name) for name in mesh.names},
+        })
     return reports

@@ -103,11 +103,19 @@ class SampleIds(Callback):
         self.firsts.append(batch["tokens"][:, :4].flatten().tolist())
 
 
+class CountingLM(CausalLM):
+    """Logs a 1 from every rank, summed with `sync_dist`: the count of ranks the log reduces over."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("ranks_in_sync", 1.0, sync_dist=True, reduce_fx="sum", on_step=True, on_epoch=False)
+        return super().training_step(batch, batch_idx)
+
+
 def batch_ranks(layout: dict[str, Any]) -> dict[str, Any]:
     """Which samples each rank sees, the synced sample count, and cross-rank decisions."""
     ids = SampleIds()
     trainer = _trainer(layout, max_epochs=1, callbacks=[ids])
-    module = CausalLM(model=build("llama"))
+    module = CountingLM(model=build("llama"))
     data = TokenDataModule(vocab_size=VOCAB, seq_len=16, num_samples=20, batch_size=2)
     trainer.fit(module, datamodule=data)
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -117,6 +125,7 @@ def batch_ranks(layout: dict[str, Any]) -> dict[str, Any]:
     return {
         "samples_per_rank": gathered,
         "train_samples": trainer.callback_metrics["train_samples"].item(),
+        "ranks_in_sync": trainer.callback_metrics["ranks_in_sync"].item(),
         # ModelCheckpoint and EarlyStopping agree across ranks through these (all=True sums over the world).
         "decisions": [decide(True), decide(rank == 0, all=True), decide(rank == 0, all=False)],
         "dataset": [data.train_dataloader().dataset[i]["tokens"][:4].tolist() for i in range(20)],

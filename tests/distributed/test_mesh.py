@@ -41,6 +41,8 @@ def test_named_groups_match_coordinates(reports, index):
         report = reports[rank][index]
         for name, varying in VARYING.items():
             assert sorted(report[name]) == expected_group(dims, rank, varying), (rank, name)
+            # the group's ranks in mesh order: this rank's position in it is its local rank
+            assert report[name][report["local_rank"][name]] == rank, (rank, name)
         if dims.ep > 1:
             # ep: ranks sharing everything but (the inner part of dp_shard, cp), ep of them, with ep coordinates 0..ep-1
             group = report["ep"]

@@ -40,28 +40,36 @@ CLIP = {"hsdp_2x2_clip": 0.5, "tp4_sp_clip": 0.5, "fsdp2_tp2_clip": 1.0}
 ACCUMULATING = {name: ACCUMULATE for name in LAYOUTS if name.endswith("_accum")}
 MODELS = ("llama", "gpt", "hf_llama")
 # GPT's head is tied to its embedding, so it stays whole and loss parallel is refused (tests/unit).
-SKIP = {"gpt": {"fsdp2_tp2_sp_loss_parallel"}}
+NOT_FOR = {"gpt": {"fsdp2_tp2_sp_loss_parallel"}}
 
 
 def layouts_for(model_name: str) -> dict[str, dict]:
-    return {name: layout for name, layout in LAYOUTS.items() if name not in SKIP.get(model_name, ())}
+    return {name: layout for name, layout in LAYOUTS.items() if name not in NOT_FOR.get(model_name, ())}
 
 
-@pytest.fixture(scope="module", params=MODELS)
-def results(request, tmp_path_factory):
-    if request.param == "hf_llama":
-        pytest.importorskip("transformers", reason="the dev extra (pip install -e '.[dev]') brings transformers")
-    out = tmp_path_factory.mktemp(f"parity_{request.param}")
-    per_rank = launch("tests.distributed.parity:run_layouts", WORLD, out, timeout=900, model_name=request.param,
-                      layouts=layouts_for(request.param), clip=CLIP, accumulate=ACCUMULATING)
-    return request.param, per_rank
+CASES = [(model_name, layout) for model_name in MODELS for layout in layouts_for(model_name)]
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_one_process(results, layout):
-    model_name, per_rank = results
-    if layout not in per_rank[0]:
-        pytest.skip(f"{layout} does not apply to {model_name} (see SKIP)")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One 4-rank launch per model, made when its first test needs it."""
+    per_model: dict[str, list] = {}
+
+    def run(model_name: str) -> list:
+        if model_name not in per_model:
+            per_model[model_name] = launch(
+                "tests.distributed.parity:run_layouts", WORLD, tmp_path_factory.mktemp(f"parity_{model_name}"),
+                timeout=900, model_name=model_name, layouts=layouts_for(model_name), clip=CLIP,
+                accumulate=ACCUMULATING,
+            )
+        return per_model[model_name]
+
+    return run
+
+
+@pytest.mark.parametrize("model_name, layout", CASES)
+def test_layout_matches_one_process(runs, model_name, layout):
+    per_rank = runs(model_name)
     parallel, reference = per_rank[0][layout]["parallel"], per_rank[0][layout]["reference"]
     assert len(parallel["losses"]) == STEPS * ACCUMULATING.get(layout, 1)
     step_losses = torch.tensor(parallel["losses"]).view(STEPS, -1).mean(dim=1)
@@ -73,21 +81,20 @@ def test_layout_matches_one_process(results, layout):
         torch.testing.assert_close(parallel["params"][name], expected, rtol=1e-4, atol=5e-5, msg=lambda m: f"param {name}: {m}")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_rank_holds_the_same_model(results, layout):
+@pytest.mark.parametrize("model_name, layout", CASES)
+def test_every_rank_holds_the_same_model(runs, model_name, layout):
     """A replica that drifted (a tp copy of a norm, say) is invisible in rank 0's full tensors."""
-    model_name, per_rank = results
-    if layout not in per_rank[0]:
-        pytest.skip(f"{layout} does not apply to {model_name} (see SKIP)")
+    per_rank = runs(model_name)
     expected = per_rank[0][layout]["parallel"]["params"]
     for rank in range(1, WORLD):
         for name, value in per_rank[rank][layout]["parallel"]["params"].items():
             torch.testing.assert_close(value, expected[name], rtol=0, atol=0, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
-def test_each_layout_applied_what_it_asked_for(results):
+@pytest.mark.parametrize("model_name", MODELS)
+def test_each_layout_applied_what_it_asked_for(runs, model_name):
     """The parity above is only meaningful if the techniques really ran."""
-    model_name, per_rank = results
+    per_rank = runs(model_name)
     applied = {name: " | ".join(r["parallel"]["applied"]) for name, r in per_rank[0].items()}
     assert "FSDP (shard=4) with zero_stage=3" in applied["fsdp4"]
     assert "HSDP (replicate=2 x shard=2)" in applied["hsdp_2x2_clip"]
@@ -97,13 +104,14 @@ def test_each_layout_applied_what_it_asked_for(results):
     assert "FSDP" not in applied["tp4"] and "HSDP" not in applied["tp4"]
     assert "full activation checkpointing" in applied["fsdp4_ac_full"]
     assert "selective activation checkpointing" in applied["fsdp2_tp2_ac_selective"]
-    if model_name not in SKIP:
+    if model_name not in NOT_FOR:
         assert "loss_parallel=True" in applied["fsdp2_tp2_sp_loss_parallel"]
     assert "Compiled 2 blocks with torch.compile(backend='aot_eager')" in applied["fsdp4_compile"]
 
 
-def test_clipping_was_active(results):
+@pytest.mark.parametrize("model_name", MODELS)
+def test_clipping_was_active(runs, model_name):
     """A clip that never fires proves nothing: the unclipped reference norm must exceed the threshold."""
-    by_layout = results[1][0]
+    by_layout = runs(model_name)[0]
     for layout, max_norm in CLIP.items():
         assert by_layout[layout]["reference"]["max_unclipped_norm"] > max_norm, layout

@@ -57,9 +57,10 @@ def _samples(flat: list[int]) -> list[tuple[int, ...]]:
     return [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
 
 
-def test_metrics_count_a_sample_once_under_tp(outcomes):
+def test_metrics_and_logs_count_a_sample_once_under_tp(outcomes):
     facts = result(outcomes, "batch_ranks")
     assert facts["train_samples"] == 20  # 40 if the tp replicas were counted too
+    assert facts["ranks_in_sync"] == 2  # self.log(sync_dist=True) reduces over the 2 batch ranks, not all 4
 
 
 def test_boolean_decisions_count_every_rank(outcomes):

@@ -1,0 +1,37 @@
+"""Style names become the torch `ParallelStyle` the mode needs; the layout card reads as a table."""
+
+from __future__ import annotations
+
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from diagnostics.analysis.layout import layout_markdown
+from lightning_nd.parallel.tensor import PackedColwiseParallel, ShardingSequenceParallel, is_colwise, style_for
+
+
+def test_colwise_styles_fan_out_heads():
+    assert is_colwise("colwise") and is_colwise("packed_colwise") and is_colwise(ColwiseParallel())
+    assert not is_colwise(ColwiseParallel(output_layouts=Replicate()))  # a gathered head, not heads
+    assert not is_colwise("rowwise") and not is_colwise(RowwiseParallel()) and not is_colwise("colwise_gather_output")
+
+
+def test_sequence_parallel_declares_sharded_inputs_and_outputs():
+    # torch redistributes by the declared layout, so a sequence-sharded input must be declared as such.
+    assert style_for("colwise", sequence_parallel=True, loss_parallel=False).input_layouts == (Shard(1),)
+    assert style_for("colwise", sequence_parallel=False, loss_parallel=False).input_layouts == (Replicate(),)
+    rowwise = style_for("rowwise", sequence_parallel=True, loss_parallel=False)
+    assert rowwise.output_layouts == (Shard(1),) and rowwise.use_local_output is False
+    assert isinstance(style_for("sequence_parallel", True, False), ShardingSequenceParallel)
+    assert isinstance(style_for("packed_colwise", False, False), PackedColwiseParallel)
+
+
+def test_loss_parallel_head_keeps_vocabulary_shards():
+    head = style_for("colwise_gather_output", sequence_parallel=True, loss_parallel=True)
+    assert head.output_layouts == (Shard(-1),) and head.use_local_output is False
+    assert style_for("colwise_gather_output", False, False).output_layouts == (Replicate(),)
+
+
+def test_layout_card_has_one_row_per_dim_and_the_applied_lines():
+    card = layout_markdown({"dp_replicate": 1, "dp_shard": 2, "tp": 2}, ["Applied FSDP (shard=2)"], "| rank |")
+    assert "| `dp_shard` | 2 | the batch, with parameters/gradients/optimizer state sharded |" in card
+    assert "- Applied FSDP (shard=2)" in card and card.endswith("| rank |")
