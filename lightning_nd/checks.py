@@ -43,7 +43,8 @@ def model_to_check(model: LightningModule) -> torch.nn.Module | None:
     if any(True for _ in model.parameters()) or not is_overridden("configure_model", model):
         return model
     try:
-        probe = copy.deepcopy(model)
+        # The attached Trainer (loggers, dataloaders, the strategy) is shared, not copied.
+        probe = copy.deepcopy(model, memo={id(model._trainer): model._trainer} if model._trainer else None)
         with torch.device("meta"):
             probe.configure_model()
     except Exception as error:  # the hook needs the process group; `setup` checks the real model

@@ -185,7 +185,7 @@ def check_plan(model: nn.Module, entries: Mapping[str, object], tp: int, facts: 
         if size is not None and size % tp:
             raise ValueError(
                 f"`NDParallel(tp={tp})` does not divide `{name}.{what}={size}` ({style})."
-                f" HINT: choose tp dividing {size}, or leave `{name}` out of the plan."
+                f" HINT: choose tp dividing {size}, or pass `NDParallel(tp_plan=...)` without `{name}`."
             )
 
 

@@ -49,6 +49,17 @@ def test_dp_shard_minus_one_fills_the_world(sizes, world_size, filled):
     assert int(np.prod(dims.shape)) == world_size
 
 
+@pytest.mark.parametrize(("sizes", "name", "filled"), [
+    ({"dp_shard": 1, "tp": -1}, "tp", 8),
+    ({"dp_shard": 2, "dp_replicate": -1}, "dp_replicate", 4),
+    ({"dp_shard": 1, "tp": 2, "pp": -1}, "pp", 4),
+])
+def test_any_one_mesh_dim_may_fill_the_world(sizes, name, filled):
+    dims = ParallelDims(**sizes, world_size=8)
+    assert getattr(dims, name) == filled
+    assert int(np.prod(dims.shape)) == 8
+
+
 def test_coordinates_match_row_major_layout():
     dims = ParallelDims(pp=2, dp_replicate=1, dp_shard=2, cp=1, tp=2, world_size=8)
     assert dims.shape == (2, 1, 2, 1, 2)

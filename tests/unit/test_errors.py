@@ -80,6 +80,7 @@ CASES = [
     ("unknown_dim_name", lambda: ParallelDims.from_mapping({"dq": 2}, world_size=2),
      ValueError, ["`dq`", "`dp_"]),
     ("ep_minus_one", lambda: ParallelDims(ep=-1, world_size=2), ValueError, ["ep=-1"]),
+    ("two_dims_fill", lambda: ParallelDims(tp=-1, world_size=4), ValueError, ["'dp_shard', 'tp'", "dp_shard=1"]),
     ("ep_not_dividing_dp_shard", lambda: ParallelDims(ep=3, dp_shard=4, world_size=4),
      ValueError, ["ep=3", "[1, 2, 4]"]),
     ("tp_not_dividing_heads", lambda: _connect(3, NDParallel(tp=3), build("llama")),
