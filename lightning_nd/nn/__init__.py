@@ -1,0 +1,1 @@
+"""Reference layers that parallelize cleanly (no Lightning imports)."""

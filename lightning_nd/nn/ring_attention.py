@@ -1,0 +1,147 @@
+"""Context-parallel attention that runs on CPU (gloo) and GPU: ring attention and an all-gather variant.
+
+Each rank holds a slice of the sequence (its query, key and value rows, and their positions).
+Ring: K and V travel around the cp group one hop per step; every rank attends its queries to each
+visiting block and merges the partial results with their log-sum-exp (online softmax). All-gather:
+K and V are gathered once and each rank attends to all of them. Both are exact (not approximations)
+and differentiable; causal masking uses the true positions, so any sharding (contiguous or
+head-tail "zigzag") is correct.
+
+Two rules keep the backward right (see FIELD-NOTES.md): every rotation stays in the autograd graph,
+even when a block is fully masked (a skipped send would deadlock the backward ring), and K and V
+travel as one stacked tensor (two collectives whose backward order can differ give wrong gradients).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import ProcessGroup
+
+
+class _RingShift(torch.autograd.Function):
+    """Send to the next rank of the group, receive from the previous; the backward goes the other way."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return _shift(tensor, group, step=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _shift(grad, ctx.group, step=-1), None
+
+
+def _shift(tensor: torch.Tensor, group: ProcessGroup, step: int) -> torch.Tensor:
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    send_to = dist.get_global_rank(group, (rank + step) % size)
+    recv_from = dist.get_global_rank(group, (rank - step) % size)
+    tensor = tensor.contiguous()  # gloo sends and receives contiguous buffers only
+    received = torch.empty_like(tensor)
+    requests = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, tensor, send_to, group),
+        dist.P2POp(dist.irecv, received, recv_from, group),
+    ])
+    for request in requests:
+        request.wait()
+    return received
+
+
+def _gather_positions(positions: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Every rank's positions, concatenated in group-rank order (a small integer all-gather)."""
+    gathered = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, positions.contiguous(), group=group)
+    return torch.cat(gathered)
+
+
+def _block(q, k, v, q_pos, k_pos, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B, Hkv, G, Sq, D] to one block k, v [B, Hkv, 1, Sk, D]: output and log-sum-exp."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    # A fully masked row has lse = -inf; clamping keeps its probabilities 0 instead of NaN.
+    probs = torch.exp(scores - lse.clamp_min(torch.finfo(scores.dtype).min))
+    return torch.matmul(probs, v), lse
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Combine two softmax-normalised partial results by their log-sum-exp."""
+    if out is None:
+        return block_out, block_lse
+    new_lse = torch.logaddexp(lse, block_lse)
+    finite = new_lse.clamp_min(torch.finfo(new_lse.dtype).min)
+    return out * torch.exp(lse - finite) + block_out * torch.exp(block_lse - finite), new_lse
+
+
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    batch, heads, seq, dim = q.shape
+    return q.view(batch, kv_heads, heads // kv_heads, seq, dim)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"ring attention expects q [B, H, S, D] and k, v [B, Hkv, S, D]; got q {tuple(q.shape)},"
+                         f" k {tuple(k.shape)}, v {tuple(v.shape)}.")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads.")
+    if positions.shape != (q.shape[2],):
+        raise ValueError(f"`positions` must hold one position per local token ({q.shape[2]}), got {tuple(positions.shape)}.")
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    group: ProcessGroup,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Exact attention of this rank's queries to the keys of every rank in ``group``, passing K/V around a ring.
+
+    ``q`` [B, H, S_local, D], ``k``/``v`` [B, Hkv, S_local, D] (grouped-query when Hkv < H), ``positions``
+    [S_local]: the global sequence position of each local token (the same on every rank for its rows).
+    """
+    _check(q, k, v, positions)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    every_position = _gather_positions(positions, group).view(size, -1)
+    grouped_q = _grouped(q, k.shape[1])
+    kv = torch.stack([k, v])
+    out = lse = None
+    for step in range(size):
+        if step:
+            # One stacked tensor per hop, kept in the graph even when the block below is fully masked.
+            kv = _RingShift.apply(kv, group)
+        source = (rank - step) % size
+        block_out, block_lse = _block(grouped_q, kv[0][:, :, None], kv[1][:, :, None], positions,
+                                      every_position[source], causal, scale)
+        out, lse = _merge(out, lse, block_out, block_lse)
+    return out.reshape(q.shape[0], q.shape[1], q.shape[2], -1)
+
+
+def all_gather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    group: ProcessGroup,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The same result as `ring_attention` with one all-gather of K/V (more memory, one collective)."""
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
+
+    _check(q, k, v, positions)
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    # The autograd all-gather of torch.distributed.nn scatters from global rank 0 in backward, which breaks
+    # on sub-groups; the functional collective's backward is a reduce-scatter over the group itself.
+    gathered = wait_tensor(all_gather_tensor_autograd(torch.stack([k, v]).contiguous(), gather_dim=3, group=group))
+    out, _ = _block(_grouped(q, k.shape[1]), gathered[0][:, :, None], gathered[1][:, :, None], positions,
+                    _gather_positions(positions, group), causal, scale)
+    return out.reshape(q.shape[0], q.shape[1], q.shape[2], -1)
