@@ -191,7 +191,7 @@ class NDParallel(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            _optimizers_to_device(self.optimizers, device)
 
     def _configure_mixed_precision(self) -> None:
         if getattr(self.precision_plugin, "precision", None) == "bf16-mixed":
