@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 
 def _copies(grad: torch.Tensor, world_size: int) -> int:
@@ -27,14 +27,18 @@ def _copies(grad: torch.Tensor, world_size: int) -> int:
     return world_size // shards
 
 
-def reduce_partial_grads(parameters: Iterable[torch.Tensor]) -> None:
-    """Finish pending reductions: a replicated parameter fed by sharded activations (a norm weight
-    under sequence parallel) gets a Partial gradient whose local values are only summands."""
+def align_grads_to_params(parameters: Iterable[torch.Tensor]) -> None:
+    """Give every DTensor gradient its parameter's placements.
+
+    A replicated weight fed by sharded activations (a norm under sequence parallel) ends backward
+    with a Partial gradient whose local values are only summands; a vocabulary-sharded embedding
+    ends it with a full, replicated gradient on every rank (torch's embedding backward rule). The
+    first needs its reduction, the second only a local slice that frees the rest.
+    """
     for param in parameters:
         grad = param.grad
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
-            placements = [Replicate() if p.is_partial() else p for p in grad.placements]
-            param.grad = grad.redistribute(grad.device_mesh, placements)
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 def _collective_device(tensors: list[torch.Tensor]) -> torch.device:
@@ -47,7 +51,7 @@ def _collective_device(tensors: list[torch.Tensor]) -> torch.device:
 def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients as if they sat unsharded on one device (the same value on every rank).
 
-    Gradients must hold no Partial placement (see `reduce_partial_grads`).
+    Gradients must hold no Partial placement (see `align_grads_to_params`).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
@@ -75,7 +79,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0)
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale every gradient by ``max_norm / global_norm`` when the global norm exceeds ``max_norm``."""
     parameters = [p for p in parameters if p.grad is not None]
-    reduce_partial_grads(parameters)
+    align_grads_to_params(parameters)
     total = global_grad_norm(parameters, norm_type)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for param in parameters:

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_nd.checks import already_parallel, check_sequence_lengths, model_to_check
-from lightning_nd.clip import clip_grad_norm_, reduce_partial_grads
+from lightning_nd.clip import clip_grad_norm_, align_grads_to_params
 from lightning_nd.dims import ParallelDims
 from lightning_nd.materialize import materialize
 from lightning_nd.mesh import NDMesh, build_mesh
@@ -261,10 +261,10 @@ class NDParallel(ModelParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         with self._loss_context():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        # Replicated weights fed by sequence shards (SP norms) end backward with Partial gradients;
-        # sum them now so clipping by value, hooks and the optimizer all see the true gradient.
+        # Gradients whose layout differs from their parameter's (Partial under SP, a full copy for a
+        # sharded embedding) are aligned now: clipping, hooks and the optimizer see the true shard.
         assert self.model is not None
-        reduce_partial_grads(self.model.parameters())
+        align_grads_to_params(self.model.parameters())
         return loss
 
     @override

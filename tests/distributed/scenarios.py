@@ -208,7 +208,26 @@ def indivisible_sequence() -> str:
     return "no error"
 
 
+class GradLayouts(Callback):
+    """Parameters whose gradient does not have the parameter's own placements when the optimizer runs."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.mismatched = [
+            name for name, p in pl_module.named_parameters()
+            if isinstance(p, DTensor) and p.grad is not None and p.grad.placements != p.placements
+        ]
+
+
+def grad_layouts(layout: dict[str, Any]) -> list[str]:
+    probe = GradLayouts()
+    trainer = _trainer(layout, max_steps=1, callbacks=[probe])
+    trainer.fit(CausalLM(model=build("llama")),
+                datamodule=TokenDataModule(vocab_size=VOCAB, seq_len=16, num_samples=16, batch_size=2))
+    return probe.mismatched
+
+
 SCENARIOS = {
+    "grad_layouts_tp4_sp": lambda: grad_layouts({"tp": 4, "sequence_parallel": True}),
     "meta_init_gpt": lambda: meta_init({"dp_shard": 2, "tp": 2}, "gpt"),
     "meta_init_llama": lambda: meta_init({"dp_shard": 2, "tp": 2, "sequence_parallel": True}, "llama"),
     "batch_ranks": lambda: batch_ranks({"dp_shard": 2, "tp": 2}),

@@ -106,3 +106,9 @@ def test_own_configure_model_is_left_alone_and_still_matches(outcomes):
 def test_indivisible_sequence_raises_with_hint(outcomes):
     message = result(outcomes, "indivisible_sequence")
     assert "sequence length 15" in message and "HINT" in message
+
+
+def test_gradients_have_their_parameters_layout_before_the_step(outcomes):
+    """Without FSDP, torch leaves a vocab-sharded embedding a full replicated gradient and SP norms a
+    Partial one; both are aligned after backward (memory share and clipping depend on it)."""
+    assert result(outcomes, "grad_layouts_tp4_sp") == []
