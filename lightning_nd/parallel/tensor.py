@@ -114,11 +114,13 @@ def apply_tp(
     for name in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
         module = get_submodule(model, name)
         _divide_head_counts(name, module, tp_mesh.size())
-        # A module strictly inside a block (attention, MLP) gathers its input once for all its
-        # projections; a block's own projections gather their input themselves (declared Shard(1)),
-        # so the residual stream between blocks stays sharded.
-        if sequence_parallel and name not in block_names:
-            module.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+        # A module strictly inside a block (attention, MLP) shares its input once among all its
+        # projections: one all-gather (SP) or none (replicated input), and in backward a single
+        # reduction of the input gradient instead of one per projection (q, k, v: three). A block's
+        # own projections handle their input themselves, so the residual between blocks stays sharded.
+        if name not in block_names:
+            hook = _gather_sequence if sequence_parallel else _replicate_first_input(tp_mesh)
+            module.register_forward_pre_hook(hook, with_kwargs=True)
     if sequence_parallel:
         _mark_sequence_parallel_region(model, entries, tp_mesh, block_names)
 
@@ -188,6 +190,17 @@ def _map_first(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
         first = next(iter(kwargs))
         return args, {**kwargs, first: fn(kwargs[first])}
     return args, kwargs
+
+
+def _replicate_first_input(tp_mesh: DeviceMesh):
+    """Pre-hook: the module's (replicated) hidden-state input becomes one Replicate DTensor (no comm)."""
+
+    def to_replicate(value: object) -> object:
+        if _is_plain_float(value):
+            return DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False)
+        return value
+
+    return lambda module, args, kwargs: _map_first(args, kwargs, to_replicate)
 
 
 def _enter_sequence_parallel(tp_mesh: DeviceMesh):

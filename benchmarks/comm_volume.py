@@ -1,0 +1,137 @@
+"""Collective bytes per training step by mesh dim vs the analytic minimum of the layout (4 CPU processes).
+
+    python benchmarks/comm_volume.py
+
+Every collective a rank issues during one step (FSDP's all-gathers and reduce-scatters, TP's
+all-reduces, ...) is seen by a dispatch mode and charged to the mesh dim whose process group it used,
+as the bytes a ring algorithm moves per rank: all-reduce 2B(n-1)/n, all-gather and reduce-scatter
+B(n-1)/n (B = the full tensor). The analytic minimum per dim:
+- FSDP (zero 3): parameters gathered in forward and again in backward, gradients reduce-scattered:
+  3P(n-1)/n for P bytes of parameters; zero 2 gathers once: 2P(n-1)/n.
+- TP without SP: per block one all-reduce of the activations after attention and one after the MLP,
+  and the same two in backward; the embedding's all-reduce, the head's all-gather of logits and the
+  all-reduce of its input gradient.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.launch import run_on_ranks  # noqa: E402
+
+WORLD_SIZE = 4
+BATCH, SEQ = 2, 32
+CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+              num_attention_heads=8, num_key_value_heads=4)
+LAYOUTS = {
+    "dp_shard=4 (zero 3)": {"dp_shard": 4},
+    "dp_shard=4 (zero 2)": {"dp_shard": 4, "zero_stage": 2},
+    "tp=4": {"tp": 4},
+}
+GATHERS = ("allgather", "all_gather", "_allgather_base")
+SCATTERS = ("reduce_scatter", "_reduce_scatter_base")
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Ring bytes per rank of every c10d collective, keyed by the ranks of its process group."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_group: dict[tuple[int, ...], float] = defaultdict(float)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__
+        if func.namespace in ("c10d", "_c10d_functional") and "barrier" not in name:
+            group = _group_of(args)
+            if group is not None and len(group) > 1:
+                self.by_group[group] += _ring_bytes(name, args, out, len(group))
+        return out
+
+
+def _group_of(args) -> tuple[int, ...] | None:
+    for arg in reversed(args):
+        if isinstance(arg, str) and arg:  # functional collectives name their group last
+            return tuple(dist.get_process_group_ranks(dist.distributed_c10d._resolve_process_group(arg)))
+        if isinstance(arg, torch.ScriptObject) and "ProcessGroup" in str(arg._type()):  # c10d ops: the group, boxed
+            return tuple(dist.get_process_group_ranks(dist.ProcessGroup.unbox(arg)))
+    return None
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _ring_bytes(name: str, args, out, n: int) -> float:
+    full = max((t.numel() * t.element_size() for t in _tensors(args) + _tensors(out)), default=0)
+    factor = 2 if "allreduce" in name or "all_reduce" in name else 1
+    return factor * full * (n - 1) / n
+
+
+class OneStep(Callback):
+    """Counts the collectives of the second step (the first also builds optimizer state)."""
+
+    def __init__(self) -> None:
+        self.mode = CollectiveBytes()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 1:
+            self.mode.__enter__()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == 1:
+            self.mode.__exit__(None, None, None)
+
+
+def analytic(name: str, layout: dict, param_bytes: int, n: int) -> float:
+    if "tp" not in layout:
+        return (3 if layout.get("zero_stage", 3) == 3 else 2) * param_bytes * (n - 1) / n
+    activation = BATCH * SEQ * CONFIG["hidden_size"] * 4
+    logits = BATCH * SEQ * CONFIG["vocab_size"] * 4
+    all_reduce = lambda size: 2 * size * (n - 1) / n  # noqa: E731
+    return (4 * CONFIG["num_hidden_layers"] + 2) * all_reduce(activation) + logits * (n - 1) / n
+
+
+def measure(name: str, layout: dict) -> tuple[float, float]:
+    from examples.data import TokenDataModule
+    from examples.lit import CausalLM
+    from examples.models.llama import Llama, LlamaConfig
+    from lightning_nd import NDParallel
+
+    probe = OneStep()
+    trainer = Trainer(strategy=NDParallel(**layout), accelerator="cpu", devices=WORLD_SIZE, max_steps=2,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
+    model = Llama(LlamaConfig(**CONFIG))
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    trainer.fit(CausalLM(model=model), datamodule=TokenDataModule(
+        vocab_size=CONFIG["vocab_size"], seq_len=SEQ, num_samples=BATCH * WORLD_SIZE * 2, batch_size=BATCH))
+    measured = sum(probe.mode.by_group.values())
+    return measured, analytic(name, layout, param_bytes, WORLD_SIZE)
+
+
+def main() -> None:
+    rows = [(name, *measure(name, layout)) for name, layout in LAYOUTS.items()]
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(f"\n{'layout':24} {'bytes/rank/step':>16} {'analytic minimum':>17} {'ratio':>7}")
+        for name, measured, minimum in rows:
+            print(f"{name:24} {measured:>16,.0f} {minimum:>17,.0f} {measured / minimum:>7.3f}")
+        print(f"max ratio (target 1.00): {max(m / a for _, m, a in rows):.3f}")
+
+
+if __name__ == "__main__":
+    run_on_ranks(main, WORLD_SIZE)
