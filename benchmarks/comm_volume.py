@@ -48,6 +48,7 @@ class CollectiveBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.by_group: dict[tuple[int, ...], float] = defaultdict(float)
+        self.by_kind: dict[str, float] = defaultdict(float)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -55,7 +56,9 @@ class CollectiveBytes(TorchDispatchMode):
         if func.namespace in ("c10d", "_c10d_functional") and "barrier" not in name:
             group = _group_of(args)
             if group is not None and len(group) > 1:
-                self.by_group[group] += _ring_bytes(name, args, out, len(group))
+                moved = _ring_bytes(name, args, out, len(group))
+                self.by_group[group] += moved
+                self.by_kind[name] += moved
         return out
 
 
@@ -121,6 +124,8 @@ def measure(name: str, layout: dict) -> tuple[float, float]:
     trainer.fit(CausalLM(model=model), datamodule=TokenDataModule(
         vocab_size=CONFIG["vocab_size"], seq_len=SEQ, num_samples=BATCH * WORLD_SIZE * 2, batch_size=BATCH))
     measured = sum(probe.mode.by_group.values())
+    if int(os.environ.get("RANK", 0)) == 0 and os.environ.get("COMM_DETAIL"):
+        print(name, {k: int(v) for k, v in probe.mode.by_kind.items()}, "params", param_bytes)
     return measured, analytic(name, layout, param_bytes, WORLD_SIZE)
 
 
