@@ -29,7 +29,7 @@ from lightning_nd.clip import clip_grad_norm_, align_grads_to_params
 from lightning_nd.dims import ParallelDims
 from lightning_nd.materialize import materialize
 from lightning_nd.mesh import NDMesh, build_mesh
-from lightning_nd.parallel.data import accumulate_without_sync
+from lightning_nd.parallel.data import accumulate_without_sync, fsdp_root
 from lightning_nd.config import ParallelConfig, check_config, check_model
 from lightning_nd.parallelize import ParallelizeReport, parallelize
 
@@ -171,11 +171,10 @@ class NDParallel(ModelParallelStrategy):
         if already_parallel(self.model):
             rank_zero_info("lightning-nd: `configure_model` parallelized the model itself; the composer is skipped.")
         else:
-            # FSDP2 warns when a wrapped module returns a view; the LightningModule root returns logits
-            # that are views of the head's output on every step. Only this root's warning is silenced.
-            warnings.filterwarnings(
-                "ignore", message=rf"FSDP2-wrapped module \(FSDP{type(self.model).__name__}\) returned a view tensor"
-            )
+            # FSDP2 warns when a wrapped module returns a view; the root unit returns logits that are
+            # views of the head's output on every step. Only the root unit's warning is silenced.
+            root_class = type(fsdp_root(self.model)).__name__
+            warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP{root_class}\) returned a view tensor")
             self._configure_mixed_precision()
             self.report = parallelize(self.model, self.dims, self.device_mesh, self.config, forward_methods=STEP_METHODS)
         # With CPU offload FSDP keeps the shards in host memory and moves them itself.
