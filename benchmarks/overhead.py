@@ -1,0 +1,156 @@
+"""Step time of NDParallel in Lightning vs the same layout hand-written (plain torch loop, and Lightning's
+ModelParallelStrategy with a hand-written `configure_model`), interleaved, on 4 CPU processes.
+
+    python benchmarks/overhead.py
+
+Each round runs every variant for the same number of steps on a fresh copy of the same model and data;
+a step's time is the wall time between the starts of consecutive steps (everything the loop does),
+after two warm-up steps. Medians over all rounds; ratios are NDParallel / other (<= 1.0 is faster).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.launch import run_on_ranks  # noqa: E402
+
+WORLD_SIZE = 4
+ROUNDS, STEPS, WARMUP = 3, 8, 2
+BATCH, SEQ = 4, 128
+CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+              num_attention_heads=8, num_key_value_heads=4)
+LAYOUTS = {"dp_shard=4": (4, 1), "tp=4": (1, 4), "dp_shard=2 x tp=2": (2, 2)}  # (dp_shard, tp)
+TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+           "mlp.down_proj": "rowwise"}
+
+
+def build_model():
+    from examples.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(**CONFIG))
+
+
+def batches(dp_rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(dp_rank)
+    tokens = torch.randint(CONFIG["vocab_size"], (count, BATCH, SEQ + 1), generator=generator)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+class Bench(LightningModule):
+    """No logging, no metrics: the step does what the hand-written loop does."""
+
+    def __init__(self, hand_written: tuple[int, int] | None = None) -> None:
+        super().__init__()
+        self.model = build_model()
+        self.hand_written = hand_written
+
+    def configure_model(self) -> None:
+        if self.hand_written:
+            parallelize_by_hand(self.model, self.device_mesh["data_parallel"], self.device_mesh["tensor_parallel"])
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        return F.cross_entropy(self.model(tokens).flatten(0, 1), labels.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def parallelize_by_hand(model, dp_mesh, tp_mesh) -> None:
+    """What a user writes without lightning-nd: TP plan per layer, then FSDP per layer and the root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from torch.distributed.tensor import Replicate
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    if tp_mesh.size() > 1:
+        for layer in model.layers:
+            parallelize_module(layer, tp_mesh, {name: styles[style]() for name, style in TP_PLAN.items()})
+        parallelize_module(model, tp_mesh, {"embed_tokens": RowwiseParallel(input_layouts=Replicate()),
+                                            "lm_head": ColwiseParallel(output_layouts=Replicate())})
+    if dp_mesh.size() > 1:
+        for layer in model.layers:
+            fully_shard(layer, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+
+
+class StepTimes(Callback):
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.starts.append(time.perf_counter())
+
+
+def lightning_run(strategy, module: Bench, data) -> list[float]:
+    timer = StepTimes()
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=WORLD_SIZE, max_steps=len(data), logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[timer], use_distributed_sampler=False)
+    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
+    return [b - a for a, b in zip(timer.starts, timer.starts[1:])][WARMUP:]
+
+
+def torch_run(dp_shard: int, tp: int, data) -> list[float]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dp_shard, tp), mesh_dim_names=("dp", "tp"))
+    model = build_model()
+    parallelize_by_hand(model, mesh["dp"], mesh["tp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    starts = []
+    for tokens, labels in data:
+        starts.append(time.perf_counter())
+        optimizer.zero_grad()
+        F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).backward()
+        optimizer.step()
+    starts.append(time.perf_counter())
+    return [b - a for a, b in zip(starts, starts[1:])][WARMUP:]
+
+
+def main() -> None:
+    import torch.distributed as dist
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_nd import NDParallel
+
+    rank = int(os.environ["RANK"])
+    rows = []
+    for name, (dp_shard, tp) in LAYOUTS.items():
+        times: dict[str, list[float]] = {"NDParallel": [], "plain torch": [], "ModelParallelStrategy": []}
+        data = batches(rank // tp, STEPS + WARMUP)
+        for _ in range(ROUNDS):
+            times["NDParallel"] += lightning_run(NDParallel(dp_shard=dp_shard, tp=tp), Bench(), data)
+            times["plain torch"] += torch_run(dp_shard, tp, data)
+            mps = ModelParallelStrategy(data_parallel_size=dp_shard, tensor_parallel_size=tp)
+            times["ModelParallelStrategy"] += lightning_run(mps, Bench(hand_written=(dp_shard, tp)), data)
+        rows.append((name, {variant: statistics.median(values) for variant, values in times.items()}))
+        dist.barrier()
+    if rank == 0:
+        print(f"\n{'layout':20} {'NDParallel':>11} {'plain torch':>12} {'MPS':>9} {'vs torch':>9} {'vs MPS':>8}")
+        for name, median in rows:
+            nd, plain, mps = median["NDParallel"], median["plain torch"], median["ModelParallelStrategy"]
+            print(f"{name:20} {nd * 1e3:>9.1f}ms {plain * 1e3:>10.1f}ms {mps * 1e3:>7.1f}ms {nd / plain:>9.3f} {nd / mps:>8.3f}")
+        worst = max(m["NDParallel"] / m["plain torch"] for _, m in rows)
+        print(f"max overhead vs plain torch (target <= 1.03): {worst:.3f}")
+
+
+if __name__ == "__main__":
+    run_on_ranks(main, WORLD_SIZE)
