@@ -1,7 +1,8 @@
 """Step time of NDParallel in Lightning vs the same layout hand-written (plain torch loop, and Lightning's
 ModelParallelStrategy with a hand-written `configure_model`), interleaved, on 4 CPU processes.
 
-    python benchmarks/overhead.py
+    python benchmarks/overhead.py                      # CPU, gloo
+    python benchmarks/overhead.py --accelerator=cuda   # 4 GPUs, nccl (gpu_check.sh)
 
 Each round runs every variant for the same number of steps on a fresh copy of the same model and data;
 a step's time is the wall time between the starts of consecutive steps (everything the loop does),
@@ -99,9 +100,12 @@ class StepTimes(Callback):
         self.starts.append(time.perf_counter())
 
 
+ACCELERATOR = "cuda" if "--accelerator=cuda" in sys.argv else "cpu"
+
+
 def lightning_run(strategy, module: Bench, data) -> list[float]:
     timer = StepTimes()
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=WORLD_SIZE, max_steps=len(data), logger=False,
+    trainer = Trainer(strategy=strategy, accelerator=ACCELERATOR, devices=WORLD_SIZE, max_steps=len(data), logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[timer], use_distributed_sampler=False)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
@@ -111,12 +115,16 @@ def lightning_run(strategy, module: Bench, data) -> list[float]:
 def torch_run(dp_shard: int, tp: int, data) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (dp_shard, tp), mesh_dim_names=("dp", "tp"))
-    model = build_model()
+    device = torch.device(ACCELERATOR, int(os.environ["LOCAL_RANK"])) if ACCELERATOR == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(ACCELERATOR, (dp_shard, tp), mesh_dim_names=("dp", "tp"))
+    model = build_model().to(device)
     parallelize_by_hand(model, mesh["dp"], mesh["tp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     starts = []
     for tokens, labels in data:
+        tokens, labels = tokens.to(device), labels.to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         starts.append(time.perf_counter())
         optimizer.zero_grad()
         F.cross_entropy(model(tokens).flatten(0, 1), labels.flatten()).backward()

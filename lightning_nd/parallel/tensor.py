@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import all_gather_tensor, reduce_scatter_tensor, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -69,15 +70,21 @@ class ShardingSequenceParallel(SequenceParallel):
         return value
 
 
-def style_for(name: str, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle:
-    """The torch `ParallelStyle` for a style name, in the current SP / loss-parallel mode."""
+def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_shared: bool = False) -> ParallelStyle:
+    """The torch `ParallelStyle` for a style name, in the current SP / loss-parallel mode.
+
+    ``input_shared``: the enclosing module hands its projections one replicated input (see `apply_tp`).
+    """
     residual = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
-    # Colwise layers declare the layout they may receive: torch redistributes by the declared layout,
-    # not by the actual placement of a DTensor input, so a sequence-sharded input must be declared.
+    # Colwise layers declare the layout they receive: torch redistributes by the declared layout, not
+    # by the actual placement of a DTensor input, so a sequence-sharded input must be declared as such.
+    # A shared replicated input is declared Replicate: a (no-op) redistribute would all-reduce each
+    # projection's input gradient in backward instead of leaving one reduction to the shared input.
+    colwise_input = Replicate() if input_shared else residual
     if name == "colwise":
-        return ColwiseParallel(input_layouts=residual)
+        return ColwiseParallel(input_layouts=colwise_input)
     if name == "packed_colwise":
-        return PackedColwiseParallel(input_layouts=residual)
+        return PackedColwiseParallel(input_layouts=colwise_input)
     if name == "rowwise":
         return RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
     if name == "embedding_rowwise":
@@ -109,7 +116,10 @@ def apply_tp(
     for name, style in entries.items():
         if style == "replicate":  # the Hugging Face meaning: every rank keeps the full parameters
             continue
-        parallel_style = style if isinstance(style, ParallelStyle) else style_for(style, sequence_parallel, loss_parallel)
+        shared = parent_name(name) not in block_names
+        parallel_style = (
+            style if isinstance(style, ParallelStyle) else style_for(style, sequence_parallel, loss_parallel, shared)
+        )
         parallelize_module(get_submodule(model, name), tp_mesh, parallel_style)
     for name in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
         module = get_submodule(model, name)
@@ -167,9 +177,27 @@ def _divide_head_counts(name: str, module: nn.Module, tp: int) -> None:
         setattr(module, attr, value // tp)
 
 
+class _GatherSequence(torch.autograd.Function):
+    """Sequence shards -> the full sequence (all-gather); in backward the projections' Partial input
+    gradients go straight back to shards with one reduce-scatter. DTensor's own redistribute
+    all-reduced them first (measured: 1.8x the minimum bytes under SP)."""
+
+    @staticmethod
+    def forward(ctx, value: DTensor) -> DTensor:
+        ctx.mesh, ctx.dim = value.device_mesh, value.placements[0].dim
+        full = wait_tensor(all_gather_tensor(value.to_local().contiguous(), gather_dim=ctx.dim, group=ctx.mesh))
+        return DTensor.from_local(full, ctx.mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def backward(ctx, grad: DTensor) -> DTensor:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad  # Partial: unreduced summands
+        shard = wait_tensor(reduce_scatter_tensor(local.contiguous(), "sum", scatter_dim=ctx.dim, group=ctx.mesh))
+        return DTensor.from_local(shard, ctx.mesh, [Shard(ctx.dim)], run_check=False)
+
+
 def _to_replicate(value: object) -> object:
-    if isinstance(value, DTensor) and any(isinstance(p, Shard) for p in value.placements):
-        return value.redistribute(placements=[Replicate()] * value.device_mesh.ndim)
+    if isinstance(value, DTensor) and value.device_mesh.ndim == 1 and isinstance(value.placements[0], Shard):
+        return _GatherSequence.apply(value)
     return value
 
 
