@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import Bench, StepTimer  # noqa: E402
 from examples.models.llama import Llama, LlamaConfig  # noqa: E402
 from lightning_nd import NDParallel  # noqa: E402
 
@@ -28,32 +27,6 @@ BIG = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504, nu
                   num_attention_heads=16, num_key_value_heads=8)
 TINY = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
-
-
-class Bench(LightningModule):
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.config = config
-
-    def configure_model(self) -> None:
-        self.model = Llama(self.config)
-
-    def training_step(self, batch, batch_idx):
-        tokens, labels = batch
-        return F.cross_entropy(self.model(tokens).flatten(0, 1).float(), labels.flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
-class StepTimes(Callback):
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.starts.append(time.perf_counter())
 
 
 def main() -> None:
@@ -68,14 +41,14 @@ def main() -> None:
     config, seq = (TINY, 64) if args.tiny else (BIG, args.seq)
     tokens = torch.randint(config.vocab_size, (args.steps, args.batch, seq + 1))
     data = DataLoader([(t[:, :-1], t[:, 1:]) for t in tokens], batch_size=None)
-    timer = StepTimes()
+    timer = StepTimer(warmup=2)
     trainer = Trainer(strategy=NDParallel(dp_shard=1, activation_checkpointing="selective"),
                       accelerator=args.accelerator, devices=1, max_steps=args.steps,
                       precision="bf16-mixed", logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[timer], use_distributed_sampler=False)
-    module = Bench(config)
+    module = Bench(lambda: Llama(config), in_configure_model=True)
     trainer.fit(module, train_dataloaders=data)
-    step = sorted(b - a for a, b in zip(timer.starts[2:], timer.starts[3:]))[(len(timer.starts) - 3) // 2]
+    step = sorted(timer.step_times)[len(timer.step_times) // 2]
     params = sum(p.numel() for p in module.model.parameters())
     flops_per_token = 6 * params + 12 * config.num_hidden_layers * config.hidden_size * seq
     tokens_per_s = args.batch * seq / step

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import Bench, StepTimer  # noqa: E402
 from benchmarks.launch import run_on_ranks  # noqa: E402
 
 WORLD_SIZE = 4
@@ -50,26 +51,6 @@ def batches(dp_rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-class Bench(LightningModule):
-    """No logging, no metrics: the step does what the hand-written loop does."""
-
-    def __init__(self, hand_written: tuple[int, int] | None = None) -> None:
-        super().__init__()
-        self.model = build_model()
-        self.hand_written = hand_written
-
-    def configure_model(self) -> None:
-        if self.hand_written:
-            parallelize_by_hand(self.model, self.device_mesh["data_parallel"], self.device_mesh["tensor_parallel"])
-
-    def training_step(self, batch, batch_idx):
-        tokens, labels = batch
-        return F.cross_entropy(self.model(tokens).flatten(0, 1), labels.flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-
 def parallelize_by_hand(model, dp_mesh, tp_mesh) -> None:
     """What a user writes without lightning-nd: TP plan per layer, then FSDP per layer and the root."""
     from torch.distributed.fsdp import fully_shard
@@ -89,27 +70,16 @@ def parallelize_by_hand(model, dp_mesh, tp_mesh) -> None:
         fully_shard(model, mesh=dp_mesh)
 
 
-class StepTimes(Callback):
-    def __init__(self) -> None:
-        self.starts: list[float] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.starts.append(time.perf_counter())
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.starts.append(time.perf_counter())
-
-
 ACCELERATOR = "cuda" if "--accelerator=cuda" in sys.argv else "cpu"
 
 
 def lightning_run(strategy, module: Bench, data) -> list[float]:
-    timer = StepTimes()
+    timer = StepTimer(WARMUP)
     trainer = Trainer(strategy=strategy, accelerator=ACCELERATOR, devices=WORLD_SIZE, max_steps=len(data), logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[timer], use_distributed_sampler=False)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
-    return [b - a for a, b in zip(timer.starts, timer.starts[1:])][WARMUP:]
+    return timer.step_times
 
 
 def torch_run(dp_shard: int, tp: int, data) -> list[float]:
@@ -145,10 +115,12 @@ def main() -> None:
         times: dict[str, list[float]] = {"NDParallel": [], "plain torch": [], "ModelParallelStrategy": []}
         data = batches(rank // tp, STEPS + WARMUP)
         for _ in range(ROUNDS):
-            times["NDParallel"] += lightning_run(NDParallel(dp_shard=dp_shard, tp=tp), Bench(), data)
+            times["NDParallel"] += lightning_run(NDParallel(dp_shard=dp_shard, tp=tp), Bench(build_model), data)
             times["plain torch"] += torch_run(dp_shard, tp, data)
             mps = ModelParallelStrategy(data_parallel_size=dp_shard, tensor_parallel_size=tp)
-            times["ModelParallelStrategy"] += lightning_run(mps, Bench(hand_written=(dp_shard, tp)), data)
+            by_hand = Bench(build_model, configure=lambda model, mesh: parallelize_by_hand(
+                model, mesh["data_parallel"], mesh["tensor_parallel"]))
+            times["ModelParallelStrategy"] += lightning_run(mps, by_hand, data)
         rows.append((name, {variant: statistics.median(values) for variant, values in times.items()}))
         dist.barrier()
     if rank == 0:

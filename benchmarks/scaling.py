@@ -15,16 +15,16 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.common import Bench, StepTimer  # noqa: E402
 
 WORLD_SIZES = (1, 2, 4, 8)
 GLOBAL_BATCH, SEQ, STEPS, WARMUP = 16, 128, 8, 2
@@ -33,35 +33,19 @@ CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidde
 RESULT = "SCALING_RESULT "
 
 
-class Bench(LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        from examples.models.llama import Llama, LlamaConfig
-
-        torch.manual_seed(0)
-        self.model = Llama(LlamaConfig(**CONFIG))
-
-    def training_step(self, batch, batch_idx):
-        tokens, labels = batch
-        return F.cross_entropy(self.model(tokens).flatten(0, 1), labels.flatten())
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+def state_bytes(trainer, module) -> int:
+    """Parameters, gradients and AdamW moments this rank holds (local shards)."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    state = [local(p) for p in module.parameters()] + [local(p.grad) for p in module.parameters()]
+    state += [local(v) for s in trainer.optimizers[0].state.values() for v in s.values() if v.ndim > 0]
+    return sum(t.numel() * t.element_size() for t in state)
 
 
-class Probe(Callback):
-    def __init__(self) -> None:
-        self.starts: list[float] = []
+def build_model():
+    from examples.models.llama import Llama, LlamaConfig
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.starts.append(time.perf_counter())
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.starts.append(time.perf_counter())
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-        state = [local(p) for p in pl_module.parameters()] + [local(p.grad) for p in pl_module.parameters()]
-        state += [local(v) for s in trainer.optimizers[0].state.values() for v in s.values() if v.ndim > 0]
-        self.state_bytes = sum(t.numel() * t.element_size() for t in state)
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(**CONFIG))
 
 
 def worker(accelerator: str) -> None:
@@ -72,16 +56,16 @@ def worker(accelerator: str) -> None:
     generator = torch.Generator().manual_seed(rank)
     tokens = torch.randint(CONFIG["vocab_size"], (STEPS + WARMUP, per_rank, SEQ + 1), generator=generator)
     data = DataLoader([(t[:, :-1], t[:, 1:]) for t in tokens], batch_size=None)
-    probe = Probe()
+    timer, module = StepTimer(WARMUP), Bench(build_model)
     trainer = Trainer(strategy=NDParallel(dp_shard=-1), accelerator=accelerator, devices=world,
                       max_steps=STEPS + WARMUP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=[probe], use_distributed_sampler=False)
-    trainer.fit(Bench(), train_dataloaders=data)
-    step_times = [b - a for a, b in zip(probe.starts, probe.starts[1:])][WARMUP:]
+                      enable_model_summary=False, callbacks=[timer], use_distributed_sampler=False)
+    trainer.fit(module, train_dataloaders=data)
+    step_times = timer.step_times
     if rank == 0:
         median = sorted(step_times)[len(step_times) // 2]
         print(RESULT + json.dumps({"world": world, "tokens_per_s": GLOBAL_BATCH * SEQ / median,
-                                   "state_bytes": probe.state_bytes}), flush=True)
+                                   "state_bytes": state_bytes(trainer, module)}), flush=True)
 
 
 def main() -> None:

@@ -1,0 +1,58 @@
+"""What the timing benchmarks share: a LightningModule that does only the step, and a step timer."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule
+from torch import nn
+
+
+class Bench(LightningModule):
+    """Cross-entropy on (tokens, labels) batches, AdamW; no logging, no metrics.
+
+    ``build`` makes the model: at construction, or in `configure_model` with ``in_configure_model``
+    (meta-device init under NDParallel). ``configure`` is a user's own parallel code for that hook.
+    """
+
+    def __init__(self, build: Callable[[], nn.Module], *, in_configure_model: bool = False,
+                 configure: Callable[[nn.Module, object], None] | None = None) -> None:
+        super().__init__()
+        self.build, self.configure = build, configure
+        self.model = None if in_configure_model else build()
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self.build()
+        if self.configure is not None:
+            self.configure(self.model, self.device_mesh)
+
+    def training_step(self, batch, batch_idx):
+        tokens, labels = batch
+        return F.cross_entropy(self.model(tokens).flatten(0, 1).float(), labels.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class StepTimer(Callback):
+    """Wall time between the starts of consecutive steps (everything the loop does), after warm-up."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.starts.append(time.perf_counter())
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.starts.append(time.perf_counter())
+
+    @property
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.starts, self.starts[1:])][self.warmup:]
