@@ -41,8 +41,6 @@ LAYOUTS = {
     "tp=4 + sp": {"tp": 4, "sequence_parallel": True},
     "dp_shard=2 x tp=2": {"dp_shard": 2, "tp": 2, "zero_stage": 2},
 }
-GATHERS = ("allgather", "all_gather", "_allgather_base")
-SCATTERS = ("reduce_scatter", "_reduce_scatter_base")
 
 
 class CollectiveBytes(TorchDispatchMode):

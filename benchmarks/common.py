@@ -1,4 +1,5 @@
-"""What the timing benchmarks share: a LightningModule that does only the step, and a step timer."""
+"""What the benchmarks share: the Llama-style model they time, a LightningModule that does only the step,
+a step timer, and the model-state bytes a rank holds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,26 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule
 from torch import nn
+
+
+MODEL_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                    num_attention_heads=8, num_key_value_heads=4)
+
+
+def build_model() -> nn.Module:
+    """The 6.4M-parameter Llama-style model of the timing benchmarks, the same weights on every rank."""
+    from examples.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(**MODEL_CONFIG))
+
+
+def state_bytes(parameters: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
+    """Parameters, gradients and optimizer moments this rank holds (local shards; 0-dim step counters left out)."""
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    state = parameters + [p.grad for p in parameters]
+    state += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return sum(local(t).numel() * t.element_size() for t in state if t is not None and t.ndim > 0)
 
 
 class Bench(LightningModule):

@@ -21,6 +21,7 @@ from lightning.pytorch import Callback, Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import state_bytes  # noqa: E402
 from benchmarks.launch import run_on_ranks  # noqa: E402
 
 WORLD_SIZE = 4
@@ -35,22 +36,11 @@ LAYOUTS = {
 }
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
-def _bytes(tensors) -> int:
-    return sum(_local(t).numel() * t.element_size() for t in tensors if t is not None and t.ndim > 0)
-
-
 class StateBytes(Callback):
     """Model-state bytes on this rank once training ends (the grads of the last step are still there)."""
 
     def on_train_end(self, trainer, pl_module) -> None:
-        optimizer = trainer.optimizers[0]
-        moments = [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
-        params = list(pl_module.parameters())
-        self.bytes = _bytes(params) + _bytes(p.grad for p in params) + _bytes(moments)
+        self.bytes = state_bytes(list(pl_module.parameters()), trainer.optimizers[0])
 
 
 def measure(layout: dict) -> tuple[int, float]:

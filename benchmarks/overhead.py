@@ -24,30 +24,21 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Bench, StepTimer  # noqa: E402
+from benchmarks.common import MODEL_CONFIG, Bench, StepTimer, build_model  # noqa: E402
 from benchmarks.launch import run_on_ranks  # noqa: E402
 
 WORLD_SIZE = 4
 ROUNDS, STEPS, WARMUP = 3, 8, 2
 BATCH, SEQ = 4, 128
-CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-              num_attention_heads=8, num_key_value_heads=4)
 LAYOUTS = {"dp_shard=4": (4, 1), "tp=4": (1, 4), "dp_shard=2 x tp=2": (2, 2)}  # (dp_shard, tp)
 TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
            "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
            "mlp.down_proj": "rowwise"}
 
 
-def build_model():
-    from examples.models.llama import Llama, LlamaConfig
-
-    torch.manual_seed(0)
-    return Llama(LlamaConfig(**CONFIG))
-
-
 def batches(dp_rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(dp_rank)
-    tokens = torch.randint(CONFIG["vocab_size"], (count, BATCH, SEQ + 1), generator=generator)
+    tokens = torch.randint(MODEL_CONFIG["vocab_size"], (count, BATCH, SEQ + 1), generator=generator)
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 

@@ -24,28 +24,11 @@ from torch.utils.data import DataLoader
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import Bench, StepTimer  # noqa: E402
+from benchmarks.common import MODEL_CONFIG, Bench, StepTimer, build_model, state_bytes  # noqa: E402
 
 WORLD_SIZES = (1, 2, 4, 8)
 GLOBAL_BATCH, SEQ, STEPS, WARMUP = 16, 128, 8, 2
-CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-              num_attention_heads=8, num_key_value_heads=4)
 RESULT = "SCALING_RESULT "
-
-
-def state_bytes(trainer, module) -> int:
-    """Parameters, gradients and AdamW moments this rank holds (local shards)."""
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    state = [local(p) for p in module.parameters()] + [local(p.grad) for p in module.parameters()]
-    state += [local(v) for s in trainer.optimizers[0].state.values() for v in s.values() if v.ndim > 0]
-    return sum(t.numel() * t.element_size() for t in state)
-
-
-def build_model():
-    from examples.models.llama import Llama, LlamaConfig
-
-    torch.manual_seed(0)
-    return Llama(LlamaConfig(**CONFIG))
 
 
 def worker(accelerator: str) -> None:
@@ -54,7 +37,7 @@ def worker(accelerator: str) -> None:
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     per_rank = GLOBAL_BATCH // world
     generator = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(CONFIG["vocab_size"], (STEPS + WARMUP, per_rank, SEQ + 1), generator=generator)
+    tokens = torch.randint(MODEL_CONFIG["vocab_size"], (STEPS + WARMUP, per_rank, SEQ + 1), generator=generator)
     data = DataLoader([(t[:, :-1], t[:, 1:]) for t in tokens], batch_size=None)
     timer, module = StepTimer(WARMUP), Bench(build_model)
     trainer = Trainer(strategy=NDParallel(dp_shard=-1), accelerator=accelerator, devices=world,
@@ -65,7 +48,7 @@ def worker(accelerator: str) -> None:
     if rank == 0:
         median = sorted(step_times)[len(step_times) // 2]
         print(RESULT + json.dumps({"world": world, "tokens_per_s": GLOBAL_BATCH * SEQ / median,
-                                   "state_bytes": state_bytes(trainer, module)}), flush=True)
+                                   "state_bytes": state_bytes(list(module.parameters()), trainer.optimizers[0])}), flush=True)
 
 
 def main() -> None:

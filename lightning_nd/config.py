@@ -15,7 +15,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_nd.dims import ParallelDims, closest_name, divisors
 from lightning_nd.plans import TPPlan, resolve_tp_plan
-from lightning_nd.structure import ModelFacts, find_blocks, read_model_facts
+from lightning_nd.structure import find_blocks, read_model_facts
 
 log = logging.getLogger("lightning_nd")
 
@@ -123,16 +123,12 @@ def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> None:
         log.warning("`tp_plan` is ignored: tp=1, so no layer is split.")
 
 
-def inspect_model(module: nn.Module, config: ParallelConfig) -> tuple[list[tuple[str, nn.Module]], ModelFacts]:
-    blocks = find_blocks(module, config.block_classes)
-    return blocks, read_model_facts(module, blocks)
-
-
 def check_model(
     module: nn.Module, dims: ParallelDims, config: ParallelConfig
 ) -> tuple[list[tuple[str, nn.Module]], TPPlan | None]:
     """Everything about the model that can be wrong for these dims; returns its blocks and TP plan."""
-    blocks, facts = inspect_model(module, config)
+    blocks = find_blocks(module, config.block_classes)
+    facts = read_model_facts(module, blocks)
     if config.block_classes and not blocks:
         raise ValueError(
             f"`block_classes={list(config.block_classes)}` matches no module of `{type(module).__name__}`."

@@ -56,8 +56,9 @@ def _gather_positions(positions: torch.Tensor, group: ProcessGroup) -> torch.Ten
     return torch.cat(gathered)
 
 
-def _block(q, k, v, q_pos, k_pos, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q [B, Hkv, G, Sq, D] to one block k, v [B, Hkv, 1, Sk, D]: output and log-sum-exp."""
+def _block(q, kv, q_pos, k_pos, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [B, Hkv, G, Sq, D] to one block of stacked K/V [2, B, Hkv, Sk, D]: output and log-sum-exp."""
+    k, v = kv[0][:, :, None], kv[1][:, :, None]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
@@ -81,7 +82,9 @@ def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return q.view(batch, kv_heads, heads // kv_heads, seq, dim)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+def _checked_scale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   scale: float | None) -> float:
+    """Validate the shapes; the softmax scale (1/sqrt(head_dim) unless given)."""
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"ring attention expects q [B, H, S, D] and k, v [B, Hkv, S, D]; got q {tuple(q.shape)},"
                          f" k {tuple(k.shape)}, v {tuple(v.shape)}.")
@@ -89,6 +92,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.T
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads.")
     if positions.shape != (q.shape[2],):
         raise ValueError(f"`positions` must hold one position per local token ({q.shape[2]}), got {tuple(positions.shape)}.")
+    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
 def ring_attention(
@@ -106,8 +110,7 @@ def ring_attention(
     ``q`` [B, H, S_local, D], ``k``/``v`` [B, Hkv, S_local, D] (grouped-query when Hkv < H), ``positions``
     [S_local]: the global sequence position of each local token (the same on every rank for its rows).
     """
-    _check(q, k, v, positions)
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = _checked_scale(q, k, v, positions, scale)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     every_position = _gather_positions(positions, group).view(size, -1)
     grouped_q = _grouped(q, k.shape[1])
@@ -118,10 +121,8 @@ def ring_attention(
             # One stacked tensor per hop, kept in the graph even when the block below is fully masked.
             kv = _RingShift.apply(kv, group)
         source = (rank - step) % size
-        block_out, block_lse = _block(grouped_q, kv[0][:, :, None], kv[1][:, :, None], positions,
-                                      every_position[source], causal, scale)
-        out, lse = _merge(out, lse, block_out, block_lse)
-    return out.reshape(q.shape[0], q.shape[1], q.shape[2], -1)
+        out, lse = _merge(out, lse, *_block(grouped_q, kv, positions, every_position[source], causal, scale))
+    return out.reshape(q.shape)
 
 
 def all_gather_attention(
@@ -137,11 +138,9 @@ def all_gather_attention(
     """The same result as `ring_attention` with one all-gather of K/V (more memory, one collective)."""
     from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
 
-    _check(q, k, v, positions)
-    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = _checked_scale(q, k, v, positions, scale)
     # The autograd all-gather of torch.distributed.nn scatters from global rank 0 in backward, which breaks
     # on sub-groups; the functional collective's backward is a reduce-scatter over the group itself.
     gathered = wait_tensor(all_gather_tensor_autograd(torch.stack([k, v]).contiguous(), gather_dim=3, group=group))
-    out, _ = _block(_grouped(q, k.shape[1]), gathered[0][:, :, None], gathered[1][:, :, None], positions,
-                    _gather_positions(positions, group), causal, scale)
-    return out.reshape(q.shape[0], q.shape[1], q.shape[2], -1)
+    out, _ = _block(_grouped(q, k.shape[1]), gathered, positions, _gather_positions(positions, group), causal, scale)
+    return out.reshape(q.shape)

@@ -31,12 +31,6 @@ def shard_positions(seq_len: int, cp: int, rank: int, sharding: Sharding = "zigz
     return torch.cat([positions[rank], positions[chunks - 1 - rank]])
 
 
-def shard_sequence(tensor: torch.Tensor, cp: int, rank: int, dim: int = 1, sharding: Sharding = "zigzag") -> torch.Tensor:
-    """This rank's rows of ``tensor`` along ``dim`` (the same permutation for tokens, labels, masks)."""
-    index = shard_positions(tensor.shape[dim], cp, rank, sharding).to(tensor.device)
-    return tensor.index_select(dim, index)
-
-
 def attention_flops_per_rank(seq_len: int, cp: int, sharding: Sharding, *, causal: bool = True) -> list[int]:
     """Query-key pairs each rank scores (proportional to its attention FLOPs)."""
     work = []

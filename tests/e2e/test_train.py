@@ -28,7 +28,8 @@ def train_args(command: str) -> list[str]:
     return words[words.index("examples/train.py") + 1:]
 
 
-def run_train(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def run_train_script(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """examples/train.py in its own process (Lightning then launches the other ranks from there)."""
     return subprocess.run([sys.executable, "examples/train.py", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -53,9 +54,9 @@ def test_readme_quick_start_is_two_commands_sharing_one_setup():
 
 
 def test_readme_main_job_trains_and_writes_tensorboard(tmp_path):
-    args = train_args(quick_start_commands()[0])
-    assert args[:1] == ["parallel=fsdp_tp"] and "trainer.devices=4" in args
-    done = run_train([*args, f"hydra.run.dir={tmp_path}"])
+    argv = train_args(quick_start_commands()[0])
+    assert argv[:1] == ["parallel=fsdp_tp"] and "trainer.devices=4" in argv
+    done = run_train_script([*argv, f"hydra.run.dir={tmp_path}"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     accumulator = events(tmp_path / "tensorboard")
     losses = [event.value for event in accumulator.Scalars("train_loss")]
@@ -69,7 +70,7 @@ def test_readme_main_job_trains_and_writes_tensorboard(tmp_path):
 def test_hydra_sweep_runs_every_layout(tmp_path):
     layouts = {"fsdp": "Applied FSDP (shard=4)", "hsdp": "HSDP (replicate=2 x shard=2)",
                "ddp": "replicate=4", "tp": "tensor parallel (tp=4"}
-    done = run_train(["-m", f"parallel={','.join(layouts)}", "trainer.devices=4", "trainer.max_steps=3",
+    done = run_train_script(["-m", f"parallel={','.join(layouts)}", "trainer.devices=4", "trainer.max_steps=3",
                       "trainer.val_check_interval=3", f"hydra.sweep.dir={tmp_path}"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for job, expected in enumerate(layouts.values()):
@@ -83,7 +84,7 @@ def test_hydra_sweep_runs_every_layout(tmp_path):
     ("+parallel.dq=2", "has no option `dq`"),
 ])
 def test_bad_override_fails_before_training_with_a_hint(override, message):
-    done = run_train(["parallel=fsdp_tp", "trainer.devices=4", override], timeout=300)
+    done = run_train_script(["parallel=fsdp_tp", "trainer.devices=4", override], timeout=300)
     output = done.stderr + done.stdout
     assert done.returncode != 0
     assert message in output and "HINT" in output
