@@ -39,31 +39,47 @@ def launch(target: str, world_size: int, out_dir: Path, timeout: float = 600, **
             **os.environ,
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world_size),
             "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         }
         log = open(out_dir / f"rank{rank}.log", "w")
         cmd = [sys.executable, "-m", "tests.worker", target, json.dumps(kwargs), str(out_dir)]
         procs.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log))
-    failed = _wait_all([proc for proc, _ in procs], timeout)
+    first, failed = _wait_all([proc for proc, _ in procs], timeout)
     for _, log in procs:
         log.close()
     if failed:
-        tails = "\n".join(
-            f"--- rank {rank} ---\n" + (out_dir / f"rank{rank}.log").read_text()[-3000:] for rank in range(world_size)
-        )
-        raise RuntimeError(f"{target} failed on ranks {failed}:\n{tails}")
+        codes = {rank: procs[rank][0].returncode for rank in failed}
+        tails = "\n".join(_tail(out_dir / f"rank{rank}.log", rank, rank == first) for rank in range(world_size))
+        raise RuntimeError(f"{target} failed: rank {first} first, exit codes {codes}:\n{tails}")
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float = 10.0) -> list[int]:
-    """Wait for every rank; once one fails give the others ``grace`` seconds, then kill what still runs."""
+def _tail(log: Path, rank: int, first: bool) -> str:
+    """The end of a rank's log; for the rank that failed first, also from its first traceback on."""
+    text = log.read_text()
+    start = text.find("Traceback") if first else -1
+    body = text[start:start + 4000] + "\n[...]\n" if start >= 0 else ""
+    return f"--- rank {rank}{' (failed first)' if first else ''} ---\n{body}{text[-3000:]}"
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float, grace: float = 10.0) -> tuple[int | None, list[int]]:
+    """Wait for every rank; once one fails give the others ``grace`` seconds, then kill what still runs.
+
+    Returns the rank that failed first (None on a timeout with no failure) and every failed rank.
+    """
     deadline = time.monotonic() + timeout
+    first = None
     while any(proc.poll() is None for proc in procs) and time.monotonic() < deadline:
-        if any(proc.poll() not in (None, 0) for proc in procs):
-            deadline = min(deadline, time.monotonic() + grace)
+        if first is None:
+            first = next((rank for rank, proc in enumerate(procs) if proc.poll() not in (None, 0)), None)
+            if first is not None:
+                deadline = min(deadline, time.monotonic() + grace)
         time.sleep(0.1)
     for proc in procs:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
+    failed = [rank for rank, proc in enumerate(procs) if proc.returncode != 0]
+    if first is None and failed:
+        first = next((rank for rank in failed if procs[rank].returncode > 0), failed[0])
+    return first, failed
