@@ -43,9 +43,17 @@ class CausalLM(LightningModule):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return logits_of(self.model(tokens))
 
+    def pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the model is called with, and what its output is scored against (also used under pp)."""
+        return batch["tokens"], batch["labels"]
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss (under pp the last stage calls it on each microbatch)."""
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self(batch["tokens"])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+        tokens, labels = self.pipeline_inputs(batch)
+        return self.pipeline_loss(self(tokens), labels)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

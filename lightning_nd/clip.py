@@ -48,15 +48,16 @@ def _collective_device(tensors: list[torch.Tensor]) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0, pp: int = 1) -> torch.Tensor:
     """The norm of all gradients as if they sat unsharded on one device (the same value on every rank).
 
-    Gradients must hold no Partial placement (see `align_grads_to_params`).
+    Gradients must hold no Partial placement (see `align_grads_to_params`). Under ``pp`` pipeline
+    stages every parameter lives on the ranks of one stage only: 1/pp of the world.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     distributed = dist.is_initialized()
-    world_size = dist.get_world_size() if distributed else 1
+    world_size = (dist.get_world_size() if distributed else 1) // pp
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     device = _collective_device(locals_)
     if math.isinf(norm_type):
@@ -76,11 +77,13 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0)
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, pp: int = 1
+) -> torch.Tensor:
     """Scale every gradient by ``max_norm / global_norm`` when the global norm exceeds ``max_norm``."""
     parameters = [p for p in parameters if p.grad is not None]
     align_grads_to_params(parameters)
-    total = global_grad_norm(parameters, norm_type)
+    total = global_grad_norm(parameters, norm_type, pp)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for param in parameters:
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad

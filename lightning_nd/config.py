@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_nd.dims import ParallelDims, closest_name, divisors
+from lightning_nd.parallel.schedule import check_schedule
 from lightning_nd.plans import TPPlan, resolve_tp_plan
 from lightning_nd.structure import find_blocks, read_model_facts
 
@@ -21,16 +22,17 @@ log = logging.getLogger("lightning_nd")
 
 ZERO_STAGES = (1, 2, 3)
 AC_MODES = ("none", "full", "selective")
-NOT_YET = {"pp": "pipeline", "cp": "context", "ep": "expert"}
+NOT_YET = {"cp": "context", "ep": "expert"}
 
 
 @dataclass(kw_only=True)
 class ParallelConfig:
     """How to parallelize, beyond the sizes of the dims."""
 
-    zero_stage: Literal[1, 2, 3] = 3
+    zero_stage: Literal[1, 2, 3] | None = None
     """What FSDP shards: 3 = params+grads+optimizer (params freed after forward), 2 = params kept from
-    forward to backward, 1 = only optimizer state across a gradient-accumulation window."""
+    forward to backward, 1 = only optimizer state across a gradient-accumulation window. Default: 3,
+    or 2 under pipeline parallelism (each microbatch would gather the parameters again)."""
     tp_plan: Mapping[str, object] | None = None
     """Explicit TP plan: module-name pattern (``*`` = one component) -> style name or `ParallelStyle`."""
     sequence_parallel: bool = False
@@ -45,13 +47,23 @@ class ParallelConfig:
     """``torch.compile`` each block; a string names the backend (True means ``"inductor"``)."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 offload policy)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv, dualpipev."""
+    pp_microbatches: int | None = None
+    """Microbatches each batch splits into under pp; default 2 x pp. More shrink the bubble."""
+    pp_stages_per_rank: int | None = None
+    """Stages (virtual stages) per pp rank: 1 for gpipe/1f1b, default 2 for the looped and V-shaped schedules."""
+    pp_layers_per_stage: Sequence[int] | None = None
+    """Blocks per stage, first to last (e.g. [3, 4, 4, 3] for lighter end stages); default: balanced by parameters."""
+    pp_split: Sequence[str] | None = None
+    """Names of the blocks where stages 1, 2, ... start (e.g. ['layers.4']); the alternative to pp_layers_per_stage."""
     param_dtype: torch.dtype | None = None
     """FSDP compute dtype for parameters (set from `bf16-mixed` by the strategy)."""
     reduce_dtype: torch.dtype | None = None
     """FSDP gradient-reduction dtype."""
 
     def __post_init__(self) -> None:
-        if self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool):
+        if self.zero_stage is not None and (self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool)):
             raise ValueError(f"`zero_stage={self.zero_stage!r}` is not a ZeRO stage. HINT: use one of {ZERO_STAGES}:"
                              " 3 for the least memory, 2 for less communication.")
         if self.activation_checkpointing not in AC_MODES:
@@ -65,6 +77,8 @@ class ParallelConfig:
         self._check_tp_plan()
         self._check_block_classes()
         self._check_compile()
+        if self.pp_layers_per_stage is not None and self.pp_split is not None:
+            raise ValueError("`pp_layers_per_stage` and `pp_split` both say where stages split. HINT: pass one of them.")
 
     def _check_tp_plan(self) -> None:
         if self.tp_plan is None:
@@ -108,6 +122,13 @@ def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> None:
                 f"`NDParallel({name}={sizes[name]})`: {technique} parallelism is not available in this"
                 f" release of lightning-nd. HINT: use `{name}=1` and put the ranks into dp_shard or tp."
             )
+    if sizes["pp"] > 1:
+        _check_pipeline_config(sizes["pp"], config)
+    elif sizes["pp"] == 1 and (config.pp_microbatches or config.pp_stages_per_rank or config.pp_layers_per_stage
+                               or config.pp_split or config.pp_schedule != "1f1b"):
+        log.warning("The `pp_*` options are ignored: pp=1, so the model is not pipelined.")
+    if config.zero_stage is None and sizes["pp"] != -1:
+        config.zero_stage = 2 if sizes["pp"] > 1 else 3
     if config.compile and sizes["tp"] > 1:
         raise ValueError(
             f"`NDParallel(compile=..., tp={sizes['tp']})`: compiled blocks with tensor parallelism gave wrong gradients"
@@ -121,6 +142,19 @@ def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> None:
             )
     if config.tp_plan and sizes["tp"] == 1:
         log.warning("`tp_plan` is ignored: tp=1, so no layer is split.")
+
+
+def _check_pipeline_config(pp: int, config: ParallelConfig) -> None:
+    config.pp_stages_per_rank, config.pp_microbatches = check_schedule(
+        config.pp_schedule, pp, config.pp_stages_per_rank, config.pp_microbatches)
+    if config.compile:
+        raise ValueError(f"`NDParallel(compile=..., pp={pp})`: compiled blocks inside pipeline stages are not supported"
+                         " in this release (the zero-bubble schedules refuse them, and the stage hooks are untested"
+                         " under compile). HINT: compile=False with pp, or pp=1.")
+    if config.zero_stage == 1:
+        raise ValueError(f"`NDParallel(zero_stage=1, pp={pp})`: the pipeline reduces gradients at the end of every"
+                         " batch, so gradients cannot stay unreduced across an accumulation window."
+                         " HINT: zero_stage=2 (the default under pp) or 3.")
 
 
 def check_model(
@@ -137,6 +171,10 @@ def check_model(
     if dims.pp > 1 and facts.num_hidden_layers is not None and dims.pp > facts.num_hidden_layers:
         raise ValueError(f"`NDParallel(pp={dims.pp})` exceeds the model's {facts.num_hidden_layers} layers."
                          f" HINT: choose pp <= {facts.num_hidden_layers}.")
+    if dims.pp > 1:
+        from lightning_nd.stages import plan_stages
+
+        plan_stages(module, blocks, dims, config)
     if dims.ep > 1 and facts.num_experts is not None and facts.num_experts % dims.ep:
         raise ValueError(f"`NDParallel(ep={dims.ep})` does not divide `num_experts={facts.num_experts}`."
                          f" HINT: choose ep from {divisors(facts.num_experts)}.")

@@ -129,6 +129,10 @@ class ParallelDims:
         return self.tp > 1
 
     @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
     def batch_size_multiplier(self) -> int:
         """How many ranks see different samples: the per-rank batch times this is the global batch."""
         return self.dp_replicate * self.dp_shard

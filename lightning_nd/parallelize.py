@@ -17,7 +17,9 @@ from lightning_nd.mesh import NDMesh
 from lightning_nd.parallel.activation import apply_ac, apply_compile
 from lightning_nd.parallel.data import apply_fsdp
 from lightning_nd.parallel.tensor import apply_tp
+from lightning_nd.parallel.pipeline import PipelineStages, StageModule
 from lightning_nd.plans import TPPlan
+from lightning_nd.stages import StagePlan, build_stages, plan_stages, stage_blocks, stage_tp_entries
 
 log = logging.getLogger("lightning_nd")
 
@@ -29,6 +31,9 @@ class ParallelizeReport:
     blocks: list[str] = field(default_factory=list)
     tp_plan: TPPlan | None = None
     applied: list[str] = field(default_factory=list)
+    stage_plan: StagePlan | None = None
+    stages: list[StageModule] = field(default_factory=list)
+    module: nn.Module | None = None
 
 
 def parallelize(
@@ -39,39 +44,71 @@ def parallelize(
     *,
     forward_methods: Sequence[str] = (),
 ) -> ParallelizeReport:
-    """Apply every enabled technique to ``module`` in the fixed order, in place."""
+    """Apply every enabled technique to ``module`` in the fixed order, in place.
+
+    Under pp the model is split first (each stage is then parallelized on its own, as a model of
+    its own) and the LightningModule's model attribute becomes this rank's `PipelineStages`.
+    """
     check_config(dims.as_dict(), config)
     blocks, plan = check_model(module, dims, config)
-    report = ParallelizeReport(blocks=[name for name, _ in blocks], tp_plan=plan)
-    block_modules = [block for _, block in blocks]
+    report = ParallelizeReport(blocks=[name for name, _ in blocks], tp_plan=plan, module=module)
+    if not dims.pp_enabled:
+        _apply(module, blocks, plan.entries if plan else None, dims, mesh, config, report, forward_methods=forward_methods)
+        return report
+    _disable_kv_cache(module)
+    report.stage_plan = stage_plan = plan_stages(module, blocks, dims, config)
+    stages = build_stages(module, stage_plan, mesh.local_rank("pp"))
+    layout = stage_plan.layout
+    _applied(report, f"Split the model into {stage_plan.num_stages} pipeline stages from {layout.source}:"
+                     f" {layout.describe()}; schedule {config.pp_schedule} with {config.pp_microbatches} microbatches")
+    for index, stage in enumerate(stages):
+        entries = stage_tp_entries(plan.entries, stage_plan.attribute, stage) if plan else None
+        _apply(stage, stage_blocks(stage), entries, dims, mesh, config, report, root_unit=stage, quiet=index > 0)
+    setattr(module, stage_plan.attribute, PipelineStages(stages))
+    report.stages = stages
+    return report
 
-    if plan is not None:
-        apply_tp(
-            module, mesh["tp"], plan.entries,
-            sequence_parallel=config.sequence_parallel, loss_parallel=config.loss_parallel,
-            block_names=report.blocks,
-        )
-        _applied(report, f"Applied tensor parallel (tp={dims.tp}, sequence_parallel={config.sequence_parallel},"
-                         f" loss_parallel={config.loss_parallel}) to {len(plan.entries)} modules from {plan.source}")
+
+def _apply(
+    module: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    tp_entries: dict[str, object] | None,
+    dims: ParallelDims,
+    mesh: NDMesh,
+    config: ParallelConfig,
+    report: ParallelizeReport,
+    *,
+    forward_methods: Sequence[str] = (),
+    root_unit: nn.Module | None = None,
+    quiet: bool = False,
+) -> None:
+    """TP -> AC -> compile -> FSDP on one model (or one pipeline stage)."""
+    names, block_modules = [name for name, _ in blocks], [block for _, block in blocks]
+    applied = (lambda message: None) if quiet else (lambda message: _applied(report, message))  # noqa: E731
+    if tp_entries is not None:
+        apply_tp(module, mesh["tp"], tp_entries, sequence_parallel=config.sequence_parallel,
+                 loss_parallel=config.loss_parallel, block_names=names)
+        applied(f"Applied tensor parallel (tp={dims.tp}, sequence_parallel={config.sequence_parallel},"
+                f" loss_parallel={config.loss_parallel}) to {len(tp_entries)} modules from {report.tp_plan.source}")
     if config.activation_checkpointing != "none":
         _disable_kv_cache(module)
         apply_ac(block_modules, config.activation_checkpointing)
-        _applied(report, f"Applied {config.activation_checkpointing} activation checkpointing to {len(blocks)} blocks")
+        applied(f"Applied {config.activation_checkpointing} activation checkpointing to {len(blocks)} blocks")
     if config.compile:
         backend = config.compile if isinstance(config.compile, str) else "inductor"
         apply_compile(block_modules, backend)
-        _applied(report, f"Compiled {len(blocks)} blocks with torch.compile(backend={backend!r})")
+        applied(f"Compiled {len(blocks)} blocks with torch.compile(backend={backend!r})")
     if dims.dp_enabled or dims.fsdp_enabled:
         hsdp = dims.dp_replicate > 1
         apply_fsdp(
             module, block_modules, mesh["hsdp"] if hsdp else mesh["dp_shard_cp"],
             zero_stage=config.zero_stage, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
-            cpu_offload=config.cpu_offload, forward_methods=forward_methods,
+            cpu_offload=config.cpu_offload, forward_methods=forward_methods, root_unit=root_unit,
         )
         kind = f"HSDP (replicate={dims.dp_replicate} x shard={dims.dp_shard * dims.cp})" if hsdp else (
             f"FSDP (shard={dims.dp_shard * dims.cp})")
-        _applied(report, f"Applied {kind} with zero_stage={config.zero_stage} to {len(blocks)} blocks and the root")
-    return report
+        where = "each stage's blocks and the stage" if root_unit is not None else f"{len(blocks)} blocks and the root"
+        applied(f"Applied {kind} with zero_stage={config.zero_stage} to {where}")
 
 
 def _disable_kv_cache(module: nn.Module) -> None:

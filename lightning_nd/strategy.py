@@ -32,20 +32,22 @@ from lightning_nd.mesh import NDMesh, build_mesh
 from lightning_nd.parallel.data import accumulate_without_sync, fsdp_root
 from lightning_nd.config import ParallelConfig, check_config, check_model
 from lightning_nd.parallelize import ParallelizeReport, parallelize
+from lightning_nd.pipelined import PipelineSteps
 
 log = logging.getLogger("lightning_nd")
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class NDParallel(ModelParallelStrategy):
+class NDParallel(PipelineSteps, ModelParallelStrategy):
     """N-D parallel training of an ordinary LightningModule.
 
     Args:
         dp_replicate, dp_shard, cp, tp, pp, ep: sizes of the parallel dims (see `ParallelDims`);
             ``dp_shard=-1`` fills the world size.
         zero_stage, tp_plan, sequence_parallel, loss_parallel, block_classes, activation_checkpointing,
-            compile, cpu_offload: how to parallelize (see `ParallelConfig`).
+            compile, cpu_offload, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_layers_per_stage,
+            pp_split: how to parallelize (see `ParallelConfig`; pp steps: `pipelined.py`).
         init_on_meta: build the layers created in ``configure_model`` on the meta device, then
             materialise only each rank's shard with every module's ``reset_parameters()``.
         timeout: process-group timeout.
@@ -63,7 +65,7 @@ class NDParallel(ModelParallelStrategy):
         pp: int = 1,
         ep: int = 1,
         *,
-        zero_stage: Literal[1, 2, 3] = 3,
+        zero_stage: Literal[1, 2, 3] | None = None,
         tp_plan: Mapping[str, object] | None = None,
         sequence_parallel: bool = False,
         loss_parallel: bool = False,
@@ -71,6 +73,11 @@ class NDParallel(ModelParallelStrategy):
         activation_checkpointing: Literal["none", "full", "selective"] = "none",
         compile: bool | str = False,
         cpu_offload: bool = False,
+        pp_schedule: str = "1f1b",
+        pp_microbatches: int | None = None,
+        pp_stages_per_rank: int | None = None,
+        pp_layers_per_stage: Sequence[int] | None = None,
+        pp_split: Sequence[str] | None = None,
         init_on_meta: bool = True,
         timeout: timedelta = timedelta(minutes=10),
         process_group_backend: str | None = None,
@@ -82,6 +89,8 @@ class NDParallel(ModelParallelStrategy):
             zero_stage=zero_stage, tp_plan=tp_plan, sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel, block_classes=block_classes,
             activation_checkpointing=activation_checkpointing, compile=compile, cpu_offload=cpu_offload,
+            pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
+            pp_layers_per_stage=pp_layers_per_stage, pp_split=pp_split,
         )
         check_config(self._sizes, self.config)
         self._init_on_meta = init_on_meta
@@ -168,7 +177,9 @@ class NDParallel(ModelParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        if already_parallel(self.model):
+        if self.report is not None and self.report.module is self.model:
+            pass  # a later stage (validate/test/predict after fit) on the module already parallelized
+        elif already_parallel(self.model):
             rank_zero_info("lightning-nd: `configure_model` parallelized the model itself; the composer is skipped.")
         else:
             # FSDP2 warns when a wrapped module returns a view; the root unit returns logits that are
@@ -183,6 +194,8 @@ class NDParallel(ModelParallelStrategy):
         materialize(self.model, device, seed=self.broadcast(torch.initial_seed() % 2**31))
         if not self.config.cpu_offload:
             self.model_to_device()
+        if self.report is not None and self.report.stages and self._runner is None:
+            self._build_runner(self.report)
         self._sync_metrics_over_batch_ranks()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         self.barrier()
@@ -239,25 +252,35 @@ class NDParallel(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():
+            if self._runner is not None:
+                return self._pipeline_train(args[0], args[1])
             return super().training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():
+            if self._runner is not None:
+                return self._pipeline_eval(args[0], "val")
             return super().validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():
+            if self._runner is not None:
+                return self._pipeline_eval(args[0], "test")
             return super().test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():
+            if self._runner is not None:
+                return self._pipeline_predict(args[0])
             return super().predict_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._runner is not None:
+            return self._pipeline_backward(closure_loss)
         with self._loss_context():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         # Gradients whose layout differs from their parameter's (Partial under SP, a full copy for a
@@ -277,7 +300,7 @@ class NDParallel(ModelParallelStrategy):
         return bool(flag == self.world_size) if all else bool(flag)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val)
+        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, pp=self.dims.pp)
 
 
 NDParallel.register_strategies(StrategyRegistry)

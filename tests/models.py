@@ -35,6 +35,9 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name == "llama":
         return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                  num_attention_heads=8, num_key_value_heads=4))
+    if name == "llama8":  # deep enough for 8 pipeline stages (pp=4 x 2 stages per rank)
+        return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                                 num_attention_heads=4, num_key_value_heads=2))
     if name == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, n_embd=48, n_head=4, n_layer=2, block_size=64))
     if name == "hf_llama":

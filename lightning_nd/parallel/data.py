@@ -43,8 +43,10 @@ def apply_fsdp(
     reduce_dtype: torch.dtype | None = None,
     cpu_offload: bool = False,
     forward_methods: Iterable[str] = (),
+    root_unit: nn.Module | None = None,
 ) -> None:
-    """Shard ``blocks`` one by one, then the root unit (see `fsdp_root`), which holds everything else.
+    """Shard ``blocks`` one by one, then the root unit (``root_unit``, else see `fsdp_root`), which
+    holds everything else.
 
     When the root unit is ``root`` itself (its own parameters, or several children share them),
     ``forward_methods`` (a LightningModule's step methods) trigger FSDP's hooks as ``forward`` does.
@@ -59,7 +61,7 @@ def apply_fsdp(
         # The last block's parameters are needed again at once by backward: keep them.
         reshard = zero_stage == 3 and index < len(blocks) - 1
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
-    unit = fsdp_root(root)
+    unit = root_unit if root_unit is not None else fsdp_root(root)
     fully_shard(unit, reshard_after_forward=False, **kwargs)
     for method in forward_methods if unit is root else ():
         if callable(getattr(root, method, None)):

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 from examples.data import SyntheticTokens, TokenDataModule
 from examples.lit import CausalLM, logits_of
 from lightning_nd import NDParallel
+from lightning_nd.parallel.pipeline import PipelineStages
 from tests.models import VOCAB, build
 
 SEQ_LEN = 16
@@ -27,6 +28,7 @@ PER_RANK_BATCH = 2
 STEPS = 5
 ACCUMULATE = 2
 LR = 1e-3
+VAL_BATCHES = 2
 
 
 class LossRecorder(Callback):
@@ -47,7 +49,8 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
 
-def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None, accumulate: int, world: int) -> dict[str, Any]:
+def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None, accumulate: int, world: int,
+                    batch: int, validate: bool) -> dict[str, Any]:
     model = build(model_name)
     recorder = LossRecorder()
     trainer = Trainer(
@@ -56,15 +59,19 @@ def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )
     dp = trainer.strategy.dims.batch_size_multiplier
-    data = TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=PER_RANK_BATCH * dp * accumulate * STEPS,
-                           batch_size=PER_RANK_BATCH)
+    data = TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=batch * dp * accumulate * STEPS,
+                           batch_size=batch)
     module = CausalLM(model=model, lr=LR)
     trainer.fit(module, datamodule=data)
-    params = {name: _full(p) for name, p in module.model.named_parameters()}
-    grads = {name: _full(p.grad) for name, p in module.model.named_parameters()}
-    return {"losses": recorder.losses, "params": params, "grads": grads,
-            "global_batch": PER_RANK_BATCH * dp * accumulate,
-            "applied": trainer.strategy.report.applied if trainer.strategy.report else []}
+    named = [(PipelineStages.original_name(name), p) for name, p in module.model.named_parameters()]
+    result = {"losses": recorder.losses, "params": {name: _full(p) for name, p in named},
+              "grads": {name: _full(p.grad) for name, p in named}, "global_batch": batch * dp * accumulate,
+              "applied": trainer.strategy.report.applied if trainer.strategy.report else []}
+    if validate:
+        val = DataLoader(SyntheticTokens(VOCAB, SEQ_LEN, VAL_BATCHES * batch * dp * accumulate, seed=1), batch_size=batch)
+        trainer.limit_val_batches = 1.0  # off while fitting (no validation inside the 5 steps)
+        result["val_loss"] = trainer.validate(module, dataloaders=val, verbose=False)[0]["val_loss"]
+    return result
 
 
 def reference(model_name: str, global_batch: int, clip: float | None) -> dict[str, Any]:
@@ -89,8 +96,14 @@ def reference(model_name: str, global_batch: int, clip: float | None) -> dict[st
             unclipped_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
         optimizer.step()
         losses.append(loss.item())
+    with torch.no_grad():
+        val = SyntheticTokens(VOCAB, SEQ_LEN, VAL_BATCHES * global_batch, seed=1)
+        val_batch = next(iter(DataLoader(val, batch_size=len(val))))
+        val_logits = logits_of(model(val_batch["tokens"]))
+        val_loss = F.cross_entropy(val_logits.flatten(0, 1).float(), val_batch["labels"].flatten()).item()
     return {
         "losses": losses,
+        "val_loss": val_loss,
         "max_unclipped_norm": max(unclipped_norms, default=0.0),
         "params": {name: p.detach().clone() for name, p in model.named_parameters()},
         "grads": {name: p.grad.clone() for name, p in model.named_parameters()},
@@ -102,13 +115,20 @@ def run_layouts(
     layouts: dict[str, dict[str, Any]],
     clip: dict[str, float] | None = None,
     accumulate: dict[str, int] | None = None,
+    batch: dict[str, int] | None = None,
+    validate: list[str] | None = None,
 ) -> Any:
-    """Every rank trains each layout and returns what it holds; rank 0 also runs the reference."""
-    clip, accumulate = clip or {}, accumulate or {}
+    """Every rank trains each layout and returns what it holds; rank 0 also runs the reference.
+
+    ``batch``: per-rank batch size by layout (default 2; pipelines need one microbatch or more per
+    stage); ``validate``: layouts whose validation loss after training is compared too.
+    """
+    clip, accumulate, batch, validate = clip or {}, accumulate or {}, batch or {}, validate or []
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # Lightning's teardown unsets them
     results = {}
     for key, layout in layouts.items():
-        parallel = _train_parallel(model_name, layout, clip.get(key), accumulate.get(key, 1), world)
+        parallel = _train_parallel(model_name, layout, clip.get(key), accumulate.get(key, 1), world,
+                                   batch.get(key, PER_RANK_BATCH), key in validate)
         results[key] = {"parallel": parallel}
     dist.barrier()
     if rank != 0:

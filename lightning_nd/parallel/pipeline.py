@@ -1,0 +1,143 @@
+"""The module each pipeline stage runs (where the model splits: `split.py`).
+
+A stage module is a copy of the model that keeps only its own units (the others never get copied,
+so a rank materialises only its stages' weights) and still runs the model's own ``forward``:
+
+- a unit before the blocks that this stage lacks is replaced by a stand-in that returns the
+  activation received from the previous stage (right shape and dtype for whatever reads it), and
+  the stage's first block is fed that activation, whatever the model computed in front of it;
+- a unit after the blocks that this stage lacks passes its input through, and the stage returns
+  the output of its last block;
+- blocks of other stages are removed from their container, keeping the original names, so
+  parameter names, plans and checkpoints refer to the same modules as in the whole model.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_nd.parallel.split import StageLayout
+from lightning_nd.structure import get_submodule, parent_name
+
+class _Slot:
+    """What a stage hands between its wrapper and the stand-ins and hooks inside the copied model."""
+
+    carried: torch.Tensor | None = None
+    output: Any = None
+
+
+class _Carry(nn.Module):
+    """Stands in for a unit before the blocks that another stage holds: returns the received activation."""
+
+    def __init__(self, slot: _Slot) -> None:
+        super().__init__()
+        self._slot = slot
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._slot.carried
+
+
+class _Pass(nn.Module):
+    """Stands in for a unit after the blocks that another stage holds: passes its input through."""
+
+    def forward(self, value: Any, *args: Any, **kwargs: Any) -> Any:
+        return value
+
+
+def is_stand_in(module: nn.Module) -> bool:
+    return isinstance(module, (_Carry, _Pass))
+
+
+def main_output(output: Any) -> torch.Tensor:
+    """The tensor a model or block returns: itself, a Hugging Face output's ``.logits``, or a tuple's first."""
+    if hasattr(output, "logits"):
+        return output.logits
+    if isinstance(output, (tuple, list)):
+        return output[0]
+    return output
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: ``module`` is the model with only this stage's units (original names)."""
+
+    def __init__(self, model: nn.Module, layout: StageLayout, index: int) -> None:
+        super().__init__()
+        self.index, self.num_stages = index, len(layout.stages)
+        self.is_first, self.is_last = index == 0, index == self.num_stages - 1
+        own = set(layout.stages[index])
+        slot = self._slot = _Slot()
+        memo: dict[int, Any] = {}
+        for name in layout.pre + layout.post:
+            if name not in own:
+                memo[id(get_submodule(model, name))] = _Carry(slot) if name in layout.pre else _Pass()
+        for name in layout.blocks:
+            if name not in own:
+                memo[id(get_submodule(model, name))] = None
+        self.module = copy.deepcopy(model, memo)
+        for name in layout.blocks:
+            if name not in own:
+                del get_submodule(self.module, parent_name(name))._modules[name.rsplit(".", 1)[-1]]
+        self.block_names = [name for name in layout.blocks if name in own]
+        get_submodule(self.module, self.block_names[0]).register_forward_pre_hook(self._feed, with_kwargs=True)
+        get_submodule(self.module, self.block_names[-1]).register_forward_hook(self._capture)
+
+    def _feed(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        carried = self._slot.carried
+        if carried is None:
+            return None
+        if args:
+            return (carried, *args[1:]), kwargs
+        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
+        return args, {**kwargs, key: carried}
+
+    def _capture(self, block: nn.Module, args: tuple, output: Any) -> None:
+        self._slot.output = output
+
+    def forward(self, *carried: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        """``carried``: the previous stage's activation (none on the first stage); ``inputs``: the
+        model's own inputs (``_arg0``, ``_arg1``... positional, other names keyword) on every stage."""
+        args = [inputs.pop(f"_arg{i}") for i in range(sum(1 for k in inputs if k.startswith("_arg")))]
+        self._slot.carried = None if self.is_first else carried[0]
+        try:
+            output = self.module(*args, **inputs)
+            if self.is_last:
+                return main_output(output)
+            # Under sequence parallelism the last block hands on a sequence-sharded DTensor: the
+            # next stage's first block takes a full tensor, as the first block of a model does.
+            output = main_output(self._slot.output)
+            return output.full_tensor() if isinstance(output, DTensor) else output
+        finally:
+            self._slot.carried = self._slot.output = None
+
+
+class PipelineStages(nn.Module):
+    """The stage modules one rank runs (two or more with looped and V-shaped schedules)."""
+
+    def __init__(self, stages: Sequence[StageModule]) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    @staticmethod
+    def original_name(name: str) -> str:
+        """``stages.0.module.layers.3.w`` -> ``layers.3.w``: the name in the whole model."""
+        parts = name.split(".")
+        return ".".join(parts[3:]) if parts[:1] == ["stages"] and parts[2:3] == ["module"] else name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("A pipelined model runs through its schedule (`NDParallel` drives it), not by calling it."
+                           " HINT: use `trainer.predict` for outputs.")
+
+
+def pack_inputs(inputs: Any) -> dict[str, Any]:
+    """A model's inputs as keyword arguments every stage receives: tensor, tuple (positional) or dict."""
+    if isinstance(inputs, Mapping):
+        return dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return {f"_arg{i}": value for i, value in enumerate(inputs)}
+    return {"_arg0": inputs}

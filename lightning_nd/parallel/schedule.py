@@ -1,0 +1,170 @@
+"""Running a rank's pipeline stages under a torch schedule: checks, train/eval/predict steps, timings.
+
+``check_schedule`` runs before any process group (pure arithmetic). `PipelineRunner` wraps torch's
+``PipelineStage`` objects and schedule: it feeds the model's inputs to every stage (the first stage
+takes them as its input, later stages read positions, masks and shapes from them), averages the
+loss over microbatches itself (so Lightning's gradient accumulation adds steps up correctly), and
+hands the loss from the rank holding the last stage to every rank of the pipeline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+from lightning_nd.dims import closest_name
+from lightning_nd.parallel.pipeline import pack_inputs
+from lightning_nd.parallel.split import LOOPED, SCHEDULES, SINGLE_STAGE, V_SHAPED
+
+TORCH_NAMES = {
+    "gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
+    "interleaved_zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV",
+}
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv", "dualpipev")
+
+
+def check_schedule(schedule: str, pp: int, stages_per_rank: int | None, microbatches: int | None) -> tuple[int, int]:
+    """Validate a schedule against the pipeline size; returns (stages per rank, microbatches) with defaults."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"`pp_schedule={schedule!r}` is not a schedule. HINT: did you mean"
+                         f" {closest_name(str(schedule), SCHEDULES)!r}? Choose from {', '.join(SCHEDULES)}.")
+    default = 1 if schedule in SINGLE_STAGE else 2
+    stages_per_rank = default if stages_per_rank is None else stages_per_rank
+    if schedule in SINGLE_STAGE and stages_per_rank != 1:
+        raise ValueError(f"`pp_schedule={schedule!r}` runs one stage per rank, not {stages_per_rank}. HINT: use"
+                         f" 'interleaved_1f1b' for {stages_per_rank} stages per rank, or pp_stages_per_rank=1.")
+    if schedule in V_SHAPED and stages_per_rank != 2:
+        raise ValueError(f"`pp_schedule={schedule!r}` is V-shaped: exactly 2 stages per rank. HINT: pp_stages_per_rank=2.")
+    if schedule in LOOPED and stages_per_rank < 2:
+        raise ValueError(f"`pp_schedule={schedule!r}` loops over several stages per rank. HINT: pp_stages_per_rank=2,"
+                         " or the single-stage schedule '1f1b'.")
+    microbatches = 2 * pp if microbatches is None else microbatches
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"`pp_microbatches={microbatches!r}` must be a positive integer. HINT: {2 * pp} (2 x pp).")
+    num_stages = pp * stages_per_rank
+    least = 1 if schedule == "gpipe" else (num_stages if schedule in ("1f1b", "dualpipev") else pp)
+    if microbatches < least:
+        raise ValueError(f"`pp_schedule={schedule!r}` with {num_stages} stages needs at least {least} microbatches,"
+                         f" got pp_microbatches={microbatches}. HINT: pp_microbatches={max(least, 2 * pp)}.")
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and microbatches % max(1, microbatches // pp):
+        raise ValueError(f"`pp_schedule={schedule!r}` runs microbatches in rounds of pp={pp}: pp_microbatches="
+                         f"{microbatches} does not split into them. HINT: use a multiple of {pp}.")
+    return stages_per_rank, microbatches
+
+
+def theoretical_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle fraction of a step: (p-1)/(m+p-1); with v stages per rank (p-1)/(v*m+p-1)."""
+    v = 1 if schedule in SINGLE_STAGE else stages_per_rank
+    return (pp - 1) / (v * microbatches + pp - 1)
+
+
+class PipelineRunner:
+    """A rank's stages and schedule, driven one batch at a time."""
+
+    def __init__(
+        self,
+        stage_modules: Sequence[nn.Module],
+        stage_indices: Sequence[int],
+        num_stages: int,
+        schedule: str,
+        microbatches: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+        last_stage_rank: int,
+    ) -> None:
+        self.stages = [
+            PipelineStage(module, index, num_stages, device, group=group)
+            for module, index in zip(stage_modules, stage_indices)
+        ]
+        self.has_last = num_stages - 1 in stage_indices
+        self.microbatches, self.group, self.device = microbatches, group, device
+        self.last_stage_rank = dist.get_global_rank(group, last_stage_rank)
+        self._loss: Callable[[Any, Any], torch.Tensor] | None = None
+        self._scale = 1.0
+        cls = get_schedule_class(TORCH_NAMES[schedule])
+        stages = self.stages[0] if schedule in SINGLE_STAGE else self.stages
+        self.schedule = cls(stages, n_microbatches=microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        self._compute = 0.0
+        self.timings: dict[str, float] = {}
+        for stage in self.stages:
+            for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+                setattr(stage, method, self._timed(getattr(stage, method)))
+
+    def _timed(self, fn: Callable) -> Callable:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._compute += time.perf_counter() - start
+
+        return timed
+
+    def _loss_fn(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        if self._loss is None:  # predicting: the schedule computes a loss on the last stage regardless
+            return output.new_zeros(())
+        return self._loss(output, target) * self._scale
+
+    def check_batch(self, inputs: dict[str, Any]) -> None:
+        sizes = {tuple(v.shape)[:1] for v in inputs.values() if isinstance(v, torch.Tensor)}
+        for (size,) in sizes:
+            if size % self.microbatches:
+                raise ValueError(
+                    f"The batch has {size} samples per rank, which pp_microbatches={self.microbatches} does not divide."
+                    f" HINT: use a batch size that is a multiple of {self.microbatches}, or set pp_microbatches to one"
+                    " of its divisors (and `drop_last=True` for a short last batch)."
+                )
+
+    def _run(self, inputs: Any, target: Any, loss: Callable | None, scale: float, train: bool) -> tuple[Any, list]:
+        kwargs = pack_inputs(inputs)
+        self.check_batch(kwargs)
+        if target is None:  # the schedule splits a target whenever it has a loss function
+            target = torch.zeros(next(v for v in kwargs.values() if isinstance(v, torch.Tensor)).shape[0])
+        self._loss, self._scale = loss, scale
+        losses: list[torch.Tensor] = []
+        self._compute = 0.0
+        start = time.perf_counter()
+        run = self.schedule.step if train else self.schedule.eval
+        output = run(target=target if self.has_last else None, losses=losses if self.has_last else None, **kwargs)
+        wall = time.perf_counter() - start
+        idle = max(wall - self._compute, 0.0)
+        self.timings = {"step_s": wall, "compute_s": self._compute, "idle_s": idle,
+                        "idle_fraction": idle / wall if wall > 0 else 0.0}
+        return output, losses
+
+    def train_step(self, inputs: Any, target: Any, loss: Callable, accumulate: int = 1) -> torch.Tensor:
+        """Forward and backward over every microbatch; gradients as for one batch whose loss is the
+        microbatch mean divided by ``accumulate``. Returns the (unscaled) mean loss on every rank."""
+        _, losses = self._run(inputs, target, loss, 1.0 / (self.microbatches * accumulate), train=True)
+        total = torch.stack([l.detach() for l in losses]).sum() * accumulate if losses else None
+        return self._share(total)
+
+    @torch.no_grad()
+    def eval_step(self, inputs: Any, target: Any, loss: Callable) -> torch.Tensor:
+        _, losses = self._run(inputs, target, loss, 1.0 / self.microbatches, train=False)
+        return self._share(torch.stack([l.detach() for l in losses]).sum() if losses else None)
+
+    @torch.no_grad()
+    def predict_step(self, inputs: Any) -> torch.Tensor:
+        output, _ = self._run(inputs, None, None, 1.0, train=False)
+        shape = torch.tensor(output.shape if self.has_last else [], dtype=torch.long)
+        meta = [shape.tolist(), str(output.dtype) if self.has_last else None]
+        holder = [meta]
+        dist.broadcast_object_list(holder, src=self.last_stage_rank, group=self.group)
+        dims, dtype = holder[0]
+        result = output.contiguous() if self.has_last else torch.empty(dims, dtype=getattr(torch, dtype.split(".")[-1]),
+                                                                       device=self.device)
+        dist.broadcast(result, src=self.last_stage_rank, group=self.group)
+        return result
+
+    def _share(self, value: torch.Tensor | None) -> torch.Tensor:
+        result = value.float().to(self.device) if value is not None else torch.zeros((), device=self.device)
+        dist.broadcast(result, src=self.last_stage_rank, group=self.group)
+        return result

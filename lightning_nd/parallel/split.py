@@ -1,0 +1,197 @@
+"""Where a model splits into pipeline stages.
+
+A model is read as an ordered list of *units*: the modules before the repeated blocks that own
+parameters (embeddings), the blocks, and those after them (final norm, head). The units come from
+the model's declared plan (Hugging Face ``_pp_plan`` / ``config.base_model_pp_plan``) or, for the
+common shape, from registration order around the blocks. Stages are contiguous runs of blocks; the
+first stage also holds the units before them, the last stage those after. Pure inspection: runs
+on a meta-device model before any process group starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_nd.structure import get_submodule
+
+SINGLE_STAGE = ("gpipe", "1f1b")
+LOOPED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+V_SHAPED = ("zbv", "dualpipev")
+SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+
+
+@dataclass
+class StageLayout:
+    """Which units each pipeline stage holds, in order, and where that split came from."""
+
+    pre: list[str]
+    blocks: list[str]
+    post: list[str]
+    stages: list[list[str]]
+    source: str
+
+    def describe(self) -> str:
+        return "; ".join(f"stage {i}: {_span(units, self.blocks)}" for i, units in enumerate(self.stages))
+
+
+def _span(units: list[str], blocks: list[str]) -> str:
+    own = [u for u in units if u in blocks]
+    before = [u for u in units[:units.index(own[0])]]
+    after = [u for u in units[units.index(own[-1]) + 1:]]
+    return " + ".join([*before, f"{own[0]}..{own[-1]}" if len(own) > 1 else own[0], *after])
+
+
+def stage_ranks(pp: int, stages_per_rank: int, schedule: str) -> list[list[int]]:
+    """The stage indices each pp rank runs: looped (r, r+pp, ...) or V-shaped (r, 2pp-1-r)."""
+    if schedule in V_SHAPED:
+        return [[rank, 2 * pp - 1 - rank] for rank in range(pp)]
+    return [[rank + k * pp for k in range(stages_per_rank)] for rank in range(pp)]
+
+
+def pipeline_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> tuple[list[str], list[str], list[str], str]:
+    """(units before the blocks, block names, units after them, where that came from)."""
+    declared = getattr(model, "_pp_plan", None) or getattr(getattr(model, "config", None), "base_model_pp_plan", None)
+    names = [name for name, _ in model.named_modules()]
+    if isinstance(declared, Mapping) and declared:
+        containers = [key for key in declared if isinstance(get_submodule(model, key), (nn.ModuleList, nn.ModuleDict))]
+        if len(containers) == 1 and all(key in names for key in declared):
+            container = containers[0]
+            block_names = [f"{container}.{child}" for child, _ in get_submodule(model, container).named_children()]
+            order = {name: index for index, name in enumerate(names)}
+            others = sorted((key for key in declared if key != container), key=order.__getitem__)
+            pre = [key for key in others if order[key] < order[container]]
+            post = [key for key in others if order[key] > order[container]]
+            return pre, block_names, post, f"the model's declared plan (`{_plan_name(model)}`)"
+    block_names = [name for name, _ in blocks]
+    if not block_names:
+        raise ValueError(
+            f"Pipeline parallelism splits a model between its repeated blocks, and none were found in"
+            f" `{type(model).__name__}`. HINT: pass `NDParallel(block_classes=[YourBlock])`."
+        )
+    inside = tuple(name + "." for name in block_names)
+    owners = [
+        name for name, module in model.named_modules()
+        if name and not name.startswith(inside) and name not in block_names
+        and any(True for _ in module.parameters(recurse=False))
+    ]
+    owners = [name for name in owners if not any(name.startswith(other + ".") for other in owners)]
+    first, last = names.index(block_names[0]), names.index(block_names[-1])
+    pre = [name for name in owners if names.index(name) < first]
+    post = [name for name in owners if names.index(name) > last]
+    middle = [name for name in owners if first < names.index(name) < last]
+    if middle:
+        raise ValueError(f"`{middle[0]}` owns parameters and sits between the repeated blocks, so no stage boundary"
+                         " is clean. HINT: give its parameters to a block, or pass `block_classes=` naming the blocks.")
+    return pre, block_names, post, "registration order (units before the blocks -> blocks -> units after)"
+
+
+def _plan_name(model: nn.Module) -> str:
+    return "_pp_plan" if getattr(model, "_pp_plan", None) else "config.base_model_pp_plan"
+
+
+def split_stages(
+    model: nn.Module,
+    blocks: list[tuple[str, nn.Module]],
+    num_stages: int,
+    *,
+    layers_per_stage: Sequence[int] | None = None,
+    split_points: Sequence[str] | None = None,
+) -> StageLayout:
+    """Assign contiguous blocks to ``num_stages`` stages: by ``layers_per_stage``, by ``split_points``
+    (the block each later stage starts at), or balanced by parameter count."""
+    pre, block_names, post, source = pipeline_units(model, blocks)
+    if num_stages > len(block_names):
+        raise ValueError(f"{num_stages} pipeline stages need at least one block each, and the model has"
+                         f" {len(block_names)}. HINT: use pp * stages_per_rank <= {len(block_names)}.")
+    if layers_per_stage is not None:
+        counts = _checked_counts(layers_per_stage, num_stages, len(block_names))
+        source = f"`pp_layers_per_stage={list(layers_per_stage)}`"
+    elif split_points is not None:
+        counts = _counts_from_points(split_points, block_names, num_stages)
+        source = f"`pp_split={list(split_points)}`"
+    else:
+        sizes = [_numel(get_submodule(model, name)) for name in block_names]
+        extra_first = sum(_numel(get_submodule(model, name)) for name in pre)
+        extra_last = sum(_numel(get_submodule(model, name)) for name in post)
+        counts = balanced_counts(sizes, num_stages, extra_first, extra_last)
+        source += ", balanced by parameter count"
+    _check_ties(model, pre, post)
+    stages, start = [], 0
+    for index, count in enumerate(counts):
+        units = block_names[start:start + count]
+        stages.append((pre if index == 0 else []) + units + (post if index == num_stages - 1 else []))
+        start += count
+    return StageLayout(pre=pre, blocks=block_names, post=post, stages=stages, source=source)
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def balanced_counts(sizes: Sequence[int], num_stages: int, extra_first: int = 0, extra_last: int = 0) -> list[int]:
+    """Blocks per stage minimising the largest stage (parameters), first/last stages carrying extras;
+    among equal maxima the most even split in block counts."""
+    n = len(sizes)
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+
+    def cost(stage: int, start: int, end: int) -> int:
+        extra = (extra_first if stage == 0 else 0) + (extra_last if stage == num_stages - 1 else 0)
+        return prefix[end] - prefix[start] + extra
+
+    best: dict[tuple[int, int], tuple[tuple[int, int], list[int]]] = {}
+
+    def solve(stage: int, start: int) -> tuple[tuple[int, int], list[int]]:
+        if (stage, start) in best:
+            return best[(stage, start)]
+        if stage == num_stages - 1:
+            result = ((cost(stage, start, n), (n - start) ** 2), [n - start])
+        else:
+            options = []
+            for end in range(start + 1, n - (num_stages - stage - 1) + 1):
+                (rest_max, rest_sq), rest = solve(stage + 1, end)
+                options.append(((max(cost(stage, start, end), rest_max), rest_sq + (end - start) ** 2), [end - start, *rest]))
+            result = min(options, key=lambda option: option[0])
+        best[(stage, start)] = result
+        return result
+
+    return solve(0, 0)[1]
+
+
+def _checked_counts(counts: Sequence[int], num_stages: int, num_blocks: int) -> list[int]:
+    counts = list(counts)
+    if len(counts) != num_stages or any(not isinstance(c, int) or c < 1 for c in counts) or sum(counts) != num_blocks:
+        even = [num_blocks // num_stages + (i < num_blocks % num_stages) for i in range(num_stages)]
+        raise ValueError(f"`pp_layers_per_stage={counts}` must give each of the {num_stages} stages at least one block"
+                         f" and sum to the model's {num_blocks} blocks. HINT: e.g. `pp_layers_per_stage={even}`.")
+    return counts
+
+
+def _counts_from_points(points: Sequence[str], block_names: list[str], num_stages: int) -> list[int]:
+    starts = []
+    for point in points:
+        if point not in block_names:
+            raise ValueError(f"`pp_split` entry {point!r} is not a block of the model."
+                             f" HINT: use block names such as {block_names[1]!r}.")
+        starts.append(block_names.index(point))
+    if len(starts) != num_stages - 1 or starts != sorted(set(starts)) or starts[0] == 0:
+        raise ValueError(f"`pp_split={list(points)}` must name {num_stages - 1} distinct blocks in model order, not"
+                         f" the first, where stages 1..{num_stages - 1} start. HINT: e.g. {block_names[len(block_names) // 2]!r}.")
+    bounds = [0, *starts, len(block_names)]
+    return [bounds[i + 1] - bounds[i] for i in range(num_stages)]
+
+
+def _check_ties(model: nn.Module, pre: list[str], post: list[str]) -> None:
+    first = {id(p): name for name in pre for p in get_submodule(model, name).parameters()}
+    for name in post:
+        for param in get_submodule(model, name).parameters():
+            if id(param) in first:
+                raise ValueError(
+                    f"`{name}` shares its weight with `{first[id(param)]}` (tied embeddings), and pipeline parallelism"
+                    " puts them on the first and last stages. HINT: untie them (e.g. `tie_word_embeddings=False`),"
+                    " or use pp=1."
+                )

@@ -1,0 +1,129 @@
+"""Lightning steps under pipeline parallelism: the schedule runs forward and backward itself.
+
+Under pp the strategy does not call the module's ``training_step``/``validation_step``: a stage
+cannot run the whole model. It asks the module two small questions instead, both optional:
+
+- ``pipeline_inputs(batch) -> (inputs, target)``: what the model is called with (a tensor, a tuple
+  of positional inputs or a dict of keyword inputs) and what the loss compares its output with.
+  Default: ``batch["tokens"]``/``batch["input_ids"]`` and ``batch["labels"]``/``batch["targets"]``
+  for a dict, ``(inputs, target)`` for a pair.
+- ``pipeline_loss(output, target) -> Tensor``: the mean loss of one microbatch. Default:
+  cross-entropy of the output (logits) against integer targets of one dimension less.
+
+The mean loss over microbatches reaches every rank and is logged as ``train_loss`` /
+``val_loss`` / ``test_loss`` (``prog_bar=True, sync_dist=True``), so progress bar, loggers,
+``ModelCheckpoint(monitor=...)`` and early stopping work as without pp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor
+
+from lightning_nd.parallel.schedule import PipelineRunner
+from lightning_nd.parallelize import ParallelizeReport
+
+INPUT_KEYS = ("tokens", "input_ids", "inputs", "x")
+TARGET_KEYS = ("labels", "targets", "target", "y")
+
+
+def split_batch(module: LightningModule, batch: Any) -> tuple[Any, Any]:
+    hook = getattr(module, "pipeline_inputs", None)
+    if callable(hook):
+        return hook(batch)
+    if isinstance(batch, dict):
+        inputs = next((batch[k] for k in INPUT_KEYS if k in batch), None)
+        target = next((batch[k] for k in TARGET_KEYS if k in batch), None)
+        if inputs is not None and target is not None:
+            return inputs, target
+    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(
+        f"Under pipeline parallelism the strategy runs the model itself and cannot tell inputs from targets in a"
+        f" batch of type {type(batch).__name__}{' with keys ' + str(list(batch)) if isinstance(batch, dict) else ''}."
+        f" HINT: define `def pipeline_inputs(self, batch): return batch['x'], batch['y']` on `{type(module).__name__}`."
+    )
+
+
+def pipeline_loss(module: LightningModule, output: Tensor, target: Tensor) -> Tensor:
+    hook = getattr(module, "pipeline_loss", None)
+    if callable(hook):
+        return hook(output, target)
+    if isinstance(target, Tensor) and not target.is_floating_point() and output.ndim == target.ndim + 1:
+        return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+    raise ValueError(
+        f"Under pipeline parallelism the last stage computes the loss, and the default (cross-entropy over logits)"
+        f" does not fit an output of shape {tuple(output.shape)} and a target of shape"
+        f" {tuple(getattr(target, 'shape', ()))}. HINT: define `def pipeline_loss(self, output, target): ...` on"
+        f" `{type(module).__name__}`."
+    )
+
+
+class PipelineSteps:
+    """Mixin for `NDParallel`: the step methods when a pipeline runner exists."""
+
+    _runner: PipelineRunner | None = None
+    _grads: list[Tensor | None] = []
+
+    def _build_runner(self, report: ParallelizeReport) -> None:
+        plan = report.stage_plan
+        mesh = self.device_mesh
+        pp_rank = mesh.local_rank("pp")
+        self._runner = PipelineRunner(
+            report.stages, plan.ranks[pp_rank], plan.num_stages, self.config.pp_schedule, self.config.pp_microbatches,
+            mesh.group("pp"), self.root_device, plan.last_stage_rank(),
+        )
+
+    @property
+    def pipeline_timings(self) -> dict[str, float]:
+        """Last step on this rank: ``step_s``, ``compute_s`` (forward/backward), ``idle_s``, ``idle_fraction``."""
+        return dict(self._runner.timings) if self._runner is not None else {}
+
+    def _pipeline_train(self, batch: Any, batch_idx: int) -> Tensor:
+        """Forward and backward of the whole batch. Lightning zeroes gradients between the training step
+        and backward, so the gradients are set aside here and put back in `_pipeline_backward`."""
+        module = self.lightning_module
+        accumulate = module.trainer.accumulate_grad_batches
+        params = list(module.parameters())
+        if batch_idx % accumulate == 0:  # a new accumulation window: what is there belongs to the last step
+            for param in params:
+                param.grad = None
+        inputs, target = split_batch(module, batch)
+        with self.precision_plugin.train_step_context():
+            loss = self._runner.train_step(inputs, target, lambda out, tgt: pipeline_loss(module, out, tgt),
+                                           accumulate=accumulate)
+        self._grads = [param.grad for param in params]
+        for param in params:
+            param.grad = None
+        module.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def _pipeline_eval(self, batch: Any, stage: str) -> Tensor:
+        module = self.lightning_module
+        inputs, target = split_batch(module, batch)
+        with self.precision_plugin.val_step_context():
+            loss = self._runner.eval_step(inputs, target, lambda out, tgt: pipeline_loss(module, out, tgt))
+        module.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def _pipeline_predict(self, batch: Any) -> Tensor:
+        module = self.lightning_module
+        inputs = batch if torch.is_tensor(batch) else split_batch(module, batch)[0]
+        with self.precision_plugin.predict_step_context():
+            return self._runner.predict_step(inputs)
+
+    def _pipeline_backward(self, loss: Tensor) -> Tensor:
+        """The schedule ran backward already; its gradients come back, Lightning's hooks still run."""
+        module = self.lightning_module
+        for param, grad in zip(module.parameters(), self._grads):
+            param.grad = grad
+        self._grads = []
+        self.pre_backward(loss)
+        loss = self.precision_plugin.pre_backward(loss, module)
+        loss = self.precision_plugin.post_backward(loss, module)
+        self.post_backward(loss)
+        return loss
