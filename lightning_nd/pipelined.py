@@ -70,12 +70,9 @@ class PipelineSteps:
     _grads: list[Tensor | None] = []
 
     def _build_runner(self, report: ParallelizeReport) -> None:
-        plan = report.stage_plan
-        mesh = self.device_mesh
-        pp_rank = mesh.local_rank("pp")
         self._runner = PipelineRunner(
-            report.stages, plan.ranks[pp_rank], plan.num_stages, self.config.pp_schedule, self.config.pp_microbatches,
-            mesh.group("pp"), self.root_device, plan.last_stage_rank(),
+            report.stages, report.stage_plan.ranks, self.config.pp_schedule, self.config.pp_microbatches,
+            self.device_mesh.group("pp"), self.root_device,
         )
 
     @property

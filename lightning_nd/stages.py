@@ -29,10 +29,6 @@ class StagePlan:
     def num_stages(self) -> int:
         return len(self.layout.stages)
 
-    def last_stage_rank(self) -> int:
-        """The pp rank that runs the last stage (pp-1 for looped schedules, 0 for V-shaped ones)."""
-        return next(rank for rank, stages in enumerate(self.ranks) if self.num_stages - 1 in stages)
-
 
 def pipeline_model(module: nn.Module) -> tuple[str, nn.Module]:
     """The attribute holding the whole model and the model."""

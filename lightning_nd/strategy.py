@@ -140,6 +140,8 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
     @override
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
+        if self.report is not None and self.report.module is model:
+            return  # validate/test/predict after fit: checked and parallelized already
         if (probe := model_to_check(model)) is not None:
             check_model(probe, self.dims, self.config)
 

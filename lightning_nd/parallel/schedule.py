@@ -1,10 +1,11 @@
 """Running a rank's pipeline stages under a torch schedule: checks, train/eval/predict steps, timings.
 
 ``check_schedule`` runs before any process group (pure arithmetic). `PipelineRunner` wraps torch's
-``PipelineStage`` objects and schedule: it feeds the model's inputs to every stage (the first stage
-takes them as its input, later stages read positions, masks and shapes from them), averages the
-loss over microbatches itself (so Lightning's gradient accumulation adds steps up correctly), and
-hands the loss from the rank holding the last stage to every rank of the pipeline.
+``PipelineStage`` objects and schedule for training: it feeds the model's inputs to every stage
+(the first stage takes them as its input, later stages read positions, masks and shapes from
+them), averages the loss over microbatches itself (so Lightning's gradient accumulation adds
+steps up correctly), and hands the loss from the rank holding the last stage to every rank of the
+pipeline. Evaluation and prediction run forward-only (`forward_only.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from lightning_nd.dims import closest_name
+from lightning_nd.parallel.forward_only import forward_only
 from lightning_nd.parallel.pipeline import pack_inputs
 from lightning_nd.parallel.split import LOOPED, SCHEDULES, SINGLE_STAGE, V_SHAPED
 
@@ -66,26 +68,31 @@ def theoretical_bubble(schedule: str, pp: int, microbatches: int, stages_per_ran
 
 
 class PipelineRunner:
-    """A rank's stages and schedule, driven one batch at a time."""
+    """A rank's stages and schedule, driven one batch at a time.
+
+    ``stage_ranks[r]``: the stage indices pp rank ``r`` runs; ``stage_modules``: this rank's, in that order.
+    """
 
     def __init__(
         self,
         stage_modules: Sequence[nn.Module],
-        stage_indices: Sequence[int],
-        num_stages: int,
+        stage_ranks: Sequence[Sequence[int]],
         schedule: str,
         microbatches: int,
         group: dist.ProcessGroup,
         device: torch.device,
-        last_stage_rank: int,
     ) -> None:
-        self.stages = [
-            PipelineStage(module, index, num_stages, device, group=group)
-            for module, index in zip(stage_modules, stage_indices)
-        ]
-        self.has_last = num_stages - 1 in stage_indices
+        pp_rank = dist.get_group_rank(group, dist.get_rank())
+        num_stages = sum(len(stages) for stages in stage_ranks)
+        self.modules = dict(zip(stage_ranks[pp_rank], stage_modules))
+        self.owners = [0] * num_stages
+        for rank, stages in enumerate(stage_ranks):
+            for index in stages:
+                self.owners[index] = dist.get_global_rank(group, rank)
+        self.stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in self.modules.items()]
+        self.has_last = num_stages - 1 in self.modules
+        self.last_stage_rank = self.owners[-1]
         self.microbatches, self.group, self.device = microbatches, group, device
-        self.last_stage_rank = dist.get_global_rank(group, last_stage_rank)
         self._loss: Callable[[Any, Any], torch.Tensor] | None = None
         self._scale = 1.0
         cls = get_schedule_class(TORCH_NAMES[schedule])
@@ -108,8 +115,6 @@ class PipelineRunner:
         return timed
 
     def _loss_fn(self, output: torch.Tensor, target: Any) -> torch.Tensor:
-        if self._loss is None:  # predicting: the schedule computes a loss on the last stage regardless
-            return output.new_zeros(())
         return self._loss(output, target) * self._scale
 
     def check_batch(self, inputs: dict[str, Any]) -> None:
@@ -122,45 +127,45 @@ class PipelineRunner:
                     " of its divisors (and `drop_last=True` for a short last batch)."
                 )
 
-    def _run(self, inputs: Any, target: Any, loss: Callable | None, scale: float, train: bool) -> tuple[Any, list]:
+    def train_step(self, inputs: Any, target: Any, loss: Callable, accumulate: int = 1) -> torch.Tensor:
+        """Forward and backward over every microbatch; gradients as for one batch whose loss is the
+        microbatch mean divided by ``accumulate``. Returns the (unscaled) mean loss on every rank."""
         kwargs = pack_inputs(inputs)
         self.check_batch(kwargs)
-        if target is None:  # the schedule splits a target whenever it has a loss function
-            target = torch.zeros(next(v for v in kwargs.values() if isinstance(v, torch.Tensor)).shape[0])
-        self._loss, self._scale = loss, scale
+        self._loss, self._scale = loss, 1.0 / (self.microbatches * accumulate)
         losses: list[torch.Tensor] = []
         self._compute = 0.0
         start = time.perf_counter()
-        run = self.schedule.step if train else self.schedule.eval
-        output = run(target=target if self.has_last else None, losses=losses if self.has_last else None, **kwargs)
+        self.schedule.step(target=target if self.has_last else None, losses=losses if self.has_last else None, **kwargs)
         wall = time.perf_counter() - start
         idle = max(wall - self._compute, 0.0)
         self.timings = {"step_s": wall, "compute_s": self._compute, "idle_s": idle,
                         "idle_fraction": idle / wall if wall > 0 else 0.0}
-        return output, losses
-
-    def train_step(self, inputs: Any, target: Any, loss: Callable, accumulate: int = 1) -> torch.Tensor:
-        """Forward and backward over every microbatch; gradients as for one batch whose loss is the
-        microbatch mean divided by ``accumulate``. Returns the (unscaled) mean loss on every rank."""
-        _, losses = self._run(inputs, target, loss, 1.0 / (self.microbatches * accumulate), train=True)
         total = torch.stack([l.detach() for l in losses]).sum() * accumulate if losses else None
         return self._share(total)
 
-    @torch.no_grad()
     def eval_step(self, inputs: Any, target: Any, loss: Callable) -> torch.Tensor:
-        _, losses = self._run(inputs, target, loss, 1.0 / self.microbatches, train=False)
-        return self._share(torch.stack([l.detach() for l in losses]).sum() if losses else None)
+        """The mean loss over microbatches, forward only, on every rank."""
+        kwargs = pack_inputs(inputs)
+        self.check_batch(kwargs)
+        targets = torch.tensor_split(target, self.microbatches) if self.has_last else []
+        losses: list[torch.Tensor] = []
+        forward_only(self.modules, self.owners, kwargs, self.microbatches, self.device,
+                     lambda output, index: losses.append(loss(output, targets[index]).detach().float()))
+        return self._share(torch.stack(losses).mean() if losses else None)
 
-    @torch.no_grad()
     def predict_step(self, inputs: Any) -> torch.Tensor:
-        output, _ = self._run(inputs, None, None, 1.0, train=False)
-        shape = torch.tensor(output.shape if self.has_last else [], dtype=torch.long)
-        meta = [shape.tolist(), str(output.dtype) if self.has_last else None]
-        holder = [meta]
+        """The model's output for the whole batch, on every rank of the pipeline."""
+        kwargs = pack_inputs(inputs)
+        self.check_batch(kwargs)
+        outputs: list[torch.Tensor] = []
+        forward_only(self.modules, self.owners, kwargs, self.microbatches, self.device,
+                     lambda output, index: outputs.append(output))
+        holder = [[list(torch.cat(outputs).shape), str(outputs[0].dtype)] if self.has_last else None]
         dist.broadcast_object_list(holder, src=self.last_stage_rank, group=self.group)
-        dims, dtype = holder[0]
-        result = output.contiguous() if self.has_last else torch.empty(dims, dtype=getattr(torch, dtype.split(".")[-1]),
-                                                                       device=self.device)
+        shape, dtype = holder[0]
+        result = torch.cat(outputs) if self.has_last else torch.empty(shape, dtype=getattr(torch, dtype[6:]),
+                                                                      device=self.device)
         dist.broadcast(result, src=self.last_stage_rank, group=self.group)
         return result
 

@@ -1,0 +1,66 @@
+"""Forward-only pipelining for validation, test and predict: each microbatch walks the stages in
+order with blocking point-to-point sends. No overlap between microbatches, but no schedule state
+either: it works for every stage-to-rank mapping (torch's ``eval`` of the V-shaped schedules still
+runs their backward actions, which fail without a backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+HEADER = 9  # dtype, ndim, up to 7 sizes
+
+
+def _send(tensor: torch.Tensor, dst: int) -> None:
+    header = torch.zeros(HEADER, dtype=torch.long, device=tensor.device)
+    header[0], header[1] = DTYPES.index(tensor.dtype), tensor.ndim
+    header[2:2 + tensor.ndim] = torch.tensor(tensor.shape)
+    dist.send(header, dst)
+    dist.send(tensor.contiguous(), dst)
+
+
+def _recv(src: int, device: torch.device) -> torch.Tensor:
+    header = torch.empty(HEADER, dtype=torch.long, device=device)
+    dist.recv(header, src)
+    shape = header[2:2 + int(header[1])].tolist()
+    tensor = torch.empty(shape, dtype=DTYPES[int(header[0])], device=device)
+    dist.recv(tensor, src)
+    return tensor
+
+
+def chunk(values: Mapping[str, Any], count: int) -> list[dict[str, Any]]:
+    """Split every tensor along dim 0 into ``count`` microbatches; other values go to each one."""
+    parts = {k: torch.tensor_split(v, count) if isinstance(v, torch.Tensor) else [v] * count for k, v in values.items()}
+    return [{k: parts[k][i] for k in values} for i in range(count)]
+
+
+@torch.no_grad()
+def forward_only(
+    modules: Mapping[int, nn.Module],
+    owners: Sequence[int],
+    inputs: Mapping[str, Any],
+    microbatches: int,
+    device: torch.device,
+    finish: Callable[[torch.Tensor, int], None],
+) -> None:
+    """Run ``inputs`` through every stage. ``modules``: this rank's stages by index; ``owners``: the
+    global rank of each stage. ``finish(output, microbatch)`` is called with each last-stage output."""
+    rank, last = dist.get_rank(), len(owners) - 1
+    for index, kwargs in enumerate(chunk(inputs, microbatches)):
+        carried: torch.Tensor | None = None
+        for stage, owner in enumerate(owners):
+            if owner != rank:
+                continue
+            if stage > 0 and owners[stage - 1] != rank:
+                carried = _recv(owners[stage - 1], device)
+            carried = modules[stage](*([] if stage == 0 else [carried]), **kwargs)
+            if stage == last:
+                finish(carried, index)
+            elif owners[stage + 1] != rank:
+                _send(carried, owners[stage + 1])
