@@ -71,6 +71,9 @@ def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None,
         val = DataLoader(SyntheticTokens(VOCAB, SEQ_LEN, VAL_BATCHES * batch * dp * accumulate, seed=1), batch_size=batch)
         trainer.limit_val_batches = 1.0  # off while fitting (no validation inside the 5 steps)
         result["val_loss"] = trainer.validate(module, dataloaders=val, verbose=False)[0]["val_loss"]
+        if layout.get("pp", 1) > 1:  # predict: the last stage's logits, handed to every rank
+            result["predictions"] = torch.cat(trainer.predict(module, dataloaders=val))
+            result["dp"], result["dp_rank"] = dp, trainer.strategy.device_mesh.local_rank("dp")
     return result
 
 
@@ -104,6 +107,7 @@ def reference(model_name: str, global_batch: int, clip: float | None) -> dict[st
     return {
         "losses": losses,
         "val_loss": val_loss,
+        "val_logits": val_logits,
         "max_unclipped_norm": max(unclipped_norms, default=0.0),
         "params": {name: p.detach().clone() for name, p in model.named_parameters()},
         "grads": {name: p.grad.clone() for name, p in model.named_parameters()},

@@ -52,6 +52,12 @@ def _connect(devices: int, strategy: NDParallel, model: nn.Module) -> None:
     _trainer(devices, strategy).strategy.connect(CausalLM(model=model))
 
 
+def _two_models() -> CausalLM:
+    module = CausalLM(model=build("llama"))
+    module.extra = nn.Linear(2, 2)
+    return module
+
+
 MIXER_PLAN = {"model.blocks.*.alpha": "colwise", "model.blocks.*.beta": "rowwise"}
 
 # (id, what the user does, exception type, substrings the message must contain)
@@ -70,13 +76,11 @@ CASES = [
      ValueError, ["sequence_parallel=True", "tp=1"]),
     ("loss_parallel_without_tp", lambda: NDParallel(loss_parallel=True),
      ValueError, ["loss_parallel=True", "tp=1"]),
-    ("pp_not_available", lambda: NDParallel(pp=2), ValueError, ["pp=2", "pipeline"]),
     ("cp_not_available", lambda: NDParallel(cp=2), ValueError, ["cp=2", "context"]),
     ("ep_not_available", lambda: NDParallel(ep=2), ValueError, ["ep=2", "expert"]),
     ("compile_with_tp", lambda: NDParallel(tp=2, compile=True), ValueError, ["tp=2", "wrong gradients"]),
     ("unknown_option_from_config", lambda: NDParallel.from_config({"tp": 2, "sequence_paralel": True}),
      ValueError, ["sequence_paralel", "sequence_parallel"]),
-    ("pp_filled_by_minus_one", lambda: _trainer(2, NDParallel(pp=-1, dp_shard=1)), ValueError, ["pp=2", "pipeline"]),
     ("unknown_dim_name", lambda: ParallelDims.from_mapping({"dq": 2}, world_size=2),
      ValueError, ["`dq`", "`dp_"]),
     ("ep_minus_one", lambda: ParallelDims(ep=-1, world_size=2), ValueError, ["ep=-1"]),
@@ -117,6 +121,32 @@ CASES = [
      ValueError, ["LlamaRotaryEmbedding", "reset_parameters", "init_on_meta=False"]),
     ("colwise_out_features_not_divisible", lambda: _connect(8, NDParallel(tp=8, tp_plan=MIXER_PLAN), MixerNet(16, 12)),
      ValueError, ["tp=8", "model.blocks.0.alpha", "out_features=12"]),
+    ("pp_schedule_typo", lambda: NDParallel(pp=2, pp_schedule="1f1f"), ValueError, ["'1f1f'", "'1f1b'"]),
+    ("pp_single_stage_schedule_with_two_stages", lambda: NDParallel(pp=2, pp_schedule="gpipe", pp_stages_per_rank=2),
+     ValueError, ["'gpipe'", "interleaved_1f1b"]),
+    ("pp_v_schedule_needs_two_stages", lambda: NDParallel(pp=2, pp_schedule="zbv", pp_stages_per_rank=3),
+     ValueError, ["'zbv'", "pp_stages_per_rank=2"]),
+    ("pp_looped_schedule_needs_two_stages", lambda: NDParallel(pp=2, pp_schedule="looped_bfs", pp_stages_per_rank=1),
+     ValueError, ["'looped_bfs'", "pp_stages_per_rank=2"]),
+    ("pp_too_few_microbatches", lambda: NDParallel(pp=4, pp_microbatches=2), ValueError, ["at least 4", "pp_microbatches=2"]),
+    ("pp_microbatches_not_in_rounds", lambda: NDParallel(pp=4, pp_schedule="interleaved_1f1b", pp_microbatches=9),
+     ValueError, ["pp_microbatches=9", "multiple of 4"]),
+    ("pp_microbatches_zero", lambda: NDParallel(pp=2, pp_schedule="gpipe", pp_microbatches=0), ValueError, ["0", "4"]),
+    ("pp_with_zero1", lambda: NDParallel(pp=2, zero_stage=1), ValueError, ["zero_stage=1", "zero_stage=2"]),
+    ("pp_with_compile", lambda: NDParallel(pp=2, compile=True), ValueError, ["compile", "pp=2"]),
+    ("pp_split_and_layers_per_stage", lambda: NDParallel(pp=2, pp_split=["layers.1"], pp_layers_per_stage=[1, 1]),
+     ValueError, ["pp_layers_per_stage", "pp_split"]),
+    ("pp_tied_embeddings", lambda: _connect(2, NDParallel(pp=2, dp_shard=1), build("gpt")),
+     ValueError, ["`out`", "`tok`", "tie_word_embeddings"]),
+    ("pp_more_stages_than_blocks",
+     lambda: _connect(2, NDParallel(pp=2, dp_shard=1, pp_schedule="interleaved_1f1b"), build("llama")),
+     ValueError, ["4 pipeline stages", "has 2"]),
+    ("pp_layers_per_stage_wrong_sum", lambda: _connect(2, NDParallel(pp=2, dp_shard=1, pp_layers_per_stage=[1, 2]),
+                                                       build("llama")), ValueError, ["[1, 2]", "[1, 1]"]),
+    ("pp_split_unknown_block", lambda: _connect(2, NDParallel(pp=2, dp_shard=1, pp_split=["layers.9"]), build("llama")),
+     ValueError, ["'layers.9'", "'layers.1'"]),
+    ("pp_model_in_two_attributes", lambda: _trainer(2, NDParallel(pp=2, dp_shard=1)).strategy.connect(_two_models()),
+     ValueError, ["`model`", "`extra`", "one attribute"]),
 ]
 
 
@@ -136,6 +166,9 @@ def test_the_same_setups_with_good_values_connect():
     _connect(4, NDParallel(tp=4), build("llama"))
     _connect(2, NDParallel(tp=2, block_classes=["DecoderLayer"]), build("llama"))
     _connect(4, NDParallel(tp=4, tp_plan=MIXER_PLAN), MixerNet(16, 12))
+    _connect(2, NDParallel(pp=2, dp_shard=1), build("llama"))
+    _connect(2, NDParallel(pp=-1, dp_shard=1, pp_layers_per_stage=[1, 1]), build("llama"))
+    _connect(2, NDParallel(pp=2, dp_shard=1, pp_split=["layers.1"]), build("llama"))
     assert not torch.distributed.is_initialized()
 
 

@@ -1,0 +1,100 @@
+"""Pipeline parallelism matches one process: loss per step, gradients and parameters after 5 AdamW
+steps (fp32), validation loss and predictions, for every schedule, with clipping and gradient
+accumulation, at pp=2 and pp=4, and composed with FSDP and TP (8 ranks for pp x dp_shard x tp).
+
+Parameters live on the ranks of one stage only, so each rank's copies are merged by name: every
+parameter of the reference must come from some rank, ranks of the same stage (dp/tp replicas) must
+hold bit-equal copies, and no parameter may sit on two pipeline ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_nd.parallel.split import SCHEDULES
+from tests.distributed.parity import STEPS
+from tests.launcher import launch
+
+PP2 = {f"pp2_{name}": {"pp": 2, "dp_shard": 1, "pp_schedule": name} for name in SCHEDULES}
+PP2 |= {"pp2_1f1b_clip": {"pp": 2, "dp_shard": 1}, "pp2_interleaved_accum": {"pp": 2, "dp_shard": 1,
+                                                                           "pp_schedule": "interleaved_1f1b"}}
+PP4 = {f"pp4_{name}": {"pp": 4, "dp_shard": 1, "pp_schedule": name} for name in ("gpipe", "1f1b", "interleaved_1f1b")}
+PP4 |= {"pp2_fsdp2": {"pp": 2, "dp_shard": 2}, "pp2_tp2": {"pp": 2, "dp_shard": 1, "tp": 2},
+        "pp2_tp2_sp": {"pp": 2, "dp_shard": 1, "tp": 2, "sequence_parallel": True}}
+PP8 = {"pp2_fsdp2_tp2": {"pp": 2, "dp_shard": 2, "tp": 2},
+       "pp2_fsdp2_tp2_sp_clip": {"pp": 2, "dp_shard": 2, "tp": 2, "sequence_parallel": True}}
+HF = {"pp2_hf_declared_plan": {"pp": 2, "dp_shard": 1}}
+CLIP = {"pp2_1f1b_clip": 0.5, "pp2_fsdp2_tp2_sp_clip": 0.5}
+ACCUMULATE = {"pp2_interleaved_accum": 2}
+# (world size, model, layouts, per-rank batch: a multiple of the microbatches, 2 x pp by default)
+LAUNCHES = {"pp2": (2, "llama8", PP2, 4), "pp4": (4, "llama8", PP4, 8), "pp8": (8, "llama8", PP8, 4),
+            "hf": (2, "hf_llama", HF, 4)}
+CASES = [(launch_name, layout) for launch_name, (_, _, layouts, _) in LAUNCHES.items() for layout in layouts]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    done: dict[str, list] = {}
+
+    def run(name: str) -> list:
+        if name not in done:
+            world, model, layouts, batch = LAUNCHES[name]
+            done[name] = launch("tests.distributed.parity:run_layouts", world, tmp_path_factory.mktemp(name),
+                                timeout=900, model_name=model, layouts=layouts, clip=CLIP, accumulate=ACCUMULATE,
+                                batch=dict.fromkeys(layouts, batch), validate=list(layouts))
+        return done[name]
+
+    return run
+
+
+def _merged(per_rank: list, layout: str, what: str) -> dict[str, torch.Tensor]:
+    merged: dict[str, torch.Tensor] = {}
+    for result in per_rank:
+        for name, value in result[layout]["parallel"][what].items():
+            if name in merged:
+                torch.testing.assert_close(value, merged[name], rtol=0, atol=0, msg=lambda m: f"replicas of {name}: {m}")
+            merged[name] = value
+    return merged
+
+
+@pytest.mark.parametrize("launch_name, layout", CASES)
+def test_pipeline_matches_one_process(runs, launch_name, layout):
+    per_rank = runs(launch_name)
+    parallel, reference = per_rank[0][layout]["parallel"], per_rank[0][layout]["reference"]
+    assert "pipeline stages" in parallel["applied"][0]
+    steps = torch.tensor(parallel["losses"]).view(STEPS, -1).mean(dim=1)
+    torch.testing.assert_close(steps, torch.tensor(reference["losses"]), rtol=1e-6, atol=2e-6)
+    params, grads = _merged(per_rank, layout, "params"), _merged(per_rank, layout, "grads")
+    assert params.keys() == reference["params"].keys()
+    for name, expected in reference["grads"].items():
+        torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=2e-6, msg=lambda m: f"grad {name}: {m}")
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=5e-5, msg=lambda m: f"param {name}: {m}")
+    if layout in CLIP:
+        assert reference["max_unclipped_norm"] > CLIP[layout]  # clipping really acted
+
+
+@pytest.mark.parametrize("launch_name, layout", CASES)
+def test_validation_and_predictions_match_one_process(runs, launch_name, layout):
+    per_rank = runs(launch_name)
+    reference = per_rank[0][layout]["reference"]
+    for result in per_rank:
+        parallel = result[layout]["parallel"]
+        assert parallel["val_loss"] == pytest.approx(reference["val_loss"], abs=2e-6, rel=1e-6)
+        # Each data-parallel rank predicts every dp-th sample (Lightning's sampler, no shuffle).
+        expected = reference["val_logits"][parallel["dp_rank"]::parallel["dp"]]
+        torch.testing.assert_close(parallel["predictions"], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("launch_name", list(LAUNCHES))
+def test_each_rank_holds_only_its_stages(runs, launch_name):
+    world, _, layouts, _ = LAUNCHES[launch_name]
+    per_rank = runs(launch_name)
+    for layout, options in layouts.items():
+        pp, rest = options["pp"], world // options["pp"]
+        by_pp_rank = [set(per_rank[r * rest][layout]["parallel"]["params"]) for r in range(pp)]
+        for a in range(pp):
+            for b in range(a + 1, pp):
+                assert not by_pp_rank[a] & by_pp_rank[b], f"{layout}: pp ranks {a} and {b} share parameters"
+        assert set().union(*by_pp_rank) == set(per_rank[0][layout]["reference"]["params"])
