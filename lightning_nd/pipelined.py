@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor
@@ -31,17 +30,20 @@ INPUT_KEYS = ("tokens", "input_ids", "inputs", "x")
 TARGET_KEYS = ("labels", "targets", "target", "y")
 
 
-def split_batch(module: LightningModule, batch: Any) -> tuple[Any, Any]:
+def split_batch(module: LightningModule, batch: Any, need_target: bool = True) -> tuple[Any, Any]:
+    """(inputs, target) of a batch; for prediction the target may be missing."""
     hook = getattr(module, "pipeline_inputs", None)
     if callable(hook):
         return hook(batch)
     if isinstance(batch, dict):
         inputs = next((batch[k] for k in INPUT_KEYS if k in batch), None)
         target = next((batch[k] for k in TARGET_KEYS if k in batch), None)
-        if inputs is not None and target is not None:
+        if inputs is not None and (target is not None or not need_target):
             return inputs, target
     elif isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
+    elif isinstance(batch, Tensor) and not need_target:
+        return batch, None
     raise ValueError(
         f"Under pipeline parallelism the strategy runs the model itself and cannot tell inputs from targets in a"
         f" batch of type {type(batch).__name__}{' with keys ' + str(list(batch)) if isinstance(batch, dict) else ''}."
@@ -64,10 +66,35 @@ def pipeline_loss(module: LightningModule, output: Tensor, target: Tensor) -> Te
 
 
 class PipelineSteps:
-    """Mixin for `NDParallel`: the step methods when a pipeline runner exists."""
+    """Mixin for `NDParallel`: Lightning's step methods, run by the pipeline when there is one, all
+    inside the strategy's loss context (loss parallel)."""
 
     _runner: PipelineRunner | None = None
     _grads: list[Tensor | None] = []
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            if self._runner is not None:
+                return self._pipeline_train(args[0], args[1])
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            if self._runner is not None:
+                return self._pipeline_eval(args[0], "val")
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            if self._runner is not None:
+                return self._pipeline_eval(args[0], "test")
+            return super().test_step(*args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._loss_context():
+            if self._runner is not None:
+                return self._pipeline_predict(args[0])
+            return super().predict_step(*args, **kwargs)
 
     def _build_runner(self, report: ParallelizeReport) -> None:
         self._runner = PipelineRunner(
@@ -109,7 +136,7 @@ class PipelineSteps:
 
     def _pipeline_predict(self, batch: Any) -> Tensor:
         module = self.lightning_module
-        inputs = batch if torch.is_tensor(batch) else split_batch(module, batch)[0]
+        inputs, _ = split_batch(module, batch, need_target=False)
         with self.precision_plugin.predict_step_context():
             return self._runner.predict_step(inputs)
 

@@ -252,34 +252,6 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         return loss_parallel()
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
-            if self._runner is not None:
-                return self._pipeline_train(args[0], args[1])
-            return super().training_step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
-            if self._runner is not None:
-                return self._pipeline_eval(args[0], "val")
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
-            if self._runner is not None:
-                return self._pipeline_eval(args[0], "test")
-            return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
-            if self._runner is not None:
-                return self._pipeline_predict(args[0])
-            return super().predict_step(*args, **kwargs)
-
-    @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._runner is not None:
             return self._pipeline_backward(closure_loss)

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_tensor, reduce_scatter_tensor, wait_tensor
+from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -185,13 +185,13 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, value: DTensor) -> DTensor:
         ctx.mesh, ctx.dim = value.device_mesh, value.placements[0].dim
-        full = wait_tensor(all_gather_tensor(value.to_local().contiguous(), gather_dim=ctx.dim, group=ctx.mesh))
+        full = wait_tensor(all_gather_single(value.to_local().contiguous(), gather_dim=ctx.dim, group=ctx.mesh))
         return DTensor.from_local(full, ctx.mesh, [Replicate()], run_check=False)
 
     @staticmethod
     def backward(ctx, grad: DTensor) -> DTensor:
         local = grad.to_local() if isinstance(grad, DTensor) else grad  # Partial: unreduced summands
-        shard = wait_tensor(reduce_scatter_tensor(local.contiguous(), "sum", scatter_dim=ctx.dim, group=ctx.mesh))
+        shard = wait_tensor(reduce_scatter_single(local.contiguous(), "sum", scatter_dim=ctx.dim, group=ctx.mesh))
         return DTensor.from_local(shard, ctx.mesh, [Shard(ctx.dim)], run_check=False)
 
 

@@ -79,6 +79,19 @@ def test_hydra_sweep_runs_every_layout(tmp_path):
         assert expected in layout_card(accumulator)
 
 
+def test_3d_layout_trains_on_8_processes(tmp_path):
+    """pp=2 x dp_shard=2 x tp=2 (+SP), the issue's acceptance command, shortened to 10 steps."""
+    done = run_train_script(["parallel=3d", "trainer.devices=8", "trainer.max_steps=10", "trainer.val_check_interval=10",
+                             "trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path}"], timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    accumulator = events(tmp_path / "tensorboard")
+    losses = [event.value for event in accumulator.Scalars("train_loss")]
+    assert len(losses) == 10 and len(accumulator.Scalars("val_loss")) == 1
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 1.0, losses
+    card = layout_card(accumulator)
+    assert "| `pp` | 2 |" in card and "Split the model into 2 pipeline stages" in card
+
+
 @pytest.mark.parametrize("override, message", [
     ("parallel.tp=3", "does not divide"),
     ("+parallel.dq=2", "has no option `dq`"),
