@@ -11,6 +11,8 @@ B(n-1)/n (B = the full tensor). The analytic minimum per dim:
 - TP without SP: per block one all-reduce of the activations after attention and one after the MLP,
   and the same two in backward; the embedding's all-reduce, the head's all-gather of logits and the
   all-reduce of its input gradient.
+- PP: point-to-point, counted as the bytes a rank sends: the first stage sends every microbatch's
+  activations forward, the second sends their gradients back: batch x seq x hidden x 4 bytes each.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ LAYOUTS = {
     "tp=4": {"tp": 4},
     "tp=4 + sp": {"tp": 4, "sequence_parallel": True},
     "dp_shard=2 x tp=2": {"dp_shard": 2, "tp": 2, "zero_stage": 2},
+    "pp=2 x dp_shard=2": {"pp": 2, "dp_shard": 2, "pp_microbatches": 2},
 }
 
 
@@ -81,6 +84,8 @@ def _tensors(value) -> list[torch.Tensor]:
 
 
 def _ring_bytes(name: str, args, out, n: int) -> float:
+    if name.startswith(("send", "recv")):  # point-to-point: the bytes a rank sends
+        return sum(t.numel() * t.element_size() for t in _tensors(args)) if name.startswith("send") else 0.0
     full = max((t.numel() * t.element_size() for t in _tensors(args) + _tensors(out)), default=0)
     factor = 2 if "allreduce" in name or "all_reduce" in name else 1
     return factor * full * (n - 1) / n
@@ -101,11 +106,13 @@ class OneStep(Callback):
             self.mode.__exit__(None, None, None)
 
 
-def analytic(dim: str, layout: dict, dims, fsdp_param_bytes: float) -> float:
+def analytic(dim: str, zero_stage: int, dims, fsdp_param_bytes: float) -> float:
     """Minimum ring bytes per rank per step on one mesh dim (see the module docstring)."""
+    if dim == "pp":
+        return BATCH * SEQ * CONFIG["hidden_size"] * 4
     n = {"fsdp": dims.dp_shard * dims.cp, "dp_replicate": dims.dp_replicate, "tp": dims.tp}[dim]
     if dim == "fsdp":
-        return (3 if layout.get("zero_stage", 3) == 3 else 2) * fsdp_param_bytes * (n - 1) / n
+        return (3 if zero_stage == 3 else 2) * fsdp_param_bytes * (n - 1) / n
     if dim == "dp_replicate":  # HSDP: all-reduce of this rank's gradient shard across replicas
         return 2 * fsdp_param_bytes / (dims.dp_shard * dims.cp) * (n - 1) / n
     activation = BATCH * SEQ * CONFIG["hidden_size"] * 4
@@ -117,6 +124,11 @@ def _tp_local_bytes(param, tp: int) -> float:
     names = getattr(param, "device_mesh", None) and param.device_mesh.mesh_dim_names or ()
     split = "tp" in names and not param.placements[names.index("tp")].is_replicate()
     return param.numel() * 4 / (tp if split else 1)
+
+
+def dims_of(layout: dict) -> int:
+    """Batch ranks of a layout (the sampler's replicas): the world size over pp and tp."""
+    return WORLD_SIZE // (layout.get("pp", 1) * layout.get("tp", 1))
 
 
 def measure(layout: dict) -> dict[str, tuple[float, float]]:
@@ -131,16 +143,17 @@ def measure(layout: dict) -> dict[str, tuple[float, float]]:
                       enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
     module = CausalLM(model=Llama(LlamaConfig(**CONFIG)))
     trainer.fit(module, datamodule=TokenDataModule(
-        vocab_size=CONFIG["vocab_size"], seq_len=SEQ, num_samples=BATCH * WORLD_SIZE * 2, batch_size=BATCH))
+        vocab_size=CONFIG["vocab_size"], seq_len=SEQ, num_samples=BATCH * dims_of(layout) * 2, batch_size=BATCH))
     mesh, dims = trainer.strategy.device_mesh, trainer.strategy.dims
     # What FSDP gathers: each parameter as TP leaves it on this rank (a TP shard, or whole).
     fsdp_param_bytes = sum(_tp_local_bytes(p, dims.tp) for p in module.parameters())
-    names = {"fsdp": "dp_shard_cp", "dp_replicate": "dp_replicate", "tp": "tp"}
+    names = {"fsdp": "dp_shard_cp", "dp_replicate": "dp_replicate", "tp": "tp", "pp": "pp"}
     rows = {}
     for dim, mesh_name in names.items():
         ranks = tuple(sorted(mesh.ranks(mesh_name)))
         if len(ranks) > 1:
-            rows[dim] = (probe.mode.by_group.get(ranks, 0.0), analytic(dim, layout, dims, fsdp_param_bytes))
+            minimum = analytic(dim, trainer.strategy.config.zero_stage, dims, fsdp_param_bytes)
+            rows[dim] = (probe.mode.by_group.get(ranks, 0.0), minimum)
     if int(os.environ.get("RANK", 0)) == 0 and os.environ.get("COMM_DETAIL"):
         print(layout, {k: int(v) for k, v in probe.mode.by_kind.items()})
     return rows

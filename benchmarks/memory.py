@@ -5,8 +5,9 @@
 Model state = parameters + gradients + AdamW moments (exp_avg, exp_avg_sq) a rank holds, summed over
 its local shards after one optimizer step through `Trainer(strategy=NDParallel(...))` (AdamW's 0-dim
 step counters are left out of both sides). Theoretical share = the same state for the whole,
-unsharded model divided by how many ways the layout splits it (dp_shard x tp; replicas of HSDP/DDP
-hold a full share each). The ratio is the worst rank's bytes over that share.
+unsharded model divided by how many ways the layout splits it (dp_shard x tp x pp; replicas of
+HSDP/DDP hold a full share each; pipeline stages hold whole blocks, so pp=4 over 4 blocks cannot split
+the embedding and head evenly). The ratio is the worst rank's bytes over that share.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ LAYOUTS = {
     "tp=4": {"tp": 4},
     "tp=4 + sp": {"tp": 4, "sequence_parallel": True},
     "dp_shard=2 x tp=2": {"dp_shard": 2, "tp": 2},
+    "pp=2 x dp_shard=2": {"pp": 2, "dp_shard": 2},
+    "pp=4": {"pp": 4, "dp_shard": 1},
 }
 
 
@@ -56,13 +59,13 @@ def measure(layout: dict) -> tuple[int, float]:
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
     trainer.fit(CausalLM(model_factory=lambda: Llama(config)),
-                datamodule=TokenDataModule(vocab_size=1024, seq_len=32, num_samples=64, batch_size=2))
+                datamodule=TokenDataModule(vocab_size=1024, seq_len=32, num_samples=64, batch_size=8))
     worst = torch.tensor(probe.bytes)
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     with torch.device("meta"):
         total = sum(p.numel() for p in Llama(config).parameters()) * 4 * 4  # fp32 param, grad, 2 moments
     dims = trainer.strategy.dims
-    return int(worst), total / (dims.dp_shard * dims.cp * dims.tp)
+    return int(worst), total / (dims.dp_shard * dims.cp * dims.tp * dims.pp)
 
 
 def main() -> None:

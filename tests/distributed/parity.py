@@ -66,7 +66,8 @@ def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None,
     named = [(PipelineStages.original_name(name), p) for name, p in module.model.named_parameters()]
     result = {"losses": recorder.losses, "params": {name: _full(p) for name, p in named},
               "grads": {name: _full(p.grad) for name, p in named}, "global_batch": batch * dp * accumulate,
-              "applied": trainer.strategy.report.applied if trainer.strategy.report else []}
+              "applied": trainer.strategy.report.applied if trainer.strategy.report else [],
+              "timings": trainer.strategy.pipeline_timings}
     if validate:
         val = DataLoader(SyntheticTokens(VOCAB, SEQ_LEN, VAL_BATCHES * batch * dp * accumulate, seed=1), batch_size=batch)
         trainer.limit_val_batches = 1.0  # off while fitting (no validation inside the 5 steps)

@@ -98,3 +98,22 @@ def test_each_rank_holds_only_its_stages(runs, launch_name):
             for b in range(a + 1, pp):
                 assert not by_pp_rank[a] & by_pp_rank[b], f"{layout}: pp ranks {a} and {b} share parameters"
         assert set().union(*by_pp_rank) == set(per_rank[0][layout]["reference"]["params"])
+
+
+@pytest.mark.parametrize("launch_name", list(LAUNCHES))
+def test_stage_timings_split_each_step_into_compute_and_idle(runs, launch_name):
+    for result in runs(launch_name):
+        for layout in LAUNCHES[launch_name][2]:
+            timings = result[layout]["parallel"]["timings"]
+            assert timings["step_s"] > timings["compute_s"] > 0
+            assert timings["idle_s"] == pytest.approx(timings["step_s"] - timings["compute_s"])
+            assert 0 < timings["idle_fraction"] < 1
+
+
+def test_a_batch_the_microbatches_do_not_divide_stops_every_rank_with_a_hint(tmp_path):
+    with pytest.raises(RuntimeError) as failed:
+        launch("tests.distributed.parity:run_layouts", 2, tmp_path, timeout=300, model_name="llama8",
+               layouts={"pp2": {"pp": 2, "dp_shard": 1}}, batch={"pp2": 3})
+    report = str(failed.value)
+    assert "exit codes {0: 1, 1: 1}" in report  # both ranks raised (none killed after a hang)
+    assert report.count("pp_microbatches=4 does not divide") >= 2 and "HINT" in report
