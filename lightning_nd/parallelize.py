@@ -64,6 +64,7 @@ def parallelize(
     for index, stage in enumerate(stages):
         entries = stage_tp_entries(plan.entries, stage_plan.attribute, stage) if plan else None
         _apply(stage, stage_blocks(stage), entries, dims, mesh, config, report, root_unit=stage, quiet=index > 0)
+        stage.attach()
     setattr(module, stage_plan.attribute, PipelineStages(stages))
     report.stages = stages
     return report

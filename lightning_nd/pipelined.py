@@ -5,10 +5,12 @@ cannot run the whole model. It asks the module two small questions instead, both
 
 - ``pipeline_inputs(batch) -> (inputs, target)``: what the model is called with (a tensor, a tuple
   of positional inputs or a dict of keyword inputs) and what the loss compares its output with.
-  Default: ``batch["tokens"]``/``batch["input_ids"]`` and ``batch["labels"]``/``batch["targets"]``
-  for a dict, ``(inputs, target)`` for a pair.
+  Default: for a dict, ``labels``/``targets``/``target``/``y`` is the target and every other key a
+  keyword input (``attention_mask`` included); for a pair, ``(inputs, target)``.
 - ``pipeline_loss(output, target) -> Tensor``: the mean loss of one microbatch. Default:
-  cross-entropy of the output (logits) against integer targets of one dimension less.
+  cross-entropy of the output (logits) against integer targets of one dimension less, ignoring
+  -100, with targets already aligned to the outputs. Hugging Face batches (``input_ids`` with
+  unshifted ``labels``) must define it (the error says how).
 
 The mean loss over microbatches reaches every rank and is logged as ``train_loss`` /
 ``val_loss`` / ``test_loss`` (``prog_bar=True, sync_dist=True``), so progress bar, loggers,
@@ -23,11 +25,13 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from lightning_nd.clip import align_grads_to_params
 from lightning_nd.parallel.schedule import PipelineRunner
 from lightning_nd.parallelize import ParallelizeReport
 
-INPUT_KEYS = ("tokens", "input_ids", "inputs", "x")
 TARGET_KEYS = ("labels", "targets", "target", "y")
+HF_LOSS = ("def pipeline_loss(self, logits, labels): return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),"
+           " labels[:, 1:].flatten(), ignore_index=-100)")
 
 
 def split_batch(module: LightningModule, batch: Any, need_target: bool = True) -> tuple[Any, Any]:
@@ -36,10 +40,16 @@ def split_batch(module: LightningModule, batch: Any, need_target: bool = True) -
     if callable(hook):
         return hook(batch)
     if isinstance(batch, dict):
-        inputs = next((batch[k] for k in INPUT_KEYS if k in batch), None)
-        target = next((batch[k] for k in TARGET_KEYS if k in batch), None)
-        if inputs is not None and (target is not None or not need_target):
-            return inputs, target
+        key = next((k for k in TARGET_KEYS if k in batch), None)
+        inputs = {k: v for k, v in batch.items() if k != key}
+        if key == "labels" and "input_ids" in batch and not callable(getattr(module, "pipeline_loss", None)):
+            raise ValueError(
+                "A Hugging Face-style batch (`input_ids`, `labels`) holds labels unshifted (the model shifts them"
+                " inside its own loss); under pipeline parallelism the last stage computes the loss from the logits"
+                f" instead. HINT: define on `{type(module).__name__}`: `{HF_LOSS}`."
+            )
+        if inputs and (key is not None or not need_target):
+            return inputs, batch.get(key)
     elif isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     elif isinstance(batch, Tensor) and not need_target:
@@ -56,7 +66,7 @@ def pipeline_loss(module: LightningModule, output: Tensor, target: Tensor) -> Te
     if callable(hook):
         return hook(output, target)
     if isinstance(target, Tensor) and not target.is_floating_point() and output.ndim == target.ndim + 1:
-        return F.cross_entropy(output.flatten(0, -2).float(), target.flatten())
+        return F.cross_entropy(output.flatten(0, -2).float(), target.flatten(), ignore_index=-100)
     raise ValueError(
         f"Under pipeline parallelism the last stage computes the loss, and the default (cross-entropy over logits)"
         f" does not fit an output of shape {tuple(output.shape)} and a target of shape"
@@ -70,12 +80,14 @@ class PipelineSteps:
     inside the strategy's loss context (loss parallel)."""
 
     _runner: PipelineRunner | None = None
+    _runner_report: ParallelizeReport | None = None
     _grads: list[Tensor | None] = []
+    _window_open = False
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():
             if self._runner is not None:
-                return self._pipeline_train(args[0], args[1])
+                return self._pipeline_train(args[0])
             return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -96,7 +108,13 @@ class PipelineSteps:
                 return self._pipeline_predict(args[0])
             return super().predict_step(*args, **kwargs)
 
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().optimizer_step(*args, **kwargs)
+        self._window_open = False  # the next training step starts a new accumulation window
+        return result
+
     def _build_runner(self, report: ParallelizeReport) -> None:
+        self._runner_report = report
         self._runner = PipelineRunner(
             report.stages, report.stage_plan.ranks, self.config.pp_schedule, self.config.pp_microbatches,
             self.device_mesh.group("pp"), self.root_device,
@@ -107,13 +125,20 @@ class PipelineSteps:
         """Last step on this rank: ``step_s``, ``compute_s`` (forward/backward), ``idle_s``, ``idle_fraction``."""
         return dict(self._runner.timings) if self._runner is not None else {}
 
-    def _pipeline_train(self, batch: Any, batch_idx: int) -> Tensor:
+    def _pipeline_train(self, batch: Any) -> Tensor:
         """Forward and backward of the whole batch. Lightning zeroes gradients between the training step
         and backward, so the gradients are set aside here and put back in `_pipeline_backward`."""
         module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError(
+                f"`{type(module).__name__}.automatic_optimization = False`: under pipeline parallelism the strategy"
+                " runs forward and backward inside the schedule, so a manual `training_step` cannot run. HINT: use"
+                " automatic optimization (the default) with pp, or pp=1."
+            )
         accumulate = module.trainer.accumulate_grad_batches
         params = list(module.parameters())
-        if batch_idx % accumulate == 0:  # a new accumulation window: what is there belongs to the last step
+        if not self._window_open:  # a new accumulation window: what is there belongs to the last step
+            self._window_open = True
             for param in params:
                 param.grad = None
         inputs, target = split_batch(module, batch)
@@ -146,6 +171,7 @@ class PipelineSteps:
         for param, grad in zip(module.parameters(), self._grads):
             param.grad = grad
         self._grads = []
+        align_grads_to_params(module.parameters())
         self.pre_backward(loss)
         loss = self.precision_plugin.pre_backward(loss, module)
         loss = self.precision_plugin.post_backward(loss, module)

@@ -196,7 +196,7 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         materialize(self.model, device, seed=self.broadcast(torch.initial_seed() % 2**31))
         if not self.config.cpu_offload:
             self.model_to_device()
-        if self.report is not None and self.report.stages and self._runner is None:
+        if self.report is not None and self.report.stages and self._runner_report is not self.report:
             self._build_runner(self.report)
         self._sync_metrics_over_batch_ranks()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm

@@ -13,11 +13,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool)
 HEADER = 9  # dtype, ndim, up to 7 sizes
 
 
 def _send(tensor: torch.Tensor, dst: int) -> None:
+    if tensor.dtype not in DTYPES or tensor.ndim > HEADER - 2:
+        raise TypeError(f"A pipeline stage handed on a {tensor.dtype} tensor of {tensor.ndim} dims; stages may pass"
+                        f" tensors of {', '.join(map(str, DTYPES))} with up to {HEADER - 2} dims."
+                        " HINT: return the hidden states as one such tensor from each block.")
     header = torch.zeros(HEADER, dtype=torch.long, device=tensor.device)
     header[0], header[1] = DTYPES.index(tensor.dtype), tensor.ndim
     header[2:2 + tensor.ndim] = torch.tensor(tensor.shape)

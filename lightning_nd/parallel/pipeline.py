@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_nd.parallel.split import StageLayout
 from lightning_nd.structure import get_submodule, parent_name
@@ -84,8 +83,14 @@ class StageModule(nn.Module):
             if name not in own:
                 del get_submodule(self.module, parent_name(name))._modules[name.rsplit(".", 1)[-1]]
         self.block_names = [name for name in layout.blocks if name in own]
-        get_submodule(self.module, self.block_names[0]).register_forward_pre_hook(self._feed, with_kwargs=True)
-        get_submodule(self.module, self.block_names[-1]).register_forward_hook(self._capture)
+
+    def attach(self) -> None:
+        """Hook the first and last local blocks; called once the stage is parallelized, so the input is
+        replaced before any other hook sees it and the output taken after every other hook (sequence
+        parallel hands on a full tensor, as between a model's last block and its head)."""
+        first, last = get_submodule(self.module, self.block_names[0]), get_submodule(self.module, self.block_names[-1])
+        first.register_forward_pre_hook(self._feed, with_kwargs=True, prepend=True)
+        last.register_forward_hook(self._capture)
 
     def _feed(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         carried = self._slot.carried
@@ -93,7 +98,12 @@ class StageModule(nn.Module):
             return None
         if args:
             return (carried, *args[1:]), kwargs
-        key = next(k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.is_floating_point())
+        key = "hidden_states" if "hidden_states" in kwargs else next(
+            (k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.shape == carried.shape), None)
+        if key is None:
+            raise ValueError(f"Pipeline stage {self.index}: block `{self.block_names[0]}` was called with keyword"
+                             f" arguments only ({', '.join(kwargs)}), none of which looks like the hidden states."
+                             " HINT: pass the hidden states positionally or as `hidden_states=`.")
         return args, {**kwargs, key: carried}
 
     def _capture(self, block: nn.Module, args: tuple, output: Any) -> None:
@@ -106,12 +116,7 @@ class StageModule(nn.Module):
         self._slot.carried = None if self.is_first else carried[0]
         try:
             output = self.module(*args, **inputs)
-            if self.is_last:
-                return main_output(output)
-            # Under sequence parallelism the last block hands on a sequence-sharded DTensor: the
-            # next stage's first block takes a full tensor, as the first block of a model does.
-            output = main_output(self._slot.output)
-            return output.full_tensor() if isinstance(output, DTensor) else output
+            return main_output(output if self.is_last else self._slot.output)
         finally:
             self._slot.carried = self._slot.output = None
 

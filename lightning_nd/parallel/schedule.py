@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
@@ -29,7 +30,6 @@ TORCH_NAMES = {
     "gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
     "interleaved_zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV",
 }
-SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv", "dualpipev")
 
 
 def check_schedule(schedule: str, pp: int, stages_per_rank: int | None, microbatches: int | None) -> tuple[int, int]:
@@ -71,6 +71,9 @@ class PipelineRunner:
     """A rank's stages and schedule, driven one batch at a time.
 
     ``stage_ranks[r]``: the stage indices pp rank ``r`` runs; ``stage_modules``: this rank's, in that order.
+    torch sizes the buffers between stages from the first batch; a batch of other shapes (a short last
+    batch, another sequence length) gets fresh stages and schedule, on every rank of the pipeline alike
+    (they all see the same batch).
     """
 
     def __init__(
@@ -83,33 +86,43 @@ class PipelineRunner:
         device: torch.device,
     ) -> None:
         pp_rank = dist.get_group_rank(group, dist.get_rank())
-        num_stages = sum(len(stages) for stages in stage_ranks)
+        self.num_stages = sum(len(stages) for stages in stage_ranks)
         self.modules = dict(zip(stage_ranks[pp_rank], stage_modules))
-        self.owners = [0] * num_stages
+        self.owners = [0] * self.num_stages
         for rank, stages in enumerate(stage_ranks):
             for index in stages:
                 self.owners[index] = dist.get_global_rank(group, rank)
-        self.stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in self.modules.items()]
-        self.has_last = num_stages - 1 in self.modules
+        self.has_last = self.num_stages - 1 in self.modules
         self.last_stage_rank = self.owners[-1]
-        self.microbatches, self.group, self.device = microbatches, group, device
+        self.schedule_name, self.microbatches, self.group, self.device = schedule, microbatches, group, device
         self._loss: Callable[[Any, Any], torch.Tensor] | None = None
         self._scale = 1.0
-        cls = get_schedule_class(TORCH_NAMES[schedule])
-        stages = self.stages[0] if schedule in SINGLE_STAGE else self.stages
-        self.schedule = cls(stages, n_microbatches=microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        self._shapes: list[tuple] | None = None
         self._compute = 0.0
         self.timings: dict[str, float] = {}
-        for stage in self.stages:
+
+    def _build(self, shapes: list[tuple]) -> None:
+        self._shapes = shapes
+        stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+                  for index, module in self.modules.items()]
+        for stage in stages:
             for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, method, self._timed(getattr(stage, method)))
+        cls = get_schedule_class(TORCH_NAMES[self.schedule_name])
+        self.schedule = cls(stages[0] if self.schedule_name in SINGLE_STAGE else stages,
+                            n_microbatches=self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
 
     def _timed(self, fn: Callable) -> Callable:
+        """Time inside a stage's forward/backward; on CUDA synchronised, so it is device time, not launches."""
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+
         def timed(*args: Any, **kwargs: Any) -> Any:
+            sync()
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                sync()
                 self._compute += time.perf_counter() - start
 
         return timed
@@ -124,7 +137,7 @@ class PipelineRunner:
                 raise ValueError(
                     f"The batch has {size} samples per rank, which pp_microbatches={self.microbatches} does not divide."
                     f" HINT: use a batch size that is a multiple of {self.microbatches}, or set pp_microbatches to one"
-                    " of its divisors (and `drop_last=True` for a short last batch)."
+                    " of its divisors (and `drop_last=True` for a short last training batch)."
                 )
 
     def train_step(self, inputs: Any, target: Any, loss: Callable, accumulate: int = 1) -> torch.Tensor:
@@ -132,40 +145,54 @@ class PipelineRunner:
         microbatch mean divided by ``accumulate``. Returns the (unscaled) mean loss on every rank."""
         kwargs = pack_inputs(inputs)
         self.check_batch(kwargs)
+        shapes = [(k, tuple(v.shape), v.dtype) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        if shapes != self._shapes:
+            self._build(shapes)
         self._loss, self._scale = loss, 1.0 / (self.microbatches * accumulate)
         losses: list[torch.Tensor] = []
         self._compute = 0.0
         start = time.perf_counter()
-        self.schedule.step(target=target if self.has_last else None, losses=losses if self.has_last else None, **kwargs)
+        self.schedule.step(target=target if self.has_last else None, losses=losses if self.has_last else None,
+                           return_outputs=False, **kwargs)
         wall = time.perf_counter() - start
         idle = max(wall - self._compute, 0.0)
         self.timings = {"step_s": wall, "compute_s": self._compute, "idle_s": idle,
                         "idle_fraction": idle / wall if wall > 0 else 0.0}
-        total = torch.stack([l.detach() for l in losses]).sum() * accumulate if losses else None
+        total = torch.stack([_full(l).detach() for l in losses]).sum() * accumulate if losses else None
         return self._share(total)
 
-    def eval_step(self, inputs: Any, target: Any, loss: Callable) -> torch.Tensor:
-        """The mean loss over microbatches, forward only, on every rank."""
+    def _forward(self, inputs: Any, finish: Callable[[torch.Tensor, int], None]) -> int:
+        """Forward-only over up to ``microbatches`` chunks (a short last batch splits unevenly); returns
+        how many chunks."""
         kwargs = pack_inputs(inputs)
-        self.check_batch(kwargs)
-        targets = torch.tensor_split(target, self.microbatches) if self.has_last else []
-        losses: list[torch.Tensor] = []
-        forward_only(self.modules, self.owners, kwargs, self.microbatches, self.device,
-                     lambda output, index: losses.append(loss(output, targets[index]).detach().float()))
-        return self._share(torch.stack(losses).mean() if losses else None)
+        size = next(v.shape[0] for v in kwargs.values() if isinstance(v, torch.Tensor))
+        chunks = min(self.microbatches, size)
+        forward_only(self.modules, self.owners, kwargs, chunks, self.device, finish)
+        return chunks
+
+    def eval_step(self, inputs: Any, target: Any, loss: Callable) -> torch.Tensor:
+        """The per-sample mean loss of the batch (microbatch losses weighted by size), on every rank."""
+        weighted: list[torch.Tensor] = []
+
+        def finish(output: torch.Tensor, index: int) -> None:
+            part = targets[index]
+            weighted.append(_full(loss(output, part)).detach().float() * part.shape[0])
+
+        size = target.shape[0]
+        targets = torch.tensor_split(target, min(self.microbatches, size))
+        self._forward(inputs, finish)
+        return self._share(torch.stack(weighted).sum() / size if weighted else None)
 
     def predict_step(self, inputs: Any) -> torch.Tensor:
         """The model's output for the whole batch, on every rank of the pipeline."""
-        kwargs = pack_inputs(inputs)
-        self.check_batch(kwargs)
         outputs: list[torch.Tensor] = []
-        forward_only(self.modules, self.owners, kwargs, self.microbatches, self.device,
-                     lambda output, index: outputs.append(output))
-        holder = [[list(torch.cat(outputs).shape), str(outputs[0].dtype)] if self.has_last else None]
+        self._forward(inputs, lambda output, index: outputs.append(_full(output)))
+        result = torch.cat(outputs) if self.has_last else None
+        holder = [(tuple(result.shape), str(result.dtype)) if result is not None else None]
         dist.broadcast_object_list(holder, src=self.last_stage_rank, group=self.group)
         shape, dtype = holder[0]
-        result = torch.cat(outputs) if self.has_last else torch.empty(shape, dtype=getattr(torch, dtype[6:]),
-                                                                      device=self.device)
+        if result is None:
+            result = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=self.device)
         dist.broadcast(result, src=self.last_stage_rank, group=self.group)
         return result
 
@@ -173,3 +200,8 @@ class PipelineRunner:
         result = value.float().to(self.device) if value is not None else torch.zeros((), device=self.device)
         dist.broadcast(result, src=self.last_stage_rank, group=self.group)
         return result
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A loss or logits under loss parallel are DTensors: their full value."""
+    return value.full_tensor() if isinstance(value, DTensor) else value

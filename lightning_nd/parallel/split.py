@@ -39,8 +39,7 @@ class StageLayout:
 
 def _span(units: list[str], blocks: list[str]) -> str:
     own = [u for u in units if u in blocks]
-    before = [u for u in units[:units.index(own[0])]]
-    after = [u for u in units[units.index(own[-1]) + 1:]]
+    before, after = units[:units.index(own[0])], units[units.index(own[-1]) + 1:]
     return " + ".join([*before, f"{own[0]}..{own[-1]}" if len(own) > 1 else own[0], *after])
 
 
@@ -64,6 +63,14 @@ def pipeline_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> tup
             others = sorted((key for key in declared if key != container), key=order.__getitem__)
             pre = [key for key in others if order[key] < order[container]]
             post = [key for key in others if order[key] > order[container]]
+            missing = [name for name in _owners(model, block_names) if not name.startswith(tuple(u + "." for u in others))
+                       and name not in others]
+            if missing:
+                raise ValueError(
+                    f"The model's declared pipeline plan (`{_plan_name(model)}`) leaves out `{missing[0]}`, which owns"
+                    " parameters: every stage would hold its own copy. HINT: pass `NDParallel(block_classes=[...])`"
+                    " and remove the plan from the model to split by registration order, or add the module to the plan."
+                )
             return pre, block_names, post, f"the model's declared plan (`{_plan_name(model)}`)"
     block_names = [name for name, _ in blocks]
     if not block_names:
@@ -71,13 +78,7 @@ def pipeline_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> tup
             f"Pipeline parallelism splits a model between its repeated blocks, and none were found in"
             f" `{type(model).__name__}`. HINT: pass `NDParallel(block_classes=[YourBlock])`."
         )
-    inside = tuple(name + "." for name in block_names)
-    owners = [
-        name for name, module in model.named_modules()
-        if name and not name.startswith(inside) and name not in block_names
-        and any(True for _ in module.parameters(recurse=False))
-    ]
-    owners = [name for name in owners if not any(name.startswith(other + ".") for other in owners)]
+    owners = _owners(model, block_names)
     first, last = names.index(block_names[0]), names.index(block_names[-1])
     pre = [name for name in owners if names.index(name) < first]
     post = [name for name in owners if names.index(name) > last]
@@ -86,6 +87,17 @@ def pipeline_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> tup
         raise ValueError(f"`{middle[0]}` owns parameters and sits between the repeated blocks, so no stage boundary"
                          " is clean. HINT: give its parameters to a block, or pass `block_classes=` naming the blocks.")
     return pre, block_names, post, "registration order (units before the blocks -> blocks -> units after)"
+
+
+def _owners(model: nn.Module, block_names: list[str]) -> list[str]:
+    """The outermost modules outside the blocks that own parameters themselves."""
+    inside = tuple(name + "." for name in block_names)
+    owners = [
+        name for name, module in model.named_modules()
+        if name and not name.startswith(inside) and name not in block_names
+        and any(True for _ in module.parameters(recurse=False))
+    ]
+    return [name for name in owners if not any(name.startswith(other + ".") for other in owners)]
 
 
 def _plan_name(model: nn.Module) -> str:

