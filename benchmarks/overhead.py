@@ -86,9 +86,10 @@ class HandStage(torch.nn.Module):
         self.norm, self.head = (model.norm, model.lm_head) if stage == stages - 1 else (None, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device)
         x = self.embed(x) if self.embed is not None else x
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, positions)
         return self.head(self.norm(x)) if self.head is not None else x
 
 

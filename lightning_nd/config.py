@@ -22,7 +22,7 @@ log = logging.getLogger("lightning_nd")
 
 ZERO_STAGES = (1, 2, 3)
 AC_MODES = ("none", "full", "selective")
-NOT_YET = {"cp": "context", "ep": "expert"}
+NOT_YET = {"ep": "expert"}
 
 
 @dataclass(kw_only=True)
@@ -57,6 +57,9 @@ class ParallelConfig:
     """Blocks per stage, first to last (e.g. [3, 4, 4, 3] for lighter end stages); default: balanced by parameters."""
     pp_split: Sequence[str] | None = None
     """Names of the blocks where stages 1, 2, ... start (e.g. ['layers.4']); the alternative to pp_layers_per_stage."""
+    cp_shard_keys: Sequence[str] | None = None
+    """Under cp, the dict-batch entries split along the sequence (dim 1); default: every tensor whose dim 1
+    is the sequence length (the length of the first integer [batch, seq] tensor)."""
     param_dtype: torch.dtype | None = None
     """FSDP compute dtype for parameters (set from `bf16-mixed` by the strategy)."""
     reduce_dtype: torch.dtype | None = None
@@ -129,6 +132,9 @@ def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> None:
         log.warning("The `pp_*` options are ignored: pp=1, so the model is not pipelined.")
     if config.zero_stage is None and sizes["pp"] != -1:
         config.zero_stage = 2 if sizes["pp"] > 1 else 3
+    if config.compile and sizes["cp"] > 1:
+        raise ValueError(f"`NDParallel(compile=..., cp={sizes['cp']})`: ring attention inside compiled blocks is not"
+                         " supported in this release. HINT: compile=False with cp, or cp=1.")
     if config.compile and sizes["tp"] > 1:
         raise ValueError(
             f"`NDParallel(compile=..., tp={sizes['tp']})`: compiled blocks with tensor parallelism gave wrong gradients"

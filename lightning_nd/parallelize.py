@@ -15,7 +15,8 @@ from lightning_nd.config import ParallelConfig, check_config, check_model
 from lightning_nd.dims import ParallelDims
 from lightning_nd.mesh import NDMesh
 from lightning_nd.parallel.activation import apply_ac, apply_compile
-from lightning_nd.parallel.data import apply_fsdp
+from lightning_nd.parallel.cp_region import accepts_positions, inject_positions
+from lightning_nd.parallel.data import apply_fsdp, fsdp_root
 from lightning_nd.parallel.tensor import apply_tp
 from lightning_nd.parallel.pipeline import PipelineStages, StageModule
 from lightning_nd.plans import TPPlan
@@ -53,6 +54,8 @@ def parallelize(
     blocks, plan = check_model(module, dims, config)
     report = ParallelizeReport(blocks=[name for name, _ in blocks], tp_plan=plan, module=module)
     if not dims.pp_enabled:
+        if dims.cp > 1:
+            _apply_cp(fsdp_root(module), dims, report)
         _apply(module, blocks, plan.entries if plan else None, dims, mesh, config, report, forward_methods=forward_methods)
         return report
     _disable_kv_cache(module)
@@ -62,6 +65,8 @@ def parallelize(
     _applied(report, f"Split the model into {stage_plan.num_stages} pipeline stages from {layout.source}:"
                      f" {layout.describe()}; schedule {config.pp_schedule} with {config.pp_microbatches} microbatches")
     for index, stage in enumerate(stages):
+        if dims.cp > 1:
+            _apply_cp(stage.module, dims, report, quiet=index > 0)
         entries = stage_tp_entries(plan.entries, stage_plan.attribute, stage) if plan else None
         _apply(stage, stage_blocks(stage), entries, dims, mesh, config, report, root_unit=stage, quiet=index > 0)
         stage.attach()
@@ -110,6 +115,21 @@ def _apply(
             f"FSDP (shard={dims.dp_shard * dims.cp})")
         where = "each stage's blocks and the stage" if root_unit is not None else f"{len(blocks)} blocks and the root"
         applied(f"Applied {kind} with zero_stage={config.zero_stage} to {where}")
+
+
+def _apply_cp(model: nn.Module, dims: ParallelDims, report: ParallelizeReport, quiet: bool = False) -> None:
+    """Context parallel: the model is given global positions inside the cp region (attention is routed there)."""
+    model.register_forward_pre_hook(inject_positions, with_kwargs=True)
+    if quiet:
+        return
+    if accepts_positions(model):
+        _applied(report, f"Applied context parallel (cp={dims.cp}, ring attention, zigzag sequence sharding):"
+                         f" `{type(model).__name__}` gets global `position_ids`")
+    else:
+        _applied(report, f"Applied context parallel (cp={dims.cp}, ring attention, zigzag sequence sharding)")
+        log.warning("`%s.forward` takes no `position_ids`: under cp it sees only its shard of each sequence, so"
+                    " positions it computes itself (rotary, learned) would be wrong. Give it a `position_ids`"
+                    " argument (0..seq-1 when None), as Hugging Face models have.", type(model).__name__)
 
 
 def _disable_kv_cache(module: nn.Module) -> None:

@@ -85,25 +85,25 @@ class PipelineSteps:
     _window_open = False
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
+        with self._step_context():
             if self._runner is not None:
                 return self._pipeline_train(args[0])
             return super().training_step(*args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
+        with self._step_context():
             if self._runner is not None:
                 return self._pipeline_eval(args[0], "val")
             return super().validation_step(*args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
+        with self._step_context():
             if self._runner is not None:
                 return self._pipeline_eval(args[0], "test")
             return super().test_step(*args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._loss_context():
+        with self._step_context():
             if self._runner is not None:
                 return self._pipeline_predict(args[0])
             return super().predict_step(*args, **kwargs)

@@ -10,7 +10,7 @@ import inspect
 import logging
 import warnings
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -24,7 +24,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_nd.checks import already_parallel, check_sequence_lengths, model_to_check
+from lightning_nd.checks import already_parallel, check_sequence_lengths, model_to_check, shard_batch
+from lightning_nd.parallel.cp_region import context_parallel_region
 from lightning_nd.clip import clip_grad_norm_, align_grads_to_params
 from lightning_nd.dims import ParallelDims
 from lightning_nd.materialize import materialize
@@ -47,7 +48,8 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
             ``dp_shard=-1`` fills the world size.
         zero_stage, tp_plan, sequence_parallel, loss_parallel, block_classes, activation_checkpointing,
             compile, cpu_offload, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_layers_per_stage,
-            pp_split: how to parallelize (see `ParallelConfig`; pp steps: `pipelined.py`).
+            pp_split, cp_shard_keys: how to parallelize (see `ParallelConfig`; pp steps: `pipelined.py`; cp:
+            `parallel/cp_region.py`).
         init_on_meta: build the layers created in ``configure_model`` on the meta device, then
             materialise only each rank's shard with every module's ``reset_parameters()``.
         timeout: process-group timeout.
@@ -78,6 +80,7 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         pp_stages_per_rank: int | None = None,
         pp_layers_per_stage: Sequence[int] | None = None,
         pp_split: Sequence[str] | None = None,
+        cp_shard_keys: Sequence[str] | None = None,
         init_on_meta: bool = True,
         timeout: timedelta = timedelta(minutes=10),
         process_group_backend: str | None = None,
@@ -90,10 +93,11 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
             loss_parallel=loss_parallel, block_classes=block_classes,
             activation_checkpointing=activation_checkpointing, compile=compile, cpu_offload=cpu_offload,
             pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
-            pp_layers_per_stage=pp_layers_per_stage, pp_split=pp_split,
+            pp_layers_per_stage=pp_layers_per_stage, pp_split=pp_split, cp_shard_keys=cp_shard_keys,
         )
         check_config(self._sizes, self.config)
         self._init_on_meta = init_on_meta
+        self._cp_positions: Tensor | None = None
         self._dims: ParallelDims | None = None
         self._nd_mesh: NDMesh | None = None
         self.report: ParallelizeReport | None = None
@@ -233,6 +237,9 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
+        if self.dims.cp > 1:
+            batch, self._cp_positions = shard_batch(batch, self.dims.cp, self.device_mesh.local_rank("cp"),
+                                                    self.config.cp_shard_keys)
         if self.config.sequence_parallel:
             check_sequence_lengths(batch, self.dims.tp)
         return batch
@@ -244,18 +251,22 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         with accumulate_without_sync(self.model, self.config.zero_stage):
             yield None
 
-    def _loss_context(self):
-        if not self.config.loss_parallel:
-            return nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
+    def _step_context(self) -> ExitStack:
+        """What a step and its backward run inside: loss parallel, and the context-parallel region."""
+        stack = ExitStack()
+        if self.config.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
 
-        return loss_parallel()
+            stack.enter_context(loss_parallel())
+        if self._cp_positions is not None:
+            stack.enter_context(context_parallel_region(self.device_mesh.group("cp"), self._cp_positions))
+        return stack
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._runner is not None:
             return self._pipeline_backward(closure_loss)
-        with self._loss_context():
+        with self._step_context():
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         # Gradients whose layout differs from their parameter's (Partial under SP, a full copy for a
         # sharded embedding) are aligned now: clipping, hooks and the optimizer see the true shard.

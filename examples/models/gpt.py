@@ -63,7 +63,7 @@ class GPT(nn.Module):
         self.out = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.out.weight = self.tok.weight
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device) if position_ids is None else position_ids
         x = self.blocks(self.tok(tokens) + self.pos(positions))
         return self.out(self.ln_f(x))

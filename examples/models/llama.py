@@ -37,11 +37,11 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
-def rotate(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding of ``x`` [batch, seq, heads, head_dim], positions 0..seq-1."""
-    seq, head_dim = x.shape[1], x.shape[-1]
+def rotate(x: torch.Tensor, theta: float, positions: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` [batch, seq, heads, head_dim] at ``positions`` [seq]."""
+    head_dim = x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=x.device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    angles = torch.outer(positions.to(x.device, torch.float32), inv_freq)
     cos, sin = angles.cos()[None, :, None, :].to(x.dtype), angles.sin()[None, :, None, :].to(x.dtype)
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
@@ -58,10 +58,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=False)
         self.o_proj = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         batch, seq = x.shape[:2]
-        q = rotate(self.q_proj(x).view(batch, seq, -1, self.head_dim), self.theta).transpose(1, 2)
-        k = rotate(self.k_proj(x).view(batch, seq, -1, self.head_dim), self.theta).transpose(1, 2)
+        q = rotate(self.q_proj(x).view(batch, seq, -1, self.head_dim), self.theta, positions).transpose(1, 2)
+        k = rotate(self.k_proj(x).view(batch, seq, -1, self.head_dim), self.theta, positions).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -86,8 +86,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_norm = RMSNorm(config.hidden_size)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_norm(x), positions)
         return x + self.mlp(self.post_attention_norm(x))
 
 
@@ -100,8 +100,10 @@ class Llama(nn.Module):
         self.norm = RMSNorm(config.hidden_size)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` [batch, seq] (rows alike): where each token sits; 0..seq-1 when not given."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device) if position_ids is None else position_ids[0]
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, positions)
         return self.lm_head(self.norm(x))

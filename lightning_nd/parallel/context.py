@@ -8,6 +8,7 @@ and the same attention work.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import torch
@@ -38,3 +39,38 @@ def attention_flops_per_rank(seq_len: int, cp: int, sharding: Sharding, *, causa
         positions = shard_positions(seq_len, cp, rank, sharding)
         work.append(int((positions + 1).sum()) if causal else positions.numel() * seq_len)
     return work
+
+
+def sequence_length(batch: object) -> int | None:
+    """The sequence length of a batch: dim 1 of its first integer [batch, seq] tensor (token ids)."""
+    for tensor in _tensors(batch):
+        if tensor.ndim == 2 and not tensor.is_floating_point() and tensor.dtype != torch.bool:
+            return tensor.shape[1]
+    return None
+
+
+def shard_sequence(batch: object, positions: torch.Tensor, seq_len: int, keys: Sequence[str] | None = None) -> object:
+    """Every [batch, seq, ...] tensor of ``batch`` (dim 1 == ``seq_len``; or only the dict entries named in
+    ``keys``) reduced to the rows at ``positions``, in that order. Other values pass unchanged."""
+
+    def shard(value: object, name: str | None = None) -> object:
+        if isinstance(value, torch.Tensor):
+            wanted = name in keys if keys is not None else value.ndim >= 2 and value.shape[1] == seq_len
+            return value.index_select(1, positions.to(value.device)) if wanted else value
+        if isinstance(value, Mapping):
+            return type(value)({k: shard(v, k) for k, v in value.items()})
+        if isinstance(value, (list, tuple)):
+            return type(value)(shard(v) for v in value)
+        return value
+
+    return shard(batch)
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []

@@ -76,7 +76,7 @@ CASES = [
      ValueError, ["sequence_parallel=True", "tp=1"]),
     ("loss_parallel_without_tp", lambda: NDParallel(loss_parallel=True),
      ValueError, ["loss_parallel=True", "tp=1"]),
-    ("cp_not_available", lambda: NDParallel(cp=2), ValueError, ["cp=2", "context"]),
+    ("cp_with_compile", lambda: NDParallel(cp=2, compile=True), ValueError, ["compile", "cp=2"]),
     ("ep_not_available", lambda: NDParallel(ep=2), ValueError, ["ep=2", "expert"]),
     ("compile_with_tp", lambda: NDParallel(tp=2, compile=True), ValueError, ["tp=2", "wrong gradients"]),
     ("unknown_option_from_config", lambda: NDParallel.from_config({"tp": 2, "sequence_paralel": True}),

@@ -1,0 +1,96 @@
+"""The context-parallel region: while a step runs, attention and positions see the whole sequence.
+
+Inside `context_parallel_region(group, positions)` every ``F.scaled_dot_product_attention`` call on this
+rank's sequence shard (query length == the shard's) runs as exact ring attention over the cp group,
+with causal masking by the true global ``positions``; models and Hugging Face code call SDPA through the
+``torch.nn.functional`` module, so no model is edited. `inject_positions` (a forward pre-hook the
+composer puts on the model) passes the global positions as ``position_ids`` to a model whose forward
+takes them (rotary and learned position embeddings), and an all-ones ``attention_mask`` to one that
+takes that too, so Hugging Face does not read the zigzag positions as packed sequences.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.distributed_c10d import ProcessGroup
+
+from lightning_nd.nn.ring_attention import ring_attention
+
+_SDPA = F.scaled_dot_product_attention
+
+
+@dataclass
+class _Region:
+    group: ProcessGroup
+    positions: torch.Tensor
+
+
+_active: list[_Region] = []
+
+
+@contextmanager
+def context_parallel_region(group: ProcessGroup, positions: torch.Tensor) -> Iterator[None]:
+    """Route SDPA to ring attention and expose ``positions`` (this rank's global token positions)."""
+    _active.append(_Region(group, positions))
+    F.scaled_dot_product_attention = _routed_sdpa
+    try:
+        yield
+    finally:
+        _active.pop()
+        if not _active:
+            F.scaled_dot_product_attention = _SDPA
+
+
+def current_positions() -> torch.Tensor | None:
+    """The global positions of this rank's tokens inside the region, else None."""
+    return _active[-1].positions if _active else None
+
+
+def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                 **kwargs):
+    region = _active[-1] if _active else None
+    if region is None or query.shape[-2] != region.positions.numel():  # not attention over this shard
+        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                     enable_gqa=enable_gqa, **kwargs)
+    if attn_mask is not None:
+        raise ValueError(
+            "Context parallelism got an explicit attention mask: ring attention supports causal and full attention"
+            " over the whole sequence, not padding, packed-sequence or custom masks. HINT: train on unpadded"
+            " sequences of one length (pack without masks), or use cp=1."
+        )
+    if dropout_p:
+        raise ValueError(f"Context parallelism does not support attention dropout (dropout_p={dropout_p}). HINT: set"
+                         " the model's attention dropout to 0 (e.g. `attention_dropout=0.0`), or use cp=1.")
+    return ring_attention(query, key, value, region.positions.to(query.device), region.group, causal=is_causal,
+                          scale=scale)
+
+
+def inject_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Forward pre-hook: inside the region, give the model the global positions (see the module docstring)."""
+    positions = current_positions()
+    if positions is None:
+        return None
+    accepted = _parameters(module)
+    batch = next((a.shape[0] for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.ndim >= 2), 1)
+    device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), positions.device)
+    extra = {}
+    if "position_ids" in accepted and kwargs.get("position_ids") is None:
+        extra["position_ids"] = positions.to(device)[None].expand(batch, -1)
+    if "attention_mask" in accepted and kwargs.get("attention_mask") is None and "position_ids" in extra:
+        extra["attention_mask"] = torch.ones(batch, positions.numel(), dtype=torch.long, device=device)
+    return (args, {**kwargs, **extra}) if extra else None
+
+
+def _parameters(module: nn.Module) -> set[str]:
+    return set(inspect.signature(module.forward).parameters)
+
+
+def accepts_positions(module: nn.Module) -> bool:
+    return "position_ids" in _parameters(module)

@@ -1,0 +1,60 @@
+"""Batch sharding for context parallelism and the SDPA routing rules, on one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_nd.checks import shard_batch
+from lightning_nd.parallel.context import sequence_length, shard_positions, shard_sequence
+from lightning_nd.parallel.cp_region import context_parallel_region, current_positions, inject_positions
+from tests.models import build
+
+
+def test_every_sequence_tensor_gets_the_same_permutation():
+    tokens = torch.arange(16).view(2, 8)
+    batch = {"tokens": tokens, "labels": tokens + 100, "mask": torch.ones(2, 8, 3), "ids": torch.tensor([7, 9])}
+    assert sequence_length(batch) == 8
+    shard, positions = shard_batch(batch, 2, 1, None)
+    assert positions.tolist() == [2, 3, 4, 5]
+    assert shard["tokens"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert torch.equal(shard["labels"], shard["tokens"] + 100)
+    assert shard["mask"].shape == (2, 4, 3) and torch.equal(shard["ids"], batch["ids"])
+    only = shard_sequence(batch, positions, 8, keys=["tokens"])
+    assert only["labels"].shape == (2, 8)
+
+
+def test_a_sequence_that_does_not_split_into_2cp_chunks_names_the_fix():
+    with pytest.raises(ValueError, match=r"cp=4.*8 chunks.*length is 12.*HINT.*multiple of 8"):
+        shard_batch({"tokens": torch.zeros(2, 12, dtype=torch.long)}, 4, 0, None)
+    with pytest.raises(ValueError, match="no integer.*HINT"):
+        shard_batch({"x": torch.zeros(2, 8)}, 2, 0, None)
+
+
+def test_sdpa_is_routed_only_inside_the_region_and_refuses_masks():
+    q = k = v = torch.randn(1, 2, 4, 8)
+    other = torch.randn(1, 2, 3, 8)  # not this shard's length: plain attention even inside the region
+    plain, plain_other = F.scaled_dot_product_attention(q, k, v, is_causal=True), F.scaled_dot_product_attention(other, other, other)
+    with context_parallel_region(None, shard_positions(8, 2, 0)):
+        assert current_positions().tolist() == [0, 1, 6, 7]
+        with pytest.raises(ValueError, match="attention mask.*HINT"):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(4, 4, dtype=torch.bool))
+        with pytest.raises(ValueError, match="dropout.*HINT"):
+            F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+        torch.testing.assert_close(F.scaled_dot_product_attention(other, other, other), plain_other)
+    assert current_positions() is None
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), plain)
+
+
+def test_models_taking_position_ids_get_the_global_positions():
+    model = build("hf_llama")
+    seen = {}
+    model.register_forward_pre_hook(inject_positions, with_kwargs=True)
+    model.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    with context_parallel_region(None, torch.tensor([2, 3, 4, 5])):
+        with pytest.raises(Exception):
+            model(tokens)  # attention needs a cp group; the hooks have run by then
+    assert seen["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
+    assert seen["attention_mask"].tolist() == [[1, 1, 1, 1]] * 2
