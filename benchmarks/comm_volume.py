@@ -13,6 +13,8 @@ B(n-1)/n (B = the full tensor). The analytic minimum per dim:
   all-reduce of its input gradient.
 - PP: point-to-point, counted as the bytes a rank sends: the first stage sends every microbatch's
   activations forward, the second sends their gradients back: batch x seq x hidden x 4 bytes each.
+- CP (ring attention): every rank must see the other ranks' K and V once per attention forward and
+  send their gradients back once in backward: per layer 2 x (cp-1) x its local K/V bytes sent.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ LAYOUTS = {
     "tp=4 + sp": {"tp": 4, "sequence_parallel": True},
     "dp_shard=2 x tp=2": {"dp_shard": 2, "tp": 2, "zero_stage": 2},
     "pp=2 x dp_shard=2": {"pp": 2, "dp_shard": 2, "pp_microbatches": 2},
+    "cp=2 x dp_shard=2": {"cp": 2, "dp_shard": 2, "zero_stage": 2},
 }
 
 
@@ -110,6 +113,10 @@ def analytic(dim: str, zero_stage: int, dims, fsdp_param_bytes: float) -> float:
     """Minimum ring bytes per rank per step on one mesh dim (see the module docstring)."""
     if dim == "pp":
         return BATCH * SEQ * CONFIG["hidden_size"] * 4
+    if dim == "cp":
+        head_dim = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
+        local_kv = 2 * BATCH * CONFIG["num_key_value_heads"] * (SEQ // dims.cp) * head_dim * 4
+        return CONFIG["num_hidden_layers"] * 2 * (dims.cp - 1) * local_kv
     n = {"fsdp": dims.dp_shard * dims.cp, "dp_replicate": dims.dp_replicate, "tp": dims.tp}[dim]
     if dim == "fsdp":
         return (3 if zero_stage == 3 else 2) * fsdp_param_bytes * (n - 1) / n
@@ -127,8 +134,8 @@ def _tp_local_bytes(param, tp: int) -> float:
 
 
 def dims_of(layout: dict) -> int:
-    """Batch ranks of a layout (the sampler's replicas): the world size over pp and tp."""
-    return WORLD_SIZE // (layout.get("pp", 1) * layout.get("tp", 1))
+    """Batch ranks of a layout (the sampler's replicas): the world size over pp, tp and cp."""
+    return WORLD_SIZE // (layout.get("pp", 1) * layout.get("tp", 1) * layout.get("cp", 1))
 
 
 def measure(layout: dict) -> dict[str, tuple[float, float]]:
@@ -147,7 +154,7 @@ def measure(layout: dict) -> dict[str, tuple[float, float]]:
     mesh, dims = trainer.strategy.device_mesh, trainer.strategy.dims
     # What FSDP gathers: each parameter as TP leaves it on this rank (a TP shard, or whole).
     fsdp_param_bytes = sum(_tp_local_bytes(p, dims.tp) for p in module.parameters())
-    names = {"fsdp": "dp_shard_cp", "dp_replicate": "dp_replicate", "tp": "tp", "pp": "pp"}
+    names = {"fsdp": "dp_shard_cp", "dp_replicate": "dp_replicate", "tp": "tp", "pp": "pp", "cp": "cp"}
     rows = {}
     for dim, mesh_name in names.items():
         ranks = tuple(sorted(mesh.ranks(mesh_name)))

@@ -5,7 +5,7 @@
 Model state = parameters + gradients + AdamW moments (exp_avg, exp_avg_sq) a rank holds, summed over
 its local shards after one optimizer step through `Trainer(strategy=NDParallel(...))` (AdamW's 0-dim
 step counters are left out of both sides). Theoretical share = the same state for the whole,
-unsharded model divided by how many ways the layout splits it (dp_shard x tp x pp; replicas of
+unsharded model divided by how many ways the layout splits it (dp_shard x cp x tp x pp; replicas of
 HSDP/DDP hold a full share each; pipeline stages hold whole blocks, so pp=4 over 4 blocks cannot split
 the embedding and head evenly). The ratio is the worst rank's bytes over that share.
 """
@@ -36,6 +36,7 @@ LAYOUTS = {
     "dp_shard=2 x tp=2": {"dp_shard": 2, "tp": 2},
     "pp=2 x dp_shard=2": {"pp": 2, "dp_shard": 2},
     "pp=4": {"pp": 4, "dp_shard": 1},
+    "cp=2 x dp_shard=2": {"cp": 2, "dp_shard": 2},
 }
 
 

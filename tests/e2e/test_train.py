@@ -69,7 +69,7 @@ def test_readme_main_job_trains_and_writes_tensorboard(tmp_path):
 
 def test_hydra_sweep_runs_every_layout(tmp_path):
     layouts = {"fsdp": "Applied FSDP (shard=4)", "hsdp": "HSDP (replicate=2 x shard=2)",
-               "ddp": "replicate=4", "tp": "tensor parallel (tp=4"}
+               "ddp": "replicate=4", "tp": "tensor parallel (tp=4", "cp": "context parallel (cp=2"}
     done = run_train_script(["-m", f"parallel={','.join(layouts)}", "trainer.devices=4", "trainer.max_steps=3",
                       "trainer.val_check_interval=3", f"hydra.sweep.dir={tmp_path}"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
