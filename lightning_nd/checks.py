@@ -48,6 +48,13 @@ def shard_batch(batch: Any, cp: int, rank: int, keys: Sequence[str] | None) -> t
             f" attention work is balanced), but the batch's sequence length is {seq_len}. HINT: pad or crop sequences"
             f" to a multiple of {2 * cp}."
         )
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if isinstance(mask, Tensor) and not bool(mask.all()):
+        raise ValueError(
+            "Context parallelism got a batch whose `attention_mask` masks tokens (padding): ring attention covers"
+            " causal and full attention over whole sequences only. HINT: pack sequences to one length without"
+            " padding, or use cp=1."
+        )
     positions = shard_positions(seq_len, cp, rank, "zigzag")
     return shard_sequence(batch, positions, seq_len, keys), positions
 

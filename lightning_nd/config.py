@@ -177,6 +177,8 @@ def check_model(
     if dims.pp > 1 and facts.num_hidden_layers is not None and dims.pp > facts.num_hidden_layers:
         raise ValueError(f"`NDParallel(pp={dims.pp})` exceeds the model's {facts.num_hidden_layers} layers."
                          f" HINT: choose pp <= {facts.num_hidden_layers}.")
+    if dims.cp > 1:
+        _check_context_parallel(module, dims.cp)
     if dims.pp > 1:
         from lightning_nd.stages import plan_stages
 
@@ -198,6 +200,26 @@ def check_model(
                          " none (a head tied to the embedding stays whole). HINT: set loss_parallel=False, or put the"
                          " head in `tp_plan` as 'colwise_gather_output'.")
     return blocks, plan
+
+
+def _check_context_parallel(module: nn.Module, cp: int) -> None:
+    """Hugging Face attention settings ring attention cannot honour: another kernel, windowed attention."""
+    for name, submodule in module.named_modules():
+        config = getattr(submodule, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation not in (None, "sdpa"):
+            raise ValueError(
+                f"`NDParallel(cp={cp})` routes scaled-dot-product attention to ring attention, and"
+                f" `{name or 'model'}` uses attn_implementation={implementation!r}. HINT: build the model with"
+                " `attn_implementation=\"sdpa\"`, or use cp=1."
+            )
+        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+        if window:
+            raise ValueError(
+                f"`NDParallel(cp={cp})`: `{name or 'model'}` attends within a window of {window} tokens"
+                " (sliding-window or chunked attention), which ring attention does not implement. HINT: use cp=1"
+                " for this model."
+            )
 
 
 def _repeated_class_names(module: nn.Module) -> list[str]:

@@ -251,22 +251,23 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         with accumulate_without_sync(self.model, self.config.zero_stage):
             yield None
 
-    def _step_context(self) -> ExitStack:
-        """What a step and its backward run inside: loss parallel, and the context-parallel region."""
+    def _step_context(self, forward: bool = True) -> ExitStack:
+        """What a step (``forward``) and its backward run inside: loss parallel, and the context-parallel region."""
         stack = ExitStack()
         if self.config.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
 
             stack.enter_context(loss_parallel())
         if self._cp_positions is not None:
-            stack.enter_context(context_parallel_region(self.device_mesh.group("cp"), self._cp_positions))
+            stack.enter_context(context_parallel_region(self.device_mesh.group("cp"), self._cp_positions,
+                                                        expect_attention=forward))
         return stack
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._runner is not None:
             return self._pipeline_backward(closure_loss)
-        with self._step_context():
+        with self._step_context(forward=False):
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         # Gradients whose layout differs from their parameter's (Partial under SP, a full copy for a
         # sharded embedding) are aligned now: clipping, hooks and the optimizer see the true shard.

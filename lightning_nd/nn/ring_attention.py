@@ -10,6 +10,9 @@ head-tail "zigzag") is correct.
 Two rules keep the backward right (see FIELD-NOTES.md): every rotation stays in the autograd graph,
 even when a block is fully masked (a skipped send would deadlock the backward ring), and K and V
 travel as one stacked tensor (two collectives whose backward order can differ give wrong gradients).
+Each hop is posted before the current block is computed and waited for after it, in forward and (the
+gradients going back) in backward, so the transfer overlaps the block's matmuls where the backend
+sends asynchronously (NCCL; gloo's transport threads on CPU).
 """
 
 from __future__ import annotations
@@ -21,31 +24,62 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroup
 
 
-class _RingShift(torch.autograd.Function):
-    """Send to the next rank of the group, receive from the previous; the backward goes the other way."""
+class _Hop:
+    """One ring hop in flight: its requests and buffers, shared by the start and the finish of the hop
+    (forward: start sends K/V on, finish waits; backward: finish sends the gradient back, start waits)."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.requests: list = []
+        self.sending: torch.Tensor | None = None
+        self.received: torch.Tensor | None = None
+
+
+class _StartHop(torch.autograd.Function):
+    """Post the send of ``tensor`` to the next rank and the receive from the previous; return at once
+    (an empty placeholder), so the caller computes while the bytes travel."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _shift(tensor, group, step=1)
+    def forward(ctx, tensor: torch.Tensor, hop: _Hop) -> torch.Tensor:
+        ctx.hop = hop
+        _post(hop, tensor, step=1)
+        return tensor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _wait(ctx.hop), None
+
+
+class _FinishHop(torch.autograd.Function):
+    """Wait for the hop; in backward, post the gradient's way back and return at once."""
+
+    @staticmethod
+    def forward(ctx, placeholder: torch.Tensor, hop: _Hop) -> torch.Tensor:
+        ctx.hop = hop
+        return _wait(hop)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _shift(grad, ctx.group, step=-1), None
+        _post(ctx.hop, grad, step=-1)
+        return grad.new_empty(0), None
 
 
-def _shift(tensor: torch.Tensor, group: ProcessGroup, step: int) -> torch.Tensor:
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    send_to = dist.get_global_rank(group, (rank + step) % size)
-    recv_from = dist.get_global_rank(group, (rank - step) % size)
-    tensor = tensor.contiguous()  # gloo sends and receives contiguous buffers only
-    received = torch.empty_like(tensor)
-    requests = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, tensor, send_to, group),
-        dist.P2POp(dist.irecv, received, recv_from, group),
+def _post(hop: _Hop, tensor: torch.Tensor, step: int) -> None:
+    size, rank = dist.get_world_size(hop.group), dist.get_rank(hop.group)
+    send_to = dist.get_global_rank(hop.group, (rank + step) % size)
+    recv_from = dist.get_global_rank(hop.group, (rank - step) % size)
+    hop.sending = tensor.contiguous()  # gloo sends and receives contiguous buffers only; kept alive until done
+    hop.received = torch.empty_like(hop.sending)
+    hop.requests = dist.batch_isend_irecv([
+        dist.P2POp(dist.isend, hop.sending, send_to, hop.group),
+        dist.P2POp(dist.irecv, hop.received, recv_from, hop.group),
     ])
-    for request in requests:
+
+
+def _wait(hop: _Hop) -> torch.Tensor:
+    for request in hop.requests:
         request.wait()
+    received, hop.requests, hop.sending, hop.received = hop.received, [], None, None
     return received
 
 
@@ -58,7 +92,9 @@ def _gather_positions(positions: torch.Tensor, group: ProcessGroup) -> torch.Ten
 
 def _block(q, kv, q_pos, k_pos, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [B, Hkv, G, Sq, D] to one block of stacked K/V [2, B, Hkv, Sk, D]: output and log-sum-exp."""
-    k, v = kv[0][:, :, None], kv[1][:, :, None]
+    # Scores, softmax and the merge run in fp32 whatever the inputs (bf16 errors would add up over the ring).
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    q, k, v = q.to(dtype), kv[0][:, :, None].to(dtype), kv[1][:, :, None].to(dtype)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(q_pos[:, None] < k_pos[None, :], float("-inf"))
@@ -117,12 +153,15 @@ def ring_attention(
     kv = torch.stack([k, v])
     out = lse = None
     for step in range(size):
-        if step:
-            # One stacked tensor per hop, kept in the graph even when the block below is fully masked.
-            kv = _RingShift.apply(kv, group)
+        # The next hop travels while this block is computed: one stacked tensor per hop, kept in the
+        # graph even when the block is fully masked. Backward overlaps the same way, in reverse.
+        hop = _Hop(group) if step + 1 < size else None
+        placeholder = _StartHop.apply(kv, hop) if hop else None
         source = (rank - step) % size
         out, lse = _merge(out, lse, *_block(grouped_q, kv, positions, every_position[source], causal, scale))
-    return out.reshape(q.shape)
+        if hop:
+            kv = _FinishHop.apply(placeholder, hop)
+    return out.to(q.dtype).reshape(q.shape)
 
 
 def all_gather_attention(
@@ -143,4 +182,4 @@ def all_gather_attention(
     # on sub-groups; the functional collective's backward is a reduce-scatter over the group itself.
     gathered = wait_tensor(all_gather_tensor_autograd(torch.stack([k, v]).contiguous(), gather_dim=3, group=group))
     out, _ = _block(_grouped(q, k.shape[1]), gathered, positions, _gather_positions(positions, group), causal, scale)
-    return out.reshape(q.shape)
+    return out.to(q.dtype).reshape(q.shape)

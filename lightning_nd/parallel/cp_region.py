@@ -11,6 +11,7 @@ takes that too, so Hugging Face does not read the zigzag positions as packed seq
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,29 +24,43 @@ from torch.distributed.distributed_c10d import ProcessGroup
 
 from lightning_nd.nn.ring_attention import ring_attention
 
-_SDPA = F.scaled_dot_product_attention
-
-
 @dataclass
 class _Region:
     group: ProcessGroup
     positions: torch.Tensor
+    routed: int = 0
 
 
 _active: list[_Region] = []
+_outside: list = []  # what F.scaled_dot_product_attention was before the outermost region
 
 
 @contextmanager
-def context_parallel_region(group: ProcessGroup, positions: torch.Tensor) -> Iterator[None]:
-    """Route SDPA to ring attention and expose ``positions`` (this rank's global token positions)."""
-    _active.append(_Region(group, positions))
-    F.scaled_dot_product_attention = _routed_sdpa
+def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, expect_attention: bool = False
+                            ) -> Iterator[None]:
+    """Route SDPA to ring attention and expose ``positions`` (this rank's global token positions).
+
+    With ``expect_attention`` (a forward step), a region in which no attention was routed raises: the
+    model attended only within this rank's shard (eager/flash attention, or SDPA imported by name).
+    """
+    region = _Region(group, positions)
+    if not _active:
+        _outside.append(F.scaled_dot_product_attention)
+        F.scaled_dot_product_attention = _routed_sdpa
+    _active.append(region)
     try:
         yield
     finally:
         _active.pop()
         if not _active:
-            F.scaled_dot_product_attention = _SDPA
+            F.scaled_dot_product_attention = _outside.pop()
+    if expect_attention and region.routed == 0:
+        raise ValueError(
+            "Context parallelism: the step ran no `torch.nn.functional.scaled_dot_product_attention` call over this"
+            " rank's shard of the sequence, so attention saw only the shard. HINT: use SDPA attention (Hugging Face:"
+            " `attn_implementation=\"sdpa\"`; your own code: call it as `torch.nn.functional.scaled_dot_product_attention`"
+            " or `F.scaled_dot_product_attention`), or use cp=1."
+        )
 
 
 def current_positions() -> torch.Tensor | None:
@@ -57,7 +72,7 @@ def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
                  **kwargs):
     region = _active[-1] if _active else None
     if region is None or query.shape[-2] != region.positions.numel():  # not attention over this shard
-        return _SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        return _outside[-1](query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
                      enable_gqa=enable_gqa, **kwargs)
     if attn_mask is not None:
         raise ValueError(
@@ -68,6 +83,7 @@ def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
     if dropout_p:
         raise ValueError(f"Context parallelism does not support attention dropout (dropout_p={dropout_p}). HINT: set"
                          " the model's attention dropout to 0 (e.g. `attention_dropout=0.0`), or use cp=1.")
+    region.routed += 1
     return ring_attention(query, key, value, region.positions.to(query.device), region.group, causal=is_causal,
                           scale=scale)
 
@@ -77,20 +93,30 @@ def inject_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     positions = current_positions()
     if positions is None:
         return None
-    accepted = _parameters(module)
-    batch = next((a.shape[0] for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.ndim >= 2), 1)
-    device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), positions.device)
+    signature = _signature(type(module).forward)
+    given = signature.bind_partial(None, *args, **kwargs).arguments
+    tokens = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.ndim >= 2), None)
+    if tokens is None or tokens.shape[1] != positions.numel():  # not a call on this rank's shard
+        return None
+    if given.get("labels") is not None:
+        raise ValueError(
+            f"`{type(module).__name__}` was given `labels` under context parallelism: a model that shifts labels"
+            " inside its own loss would pair tokens across the shard's head and tail chunks. HINT: put next-token"
+            " targets, shifted before the batch is split, in the batch and compute the loss outside the model"
+            " (as examples/lit.py does), or pass them as `shift_labels` to a Hugging Face model."
+        )
     extra = {}
-    if "position_ids" in accepted and kwargs.get("position_ids") is None:
-        extra["position_ids"] = positions.to(device)[None].expand(batch, -1)
-    if "attention_mask" in accepted and kwargs.get("attention_mask") is None and "position_ids" in extra:
-        extra["attention_mask"] = torch.ones(batch, positions.numel(), dtype=torch.long, device=device)
+    if "position_ids" in signature.parameters and given.get("position_ids") is None:
+        extra["position_ids"] = positions.to(tokens.device)[None].expand(tokens.shape[0], -1)
+    if "attention_mask" in signature.parameters and given.get("attention_mask") is None:
+        extra["attention_mask"] = torch.ones(tokens.shape[0], positions.numel(), dtype=torch.long, device=tokens.device)
     return (args, {**kwargs, **extra}) if extra else None
 
 
-def _parameters(module: nn.Module) -> set[str]:
-    return set(inspect.signature(module.forward).parameters)
+@functools.cache
+def _signature(forward) -> inspect.Signature:
+    return inspect.signature(forward)
 
 
 def accepts_positions(module: nn.Module) -> bool:
-    return "position_ids" in _parameters(module)
+    return "position_ids" in _signature(type(module).forward).parameters

@@ -54,7 +54,38 @@ def test_models_taking_position_ids_get_the_global_positions():
     model.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
     tokens = torch.zeros(2, 4, dtype=torch.long)
     with context_parallel_region(None, torch.tensor([2, 3, 4, 5])):
-        with pytest.raises(Exception):
+        with pytest.raises((RuntimeError, ValueError), match="process group"):
             model(tokens)  # attention needs a cp group; the hooks have run by then
     assert seen["position_ids"].tolist() == [[2, 3, 4, 5]] * 2
     assert seen["attention_mask"].tolist() == [[1, 1, 1, 1]] * 2
+
+
+def test_regions_nest_and_always_restore_sdpa():
+    original = F.scaled_dot_product_attention
+    with pytest.raises(KeyError):
+        with context_parallel_region(None, torch.arange(4)):
+            with context_parallel_region(None, torch.arange(2)):
+                assert current_positions().tolist() == [0, 1]
+            assert current_positions().tolist() == [0, 1, 2, 3]
+            raise KeyError("a failing step")
+    assert F.scaled_dot_product_attention is original and current_positions() is None
+
+
+def test_a_forward_step_without_routed_attention_is_refused():
+    with pytest.raises(ValueError, match="no `torch.nn.functional.scaled_dot_product_attention`.*HINT"):
+        with context_parallel_region(None, torch.arange(4), expect_attention=True):
+            torch.nn.Linear(2, 2)(torch.zeros(1, 2))
+
+
+def test_labels_given_to_the_model_are_refused_under_cp():
+    model = build("hf_llama")
+    model.register_forward_pre_hook(inject_positions, with_kwargs=True)
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    with context_parallel_region(None, torch.arange(4)), pytest.raises(ValueError, match="labels.*HINT.*shift_labels"):
+        model(tokens, labels=tokens)
+
+
+def test_a_padded_batch_is_refused_under_cp():
+    batch = {"tokens": torch.zeros(2, 8, dtype=torch.long), "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])}
+    with pytest.raises(ValueError, match="padding.*HINT"):
+        shard_batch(batch, 2, 0, None)

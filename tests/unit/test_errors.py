@@ -52,6 +52,13 @@ def _connect(devices: int, strategy: NDParallel, model: nn.Module) -> None:
     _trainer(devices, strategy).strategy.connect(CausalLM(model=model))
 
 
+def _hf_llama(**config: object) -> nn.Module:
+    model = build("hf_llama")
+    for key, value in config.items():
+        setattr(model.config, "_attn_implementation" if key == "attn_implementation" else key, value)
+    return model
+
+
 def _two_models() -> CausalLM:
     module = CausalLM(model=build("llama"))
     module.extra = nn.Linear(2, 2)
@@ -77,6 +84,10 @@ CASES = [
     ("loss_parallel_without_tp", lambda: NDParallel(loss_parallel=True),
      ValueError, ["loss_parallel=True", "tp=1"]),
     ("cp_with_compile", lambda: NDParallel(cp=2, compile=True), ValueError, ["compile", "cp=2"]),
+    ("cp_with_eager_attention", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), _hf_llama(attn_implementation="eager")),
+     ValueError, ["cp=2", "'eager'", "sdpa"]),
+    ("cp_with_sliding_window", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), _hf_llama(sliding_window=8)),
+     ValueError, ["cp=2", "window of 8"]),
     ("ep_not_available", lambda: NDParallel(ep=2), ValueError, ["ep=2", "expert"]),
     ("compile_with_tp", lambda: NDParallel(tp=2, compile=True), ValueError, ["tp=2", "wrong gradients"]),
     ("unknown_option_from_config", lambda: NDParallel.from_config({"tp": 2, "sequence_paralel": True}),
