@@ -145,3 +145,43 @@ def run_layouts(
             references[ref_key] = reference(model_name, *ref_key)
         result["reference"] = references[ref_key]
     return results
+
+
+def launcher(tmp_path_factory, launches: dict[str, tuple], **options: Any):
+    """A function running one named launch (world size, model, layouts, per-rank batch) once, on first use;
+    ``options`` go to `run_layouts` (clip, accumulate)."""
+    from tests.launcher import launch
+
+    done: dict[str, list] = {}
+
+    def run(name: str) -> list:
+        if name not in done:
+            world, model, layouts, batch = launches[name]
+            done[name] = launch("tests.distributed.parity:run_layouts", world, tmp_path_factory.mktemp(name),
+                                timeout=900, model_name=model, layouts=layouts, batch=dict.fromkeys(layouts, batch),
+                                validate=list(layouts), **options)
+        return done[name]
+
+    return run
+
+
+def merged(per_rank: list, layout: str, what: str) -> dict[str, torch.Tensor]:
+    """Every rank's ``params`` or ``grads`` by name; ranks holding the same one must agree bit for bit."""
+    result: dict[str, torch.Tensor] = {}
+    for rank_result in per_rank:
+        for name, value in rank_result[layout]["parallel"][what].items():
+            if name in result:
+                torch.testing.assert_close(value, result[name], rtol=0, atol=0, msg=lambda m: f"replicas of {name}: {m}")
+            result[name] = value
+    return result
+
+
+def assert_state_matches(per_rank: list, layout: str) -> None:
+    """Gradients and parameters, merged over ranks, equal the one-process reference's (every one present)."""
+    reference = per_rank[0][layout]["reference"]
+    params, grads = merged(per_rank, layout, "params"), merged(per_rank, layout, "grads")
+    assert params.keys() == reference["params"].keys()
+    for name, expected in reference["grads"].items():
+        torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=2e-6, msg=lambda m: f"grad {name}: {m}")
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=5e-5, msg=lambda m: f"param {name}: {m}")

@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.parity import STEPS
-from tests.launcher import launch
+from tests.distributed.parity import STEPS, assert_state_matches, launcher
 
 CP2 = {"cp2": {"cp": 2, "dp_shard": 1}, "cp2_ac_full": {"cp": 2, "dp_shard": 1, "activation_checkpointing": "full"}}
 CP4 = {"cp4": {"cp": 4, "dp_shard": 1}, "cp2_fsdp2": {"cp": 2, "dp_shard": 2}, "cp2_tp2": {"cp": 2, "dp_shard": 1, "tp": 2},
@@ -26,27 +25,7 @@ CASES = [(name, layout) for name, (_, _, layouts, _) in LAUNCHES.items() for lay
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    done: dict[str, list] = {}
-
-    def run(name: str) -> list:
-        if name not in done:
-            world, model, layouts, batch = LAUNCHES[name]
-            done[name] = launch("tests.distributed.parity:run_layouts", world, tmp_path_factory.mktemp(name),
-                                timeout=900, model_name=model, layouts=layouts, batch=dict.fromkeys(layouts, batch),
-                                validate=list(layouts))
-        return done[name]
-
-    return run
-
-
-def _merged(per_rank: list, layout: str, what: str) -> dict[str, torch.Tensor]:
-    merged: dict[str, torch.Tensor] = {}
-    for result in per_rank:
-        for name, value in result[layout]["parallel"][what].items():
-            if name in merged:
-                torch.testing.assert_close(value, merged[name], rtol=0, atol=0, msg=lambda m: f"replicas of {name}: {m}")
-            merged[name] = value
-    return merged
+    return launcher(tmp_path_factory, LAUNCHES)
 
 
 @pytest.mark.parametrize("launch_name, layout", CASES)
@@ -56,11 +35,6 @@ def test_context_parallel_matches_one_process(runs, launch_name, layout):
     assert any("context parallel" in line for line in parallel["applied"])
     torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(reference["losses"]), rtol=1e-6, atol=2e-6)
     assert len(parallel["losses"]) == STEPS
-    params, grads = _merged(per_rank, layout, "params"), _merged(per_rank, layout, "grads")
-    assert params.keys() == reference["params"].keys()
-    for name, expected in reference["grads"].items():
-        torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=2e-6, msg=lambda m: f"grad {name}: {m}")
-    for name, expected in reference["params"].items():
-        torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=5e-5, msg=lambda m: f"param {name}: {m}")
+    assert_state_matches(per_rank, layout)
     for result in per_rank:
         assert result[layout]["parallel"]["val_loss"] == pytest.approx(reference["val_loss"], abs=2e-6, rel=1e-6)

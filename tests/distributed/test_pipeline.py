@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_nd.parallel.split import SCHEDULES
-from tests.distributed.parity import STEPS
+from tests.distributed.parity import STEPS, assert_state_matches, launcher
 from tests.launcher import launch
 
 PP2 = {f"pp2_{name}": {"pp": 2, "dp_shard": 1, "pp_schedule": name} for name in SCHEDULES}
@@ -38,27 +38,7 @@ CASES = [(launch_name, layout) for launch_name, (_, _, layouts, _) in LAUNCHES.i
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    done: dict[str, list] = {}
-
-    def run(name: str) -> list:
-        if name not in done:
-            world, model, layouts, batch = LAUNCHES[name]
-            done[name] = launch("tests.distributed.parity:run_layouts", world, tmp_path_factory.mktemp(name),
-                                timeout=900, model_name=model, layouts=layouts, clip=CLIP, accumulate=ACCUMULATE,
-                                batch=dict.fromkeys(layouts, batch), validate=list(layouts))
-        return done[name]
-
-    return run
-
-
-def _merged(per_rank: list, layout: str, what: str) -> dict[str, torch.Tensor]:
-    merged: dict[str, torch.Tensor] = {}
-    for result in per_rank:
-        for name, value in result[layout]["parallel"][what].items():
-            if name in merged:
-                torch.testing.assert_close(value, merged[name], rtol=0, atol=0, msg=lambda m: f"replicas of {name}: {m}")
-            merged[name] = value
-    return merged
+    return launcher(tmp_path_factory, LAUNCHES, clip=CLIP, accumulate=ACCUMULATE)
 
 
 @pytest.mark.parametrize("launch_name, layout", CASES)
@@ -68,12 +48,7 @@ def test_pipeline_matches_one_process(runs, launch_name, layout):
     assert "pipeline stages" in parallel["applied"][0]
     steps = torch.tensor(parallel["losses"]).view(STEPS, -1).mean(dim=1)
     torch.testing.assert_close(steps, torch.tensor(reference["losses"]), rtol=1e-6, atol=2e-6)
-    params, grads = _merged(per_rank, layout, "params"), _merged(per_rank, layout, "grads")
-    assert params.keys() == reference["params"].keys()
-    for name, expected in reference["grads"].items():
-        torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=2e-6, msg=lambda m: f"grad {name}: {m}")
-    for name, expected in reference["params"].items():
-        torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=5e-5, msg=lambda m: f"param {name}: {m}")
+    assert_state_matches(per_rank, layout)
     if layout in CLIP:
         assert reference["max_unclipped_norm"] > CLIP[layout]  # clipping really acted
 
