@@ -20,8 +20,8 @@ SEQ_LEN = 16
 def short_last_batch() -> dict:
     """12 samples in batches of 8: the second batch (4 samples) has other shapes than the first, so the
     stages between ranks are sized again. Returns the per-step losses of the pipeline and of one process."""
-    rank = int(os.environ["RANK"])
-    trainer = Trainer(strategy=NDParallel(pp=2, dp_shard=1), accelerator="cpu", devices=2, max_epochs=1,
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # a tests.launcher rank, never pytest
+    trainer = Trainer(strategy=NDParallel(pp=world, dp_shard=1), accelerator="cpu", devices=world, max_epochs=1,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, num_sanity_val_steps=0)
     losses: list[float] = []
