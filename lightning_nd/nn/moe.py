@@ -170,12 +170,12 @@ class MoE(nn.Module):
         out = self.experts(hidden, index, weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(hidden)
-        self._account(logits, index)
+        self._account(logits)
         return out.reshape(x.shape)
 
-    def _account(self, logits: torch.Tensor, index: torch.Tensor) -> None:
+    def _account(self, logits: torch.Tensor) -> None:
         experts, counts = self.gate.num_experts, self.experts.last_counts
-        fraction = counts.float() / index.numel()
+        fraction = counts.float() / counts.sum()  # global under expert parallelism (see parallel/expert.py)
         mean_score = self.gate.scores(logits).mean(dim=0)
         balance = experts * (fraction * mean_score).sum()
         z_loss = torch.logsumexp(logits, dim=-1).square().mean()

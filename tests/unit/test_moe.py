@@ -68,7 +68,7 @@ def test_load_balancing_and_z_losses_follow_their_formulas():
     balance = 4 * (fraction * logits.softmax(-1).mean(0)).sum()
     z_loss = torch.logsumexp(logits, -1).square().mean()
     torch.testing.assert_close(moe.aux_loss, 0.01 * balance + 0.001 * z_loss)
-    assert moe.stats.load_balance_loss == pytest.approx(float(balance)) and moe.stats.z_loss == pytest.approx(float(z_loss))
+    assert moe.stats.load_balance_loss == pytest.approx(balance.item()) and moe.stats.z_loss == pytest.approx(z_loss.item())
 
 
 def test_bias_update_moves_load_toward_the_mean():

@@ -1,0 +1,109 @@
+"""Expert parallelism: each rank of an ep group holds E/ep of a layer's experts; tokens travel to them
+and back with two all-to-alls (uneven splits, differentiable).
+
+``apply_ep(model, group)`` replaces every experts module that follows the Hugging Face convention
+(stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], called as ``experts(hidden, index,
+weights)``: `lightning_nd.nn.moe.GroupedExperts` and e.g. Mixtral's) by an `ExpertParallel` holding
+this rank's slice. Dispatch sorts the (token, slot) pairs by expert, so each destination's share is
+contiguous; the owner regroups what it receives by expert with senders in rank order, which is the
+order one process would see with every rank's tokens concatenated: a capacity limit (computed from the
+global token count) drops exactly the assignments one process drops. Routing weights are applied by
+the sender after the return trip, so the router's gradient stays local. ``last_counts`` are global
+(summed over the group), so the load-balancing loss of each rank uses the global expert fractions and
+the mean over ranks equals the one-process loss.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed.distributed_c10d import ProcessGroup
+
+
+def is_experts(module: nn.Module) -> bool:
+    weights = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
+    return all(isinstance(w, torch.Tensor) and w.ndim == 3 for w in weights) and weights[0].shape[0] == weights[1].shape[0]
+
+
+class ExpertParallel(nn.Module):
+    """This rank's experts of one layer, with the all-to-all dispatch and combine around them."""
+
+    def __init__(self, experts: nn.Module, group: ProcessGroup) -> None:
+        super().__init__()
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.num_experts = experts.gate_up_proj.shape[0]
+        if self.num_experts % size:
+            raise ValueError(f"ep={size} does not divide the {self.num_experts} experts. HINT: choose ep from"
+                             f" {[d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]}.")
+        self.group, self.size, self.local = group, size, self.num_experts // size
+        first = rank * self.local
+        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[first:first + self.local].clone())
+        self.down_proj = nn.Parameter(experts.down_proj.detach()[first:first + self.local].clone())
+        self.capacity_factor: float | None = getattr(experts, "capacity_factor", None)
+        self.act: Callable[[torch.Tensor], torch.Tensor] = getattr(experts, "act_fn", F.silu)
+        self.last_counts: torch.Tensor | None = None
+        self.last_dropped = 0
+
+    def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        top_k = index.shape[1]
+        flat = index.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        # Per-expert counts from every sender: [sender, local expert]; and the global token count.
+        received_counts = self._exchange(counts.view(self.size, self.local))
+        totals = counts.clone()
+        dist.all_reduce(totals, group=self.group)
+        self.last_counts = totals
+        send_splits = counts.view(self.size, self.local).sum(1).tolist()
+        recv_splits = received_counts.sum(1).tolist()
+        rows = wait_tensor(all_to_all_single_autograd(hidden[order // top_k].contiguous(), recv_splits, send_splits,
+                                                      self.group))
+        output = self._experts(rows, received_counts, int(totals.sum()) // top_k, top_k)
+        back = wait_tensor(all_to_all_single_autograd(output.contiguous(), send_splits, recv_splits, self.group))
+        result = torch.zeros_like(hidden)
+        result.index_add_(0, order // top_k, back * weights.flatten()[order, None])
+        return result
+
+    def _exchange(self, counts: torch.Tensor) -> torch.Tensor:
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        return received
+
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+        """``rows`` arrive grouped by sender, then by local expert; run each expert on its rows, senders in
+        rank order, keeping at most the capacity (global) per expert; dropped rows give zeros."""
+        starts = torch.cumsum(counts.flatten(), 0) - counts.flatten()
+        capacity = math.ceil(self.capacity_factor * tokens * top_k / self.num_experts) if self.capacity_factor else None
+        output = torch.zeros_like(rows)
+        dropped = 0
+        for expert in range(self.local):
+            pieces = [torch.arange(int(starts[s * self.local + expert]), int(starts[s * self.local + expert])
+                                   + int(counts[s, expert]), device=rows.device) for s in range(self.size)]
+            chosen = torch.cat(pieces)
+            if capacity is not None and chosen.numel() > capacity:
+                dropped += chosen.numel() - capacity
+                chosen = chosen[:capacity]
+            if chosen.numel() == 0:
+                continue
+            gate, up = F.linear(rows[chosen], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            output = output.index_add(0, chosen, F.linear(self.act(gate) * up, self.down_proj[expert]))
+        dropped_total = torch.tensor(dropped, device=rows.device)
+        dist.all_reduce(dropped_total, group=self.group)
+        self.last_dropped = int(dropped_total)
+        return output
+
+
+def apply_ep(model: nn.Module, group: ProcessGroup) -> list[str]:
+    """Replace every experts module of ``model`` by this rank's `ExpertParallel` slice; returns their names."""
+    names = [name for name, module in model.named_modules() if name and is_experts(module)]
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, ExpertParallel(getattr(parent, child), group))
+    return names

@@ -1,0 +1,69 @@
+"""Run on each rank: an MoE layer under expert parallelism vs the same layer on one process fed every
+rank's tokens concatenated in rank order (tests/distributed/test_expert_parallel.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from lightning_nd.nn.moe import MoE
+from lightning_nd.parallel.expert import apply_ep
+
+TOKENS, HIDDEN, INNER, EXPERTS = 12, 16, 24, 8
+
+
+def _case(group, capacity_factor: float | None, top_k: int, dtype: torch.dtype) -> dict:
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    torch.manual_seed(0)
+    reference = MoE(HIDDEN, INNER, EXPERTS, top_k, capacity_factor=capacity_factor, shared_intermediate=8).to(dtype)
+    parallel = copy.deepcopy(reference)
+    apply_ep(parallel, group)
+    generator = torch.Generator().manual_seed(1)
+    # A skewed router, so capacity really drops tokens and experts get uneven loads.
+    everything = torch.randn(ep * TOKENS, HIDDEN, generator=generator, dtype=dtype) + 1.5
+    mine = everything[rank * TOKENS:(rank + 1) * TOKENS].clone().requires_grad_()
+    full = everything.clone().requires_grad_()
+    out, expected = parallel(mine), reference(full)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    first = rank * (EXPERTS // ep)
+    router_grad = parallel.gate.weight.grad.clone()
+    shared_grad = parallel.shared_expert.down_proj.weight.grad.clone()
+    for grad in (router_grad, shared_grad):  # replicated weights: each rank's tokens add their share
+        dist.all_reduce(grad, group=group)
+    local = slice(first, first + EXPERTS // ep)
+    errors = {
+        "output": (out - expected[rank * TOKENS:(rank + 1) * TOKENS]).abs().max().item(),
+        "input_grad": (mine.grad - full.grad[rank * TOKENS:(rank + 1) * TOKENS]).abs().max().item(),
+        "gate_up_grad": (parallel.experts.gate_up_proj.grad - reference.experts.gate_up_proj.grad[local]).abs().max().item(),
+        "down_grad": (parallel.experts.down_proj.grad - reference.experts.down_proj.grad[local]).abs().max().item(),
+        "router_grad": (router_grad - reference.gate.weight.grad).abs().max().item(),
+        "shared_grad": (shared_grad - reference.shared_expert.down_proj.weight.grad).abs().max().item(),
+    }
+    balance = torch.tensor(parallel.stats.load_balance_loss, dtype=torch.float64)
+    dist.all_reduce(balance, group=group)
+    return {
+        "errors": errors,
+        "tokens_per_expert": (parallel.stats.tokens_per_expert.tolist(), reference.stats.tokens_per_expert.tolist()),
+        "dropped": (parallel.stats.dropped, reference.stats.dropped),
+        "balance": (balance.item() / ep, reference.stats.load_balance_loss),
+    }
+
+
+def run_all() -> dict:
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = {world: dist.group.WORLD}
+    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    groups[2] = pairs[rank // 2]
+    results = {}
+    for ep, group in sorted(groups.items()):
+        for capacity_factor in (None, 1.0):
+            for top_k in (1, 2):
+                for dtype in (torch.float64, torch.float32):
+                    key = f"ep{ep}-cap{capacity_factor}-top{top_k}-{str(dtype)[6:]}"
+                    results[key] = _case(group, capacity_factor, top_k, dtype)
+    dist.destroy_process_group()
+    return results
