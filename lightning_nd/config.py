@@ -22,7 +22,6 @@ log = logging.getLogger("lightning_nd")
 
 ZERO_STAGES = (1, 2, 3)
 AC_MODES = ("none", "full", "selective")
-NOT_YET = {"ep": "expert"}
 
 
 @dataclass(kw_only=True)
@@ -118,13 +117,7 @@ class ParallelConfig:
 
 
 def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> None:
-    """Options that need a dim that is off, and dims this release does not run; -1 (not yet known) passes."""
-    for name, technique in NOT_YET.items():
-        if sizes[name] > 1:
-            raise ValueError(
-                f"`NDParallel({name}={sizes[name]})`: {technique} parallelism is not available in this"
-                f" release of lightning-nd. HINT: use `{name}=1` and put the ranks into dp_shard or tp."
-            )
+    """Options that need a dim that is off or combine badly with another; -1 (not yet known) passes."""
     if sizes["pp"] > 1:
         _check_pipeline_config(sizes["pp"], config)
     elif sizes["pp"] == 1 and (config.pp_microbatches or config.pp_stages_per_rank or config.pp_layers_per_stage
@@ -132,6 +125,9 @@ def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> None:
         log.warning("The `pp_*` options are ignored: pp=1, so the model is not pipelined.")
     if config.zero_stage is None and sizes["pp"] != -1:
         config.zero_stage = 2 if sizes["pp"] > 1 else 3
+    if sizes["ep"] > 1 and config.compile:
+        raise ValueError(f"`NDParallel(compile=..., ep={sizes['ep']})`: expert dispatch inside compiled blocks is not"
+                         " supported in this release. HINT: compile=False with ep, or ep=1.")
     if config.compile and sizes["cp"] > 1:
         raise ValueError(f"`NDParallel(compile=..., cp={sizes['cp']})`: ring attention inside compiled blocks is not"
                          " supported in this release. HINT: compile=False with cp, or cp=1.")

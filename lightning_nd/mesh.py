@@ -8,6 +8,7 @@ Named sub-meshes (all slices of one world mesh, so ``mesh["tp"]``, ``mesh["dp_sh
 - ``dp_cp``: ``dp_replicate x dp_shard x cp``, the ranks a token-mean loss is averaged over.
 - ``hsdp``: the 2-D ``(dp_replicate, dp_shard_cp)`` mesh HSDP replicates and shards over.
 - ``ep``: ranks borrowed from ``dp_shard x cp`` that hold different experts (only when ``ep > 1``).
+- ``expert_dp``: the ranks that hold the same experts and see different tokens (``ep > 1``).
 
 Flattening is private API in torch 2.13 (``DeviceMesh._flatten``/``_unflatten``); this is the one place
 that uses it, and it keeps the flattened meshes itself (slicing them from the root is deprecated).
@@ -86,7 +87,8 @@ def build_mesh(dims: ParallelDims, device_type: str) -> NDMesh:
         "dp_cp": ("dp_replicate", *shard_parts, "cp"),
     }
     if dims.ep > 1:
-        flatten = {"dp_shard": shard_parts, **flatten, "ep": ("dp_shard_in_ep", "cp")}
+        flatten = {"dp_shard": shard_parts, **flatten, "ep": ("dp_shard_in_ep", "cp"),
+                   "expert_dp": ("dp_replicate", "dp_shard_mod_ep")}
     for flat_name, parts in flatten.items():
         named[flat_name] = world[parts]._flatten(flat_name)
     # HSDP wants one 2-D (replicate, shard) mesh.

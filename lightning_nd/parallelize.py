@@ -17,6 +17,7 @@ from lightning_nd.mesh import NDMesh
 from lightning_nd.parallel.activation import apply_ac, apply_compile
 from lightning_nd.parallel.cp_region import accepts_positions, inject_positions
 from lightning_nd.parallel.data import apply_fsdp, fsdp_root
+from lightning_nd.parallel.expert import apply_ep, expert_parameters
 from lightning_nd.parallel.tensor import apply_tp
 from lightning_nd.parallel.pipeline import PipelineStages, StageModule
 from lightning_nd.plans import TPPlan
@@ -54,6 +55,8 @@ def parallelize(
     blocks, plan = check_model(module, dims, config)
     report = ParallelizeReport(blocks=[name for name, _ in blocks], tp_plan=plan, module=module)
     if not dims.pp_enabled:
+        if dims.ep > 1:
+            _apply_ep(module, mesh, dims, report)
         if dims.cp > 1:
             _apply_cp(fsdp_root(module), dims, report)
         _apply(module, blocks, plan.entries if plan else None, dims, mesh, config, report, forward_methods=forward_methods)
@@ -65,6 +68,8 @@ def parallelize(
     _applied(report, f"Split the model into {stage_plan.num_stages} pipeline stages from {layout.source}:"
                      f" {layout.describe()}; schedule {config.pp_schedule} with {config.pp_microbatches} microbatches")
     for index, stage in enumerate(stages):
+        if dims.ep > 1:
+            _apply_ep(stage, mesh, dims, report, quiet=index > 0)
         if dims.cp > 1:
             _apply_cp(stage.module, dims, report, quiet=index > 0)
         entries = stage_tp_entries(plan.entries, stage_plan.attribute, stage) if plan else None
@@ -110,11 +115,24 @@ def _apply(
             module, block_modules, mesh["hsdp"] if hsdp else mesh["dp_shard_cp"],
             zero_stage=config.zero_stage, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
             cpu_offload=config.cpu_offload, forward_methods=forward_methods, root_unit=root_unit,
+            ignored_params=set(expert_parameters(module)),
         )
         kind = f"HSDP (replicate={dims.dp_replicate} x shard={dims.dp_shard * dims.cp})" if hsdp else (
             f"FSDP (shard={dims.dp_shard * dims.cp})")
         where = "each stage's blocks and the stage" if root_unit is not None else f"{len(blocks)} blocks and the root"
         applied(f"Applied {kind} with zero_stage={config.zero_stage} to {where}")
+
+
+def _apply_ep(module: nn.Module, mesh: NDMesh, dims: ParallelDims, report: ParallelizeReport,
+              quiet: bool = False) -> None:
+    """Expert parallel: experts modules become this rank's slice (FSDP leaves them to `reduce_expert_grads`)."""
+    names = apply_ep(module, mesh.group("ep"))
+    if not names:
+        raise ValueError(f"`NDParallel(ep={dims.ep})` found no experts module (stacked `gate_up_proj`/`down_proj`"
+                         " weights, as `lightning_nd.nn.moe.MoE` and Hugging Face MoE models have). HINT: use ep=1.")
+    if not quiet:
+        _applied(report, f"Applied expert parallel (ep={dims.ep}) to {len(names)} experts modules: each rank holds"
+                         f" 1/{dims.ep} of the experts, tokens dispatched by all-to-all")
 
 
 def _apply_cp(model: nn.Module, dims: ParallelDims, report: ParallelizeReport, quiet: bool = False) -> None:

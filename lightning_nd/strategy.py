@@ -26,6 +26,7 @@ from typing_extensions import override
 
 from lightning_nd.checks import already_parallel, check_sequence_lengths, model_to_check, shard_batch
 from lightning_nd.parallel.cp_region import context_parallel_region
+from lightning_nd.parallel.expert import reduce_expert_grads
 from lightning_nd.clip import clip_grad_norm_, align_grads_to_params
 from lightning_nd.dims import ParallelDims
 from lightning_nd.materialize import materialize
@@ -98,6 +99,7 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         check_config(self._sizes, self.config)
         self._init_on_meta = init_on_meta
         self._cp_positions: Tensor | None = None
+        self._accumulating = False
         self._dims: ParallelDims | None = None
         self._nd_mesh: NDMesh | None = None
         self.report: ParallelizeReport | None = None
@@ -248,8 +250,12 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         assert self.model is not None
-        with accumulate_without_sync(self.model, self.config.zero_stage):
-            yield None
+        self._accumulating = True
+        try:
+            with accumulate_without_sync(self.model, self.config.zero_stage):
+                yield None
+        finally:
+            self._accumulating = False
 
     def _step_context(self, forward: bool = True) -> ExitStack:
         """What a step (``forward``) and its backward run inside: loss parallel, and the context-parallel region."""
@@ -273,7 +279,13 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         # sharded embedding) are aligned now: clipping, hooks and the optimizer see the true shard.
         assert self.model is not None
         align_grads_to_params(self.model.parameters())
+        self._reduce_expert_grads()
         return loss
+
+    def _reduce_expert_grads(self) -> None:
+        """Under ep, once per optimizer step: expert gradients (outside FSDP) averaged like the others."""
+        if self.dims.ep > 1 and not self._accumulating:
+            reduce_expert_grads(self.model, self.device_mesh.group("expert_dp"), self.device_mesh.size("dp_cp"))
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

@@ -38,6 +38,17 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name == "llama8":  # deep enough for 8 pipeline stages (pp=4 x 2 stages per rank)
         return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                                  num_attention_heads=4, num_key_value_heads=2))
+    if name == "moe_llama":  # 8 experts, top-2, in both layers
+        return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, num_experts=8))
+    if name == "hf_mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=64, attn_implementation="sdpa",
+                               router_jitter_noise=0.0)
+        return MixtralForCausalLM(config)
     if name == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, n_embd=48, n_head=4, n_layer=2, block_size=64))
     if name == "hf_llama":

@@ -1,4 +1,5 @@
-"""A small Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU.
+"""A small Llama-style decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU (or a
+mixture of SwiGLU experts with ``num_experts > 0``).
 
 Written the way a user would write it, with nothing parallel in it; `NDParallel` finds its blocks
 (``layers``) and its projections (``q_proj`` ... ``down_proj``) by name.
@@ -22,6 +23,9 @@ class LlamaConfig:
     num_attention_heads: int = 8
     num_key_value_heads: int = 4
     rope_theta: float = 10000.0
+    num_experts: int = 0
+    """> 0: every MLP is a mixture of this many experts (`lightning_nd.nn.moe.MoE`, SwiGLU experts)."""
+    num_experts_per_tok: int = 2
 
 
 class RMSNorm(nn.Module):
@@ -84,7 +88,12 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(config.hidden_size)
         self.self_attn = Attention(config)
         self.post_attention_norm = RMSNorm(config.hidden_size)
-        self.mlp = SwiGLU(config)
+        if config.num_experts:
+            from lightning_nd.nn.moe import MoE
+
+            self.mlp = MoE(config.hidden_size, config.intermediate_size, config.num_experts, config.num_experts_per_tok)
+        else:
+            self.mlp = SwiGLU(config)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_norm(x), positions)

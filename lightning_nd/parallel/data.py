@@ -44,15 +44,18 @@ def apply_fsdp(
     cpu_offload: bool = False,
     forward_methods: Iterable[str] = (),
     root_unit: nn.Module | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard ``blocks`` one by one, then the root unit (``root_unit``, else see `fsdp_root`), which
     holds everything else.
 
     When the root unit is ``root`` itself (its own parameters, or several children share them),
     ``forward_methods`` (a LightningModule's step methods) trigger FSDP's hooks as ``forward`` does.
+    ``ignored_params`` (expert weights under ep) stay whole and local; their gradients are reduced elsewhere.
     """
     kwargs = {
         "mesh": mesh,
+        "ignored_params": ignored_params or None,
         "shard_placement_fn": _shard_placement,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),

@@ -43,12 +43,28 @@ class ExpertParallel(nn.Module):
                              f" {[d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]}.")
         self.group, self.size, self.local = group, size, self.num_experts // size
         first = rank * self.local
+        self.first = first
         self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[first:first + self.local].clone())
         self.down_proj = nn.Parameter(experts.down_proj.detach()[first:first + self.local].clone())
+        for param in (self.gate_up_proj, self.down_proj):
+            param._lightning_nd_split = size  # each rank holds 1/ep of the expert weights (clip.py)
         self.capacity_factor: float | None = getattr(experts, "capacity_factor", None)
         self.act: Callable[[torch.Tensor], torch.Tensor] = getattr(experts, "act_fn", F.silu)
         self.last_counts: torch.Tensor | None = None
         self.last_dropped = 0
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Each expert drawn from its own seed (derived from the caller's RNG state, the same on every rank),
+        so the experts of different ranks differ and do not depend on ep."""
+        base = int(torch.randint(2**31, ()))
+        for weight in (self.gate_up_proj, self.down_proj):
+            bound = 1.0 / math.sqrt(weight.shape[-1])
+            for index in range(self.local):
+                generator = torch.Generator().manual_seed(base + self.first + index)
+                values = torch.rand(weight.shape[1:], generator=generator, dtype=weight.dtype) * 2 * bound - bound
+                weight[index].copy_(values.to(weight.device))
+            base += self.num_experts
 
     def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         top_k = index.shape[1]
@@ -107,3 +123,19 @@ def apply_ep(model: nn.Module, group: ProcessGroup) -> list[str]:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, ExpertParallel(getattr(parent, child), group))
     return names
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in model.modules() if isinstance(m, ExpertParallel) for p in m.parameters(recurse=False)]
+
+
+@torch.no_grad()
+def reduce_expert_grads(model: nn.Module, group: ProcessGroup | None, batch_ranks: int) -> None:
+    """Expert gradients to the mean over every batch rank's tokens: each holds the sum over its ep group's
+    tokens; summed over the ranks holding the same experts (``group``), divided by all batch ranks."""
+    for param in expert_parameters(model):
+        if param.grad is None:
+            continue
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(param.grad, group=group)
+        param.grad.div_(batch_ranks)
