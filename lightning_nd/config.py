@@ -125,6 +125,10 @@ def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> None:
         log.warning("The `pp_*` options are ignored: pp=1, so the model is not pipelined.")
     if config.zero_stage is None and sizes["pp"] != -1:
         config.zero_stage = 2 if sizes["pp"] > 1 else 3
+    if sizes["ep"] > 1 and config.sequence_parallel:
+        raise ValueError(f"`NDParallel(ep={sizes['ep']}, sequence_parallel=True)`: the MoE layers would receive"
+                         " sequence-sharded activations, which expert dispatch does not take in this release."
+                         " HINT: sequence_parallel=False with ep (tp still splits attention).")
     if sizes["ep"] > 1 and config.compile:
         raise ValueError(f"`NDParallel(compile=..., ep={sizes['ep']})`: expert dispatch inside compiled blocks is not"
                          " supported in this release. HINT: compile=False with ep, or ep=1.")
@@ -182,6 +186,8 @@ def check_model(
     if dims.ep > 1 and facts.num_experts is not None and facts.num_experts % dims.ep:
         raise ValueError(f"`NDParallel(ep={dims.ep})` does not divide `num_experts={facts.num_experts}`."
                          f" HINT: choose ep from {divisors(facts.num_experts)}.")
+    if dims.ep > 1:
+        _check_experts(module, dims.ep)
     if (dims.dp_enabled or dims.fsdp_enabled) and not blocks:
         log.warning("No repeated blocks found: FSDP shards the whole model as one unit (more peak memory)."
                     " Pass `NDParallel(block_classes=[...])` to shard block by block.")
@@ -196,6 +202,19 @@ def check_model(
                          " none (a head tied to the embedding stays whole). HINT: set loss_parallel=False, or put the"
                          " head in `tp_plan` as 'colwise_gather_output'.")
     return blocks, plan
+
+
+def _check_experts(module: nn.Module, ep: int) -> None:
+    from lightning_nd.parallel.expert import is_experts
+
+    counts = {m.gate_up_proj.shape[0] for m in module.modules() if is_experts(m)}
+    if not counts:
+        raise ValueError(f"`NDParallel(ep={ep})` found no experts module (stacked `gate_up_proj`/`down_proj` weights,"
+                         " as `lightning_nd.nn.moe.MoE` and Hugging Face MoE models have). HINT: use ep=1.")
+    for count in sorted(counts):
+        if count % ep:
+            raise ValueError(f"`NDParallel(ep={ep})` does not divide an experts module's {count} experts."
+                             f" HINT: choose ep from {divisors(count)}.")
 
 
 def _check_context_parallel(module: nn.Module, cp: int) -> None:

@@ -1,11 +1,19 @@
-"""An MoE layer under expert parallelism (ep=2 and ep=4, 4 ranks) equals the same layer on one process
-fed all ranks' tokens: outputs, input/expert/router gradients, tokens per expert, dropped assignments
-under a capacity limit (the same ones), and the load-balancing loss (mean over ranks)."""
+"""Expert parallelism matches one process.
+
+Layer: an MoE layer under ep=2 and ep=4 (4 ranks) equals the same layer on one process fed all ranks'
+tokens: outputs, input/expert/router/shared-expert gradients, tokens per expert, the dropped assignments
+under a capacity limit (the same ones), and the load-balancing loss (mean over ranks).
+Training: loss per step, gradients and parameters after 5 AdamW steps through `Trainer`, for an MoE Llama
+(8 experts, top-2) under ep=2 x dp_shard=2 (also with clipping), ep=4, ep=2 x tp=2 (dense layers split),
+ep=2 x pp=2, and a Hugging Face Mixtral under ep=2 with no user code.
+"""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from tests.distributed.parity import STEPS, assert_state_matches, launcher
 from tests.launcher import launch
 
 TOLERANCE = {"float64": 1e-10, "float32": 2e-4}
@@ -32,3 +40,32 @@ def test_expert_parallel_layer_matches_one_process(per_rank):
 def test_capacity_really_drops_tokens_in_the_cases(per_rank):
     dropped = [result["dropped"][1] for key, result in per_rank[0].items() if "cap1.0" in key]
     assert min(dropped) > 0
+
+
+LAUNCHES = {
+    "moe_ep2": (2, "moe_llama", {"ep2_fsdp2": {"ep": 2, "dp_shard": 2}, "ep2_fsdp2_clip": {"ep": 2, "dp_shard": 2}}, 4),
+    "moe_ep4": (4, "moe_llama", {"ep4": {"ep": 4, "dp_shard": 4}, "ep2_tp2": {"ep": 2, "dp_shard": 2, "tp": 2},
+                                 "ep2_pp2": {"ep": 2, "dp_shard": 2, "pp": 2}}, 4),
+    "mixtral_ep2": (2, "hf_mixtral", {"ep2_fsdp2": {"ep": 2, "dp_shard": 2}}, 4),
+}
+CLIP = {"ep2_fsdp2_clip": 0.5}
+CASES = [(name, layout) for name, (_, _, layouts, _) in LAUNCHES.items() for layout in layouts]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return launcher(tmp_path_factory, LAUNCHES, clip=CLIP)
+
+
+@pytest.mark.parametrize("launch_name, layout", CASES)
+def test_training_under_expert_parallelism_matches_one_process(runs, launch_name, layout):
+    per_rank = runs(launch_name)
+    parallel, reference = per_rank[0][layout]["parallel"], per_rank[0][layout]["reference"]
+    assert any("expert parallel" in line for line in parallel["applied"])
+    steps = torch.tensor(parallel["losses"]).view(STEPS, -1).mean(dim=1)
+    torch.testing.assert_close(steps, torch.tensor(reference["losses"]), rtol=1e-6, atol=2e-6)
+    assert_state_matches(per_rank, layout)
+    for result in per_rank:
+        assert result[layout]["parallel"]["val_loss"] == pytest.approx(reference["val_loss"], abs=2e-6, rel=1e-6)
+    if layout in CLIP:
+        assert reference["max_unclipped_norm"] > CLIP[layout]

@@ -92,6 +92,16 @@ def test_3d_layout_trains_on_8_processes(tmp_path):
     assert "| `pp` | 2 |" in card and "Split the model into 2 pipeline stages" in card
 
 
+def test_moe_model_trains_under_expert_parallelism(tmp_path):
+    done = run_train_script(["model=moe", "parallel=ep", "trainer.devices=4", "trainer.max_steps=10",
+                             "trainer.val_check_interval=10", "trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path}"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    accumulator = events(tmp_path / "tensorboard")
+    losses = [event.value for event in accumulator.Scalars("train_loss")]
+    assert len(losses) == 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    assert "Applied expert parallel (ep=2) to 2 experts modules" in layout_card(accumulator)
+
+
 @pytest.mark.parametrize("override, message", [
     ("parallel.tp=3", "does not divide"),
     ("+parallel.dq=2", "has no option `dq`"),

@@ -52,6 +52,13 @@ def _connect(devices: int, strategy: NDParallel, model: nn.Module) -> None:
     _trainer(devices, strategy).strategy.connect(CausalLM(model=model))
 
 
+def _moe(experts: int) -> nn.Module:
+    from examples.models.llama import Llama, LlamaConfig
+
+    return Llama(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, num_experts=experts))
+
+
 def _hf_llama(**config: object) -> nn.Module:
     model = build("hf_llama")
     for key, value in config.items():
@@ -88,7 +95,13 @@ CASES = [
      ValueError, ["cp=2", "'eager'", "sdpa"]),
     ("cp_with_sliding_window", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), _hf_llama(sliding_window=8)),
      ValueError, ["cp=2", "window of 8"]),
-    ("ep_not_available", lambda: NDParallel(ep=2), ValueError, ["ep=2", "expert"]),
+    ("ep_with_compile", lambda: NDParallel(ep=2, compile=True), ValueError, ["compile", "ep=2"]),
+    ("ep_with_sequence_parallel", lambda: NDParallel(ep=2, tp=2, sequence_parallel=True), ValueError,
+     ["ep=2", "sequence_parallel=False"]),
+    ("ep_not_dividing_experts", lambda: _connect(4, NDParallel(ep=4, dp_shard=4), _moe(6)), ValueError,
+     ["ep=4", "6", "[1, 2, 3, 6]"]),
+    ("ep_without_experts", lambda: _connect(2, NDParallel(ep=2, dp_shard=2), build("llama")), ValueError,
+     ["ep=2", "no experts module"]),
     ("compile_with_tp", lambda: NDParallel(tp=2, compile=True), ValueError, ["tp=2", "wrong gradients"]),
     ("unknown_option_from_config", lambda: NDParallel.from_config({"tp": 2, "sequence_paralel": True}),
      ValueError, ["sequence_paralel", "sequence_parallel"]),
@@ -180,6 +193,8 @@ def test_the_same_setups_with_good_values_connect():
     _connect(2, NDParallel(pp=2, dp_shard=1), build("llama"))
     _connect(2, NDParallel(pp=-1, dp_shard=1, pp_layers_per_stage=[1, 1]), build("llama"))
     _connect(2, NDParallel(pp=2, dp_shard=1, pp_split=["layers.1"]), build("llama"))
+    _connect(4, NDParallel(ep=4, dp_shard=4), _moe(8))
+    _connect(2, NDParallel(ep=2, dp_shard=2), build("hf_mixtral"))
     assert not torch.distributed.is_initialized()
 
 
