@@ -1,4 +1,5 @@
-"""Lightning steps under pipeline parallelism: the schedule runs forward and backward itself.
+"""Lightning step methods: run by the pipeline schedule under pp, always inside the step context (loss
+parallel, the context-parallel region).
 
 Under pp the strategy does not call the module's ``training_step``/``validation_step``: a stage
 cannot run the whole model. It asks the module two small questions instead, both optional:
@@ -19,6 +20,7 @@ The mean loss over microbatches reaches every rank and is logged as ``train_loss
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from typing import Any
 
 import torch.nn.functional as F
@@ -26,6 +28,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from lightning_nd.clip import align_grads_to_params
+from lightning_nd.parallel.cp_region import context_parallel_region
 from lightning_nd.parallel.schedule import PipelineRunner
 from lightning_nd.parallelize import ParallelizeReport
 
@@ -77,7 +80,7 @@ def pipeline_loss(module: LightningModule, output: Tensor, target: Tensor) -> Te
 
 class PipelineSteps:
     """Mixin for `NDParallel`: Lightning's step methods, run by the pipeline when there is one, all
-    inside the strategy's loss context (loss parallel)."""
+    inside the step context (loss parallel, the context-parallel region)."""
 
     _runner: PipelineRunner | None = None
     _runner_report: ParallelizeReport | None = None
@@ -107,6 +110,18 @@ class PipelineSteps:
             if self._runner is not None:
                 return self._pipeline_predict(args[0])
             return super().predict_step(*args, **kwargs)
+
+    def _step_context(self, forward: bool = True) -> ExitStack:
+        """What a step (``forward``) and its backward run inside: loss parallel, and the context-parallel region."""
+        stack = ExitStack()
+        if self.config.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            stack.enter_context(loss_parallel())
+        if self._cp_positions is not None:
+            stack.enter_context(context_parallel_region(self.device_mesh.group("cp"), self._cp_positions,
+                                                        expect_attention=forward))
+        return stack
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
         result = super().optimizer_step(*args, **kwargs)

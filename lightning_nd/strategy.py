@@ -10,7 +10,7 @@ import inspect
 import logging
 import warnings
 from collections.abc import Generator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -25,7 +25,6 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_nd.checks import already_parallel, check_sequence_lengths, model_to_check, shard_batch
-from lightning_nd.parallel.cp_region import context_parallel_region
 from lightning_nd.parallel.expert import reduce_expert_grads
 from lightning_nd.clip import clip_grad_norm_, align_grads_to_params
 from lightning_nd.dims import ParallelDims
@@ -256,18 +255,6 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
                 yield None
         finally:
             self._accumulating = False
-
-    def _step_context(self, forward: bool = True) -> ExitStack:
-        """What a step (``forward``) and its backward run inside: loss parallel, and the context-parallel region."""
-        stack = ExitStack()
-        if self.config.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            stack.enter_context(loss_parallel())
-        if self._cp_positions is not None:
-            stack.enter_context(context_parallel_region(self.device_mesh.group("cp"), self._cp_positions,
-                                                        expect_attention=forward))
-        return stack
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
