@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,13 +59,13 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
-def measure(ep: int, group) -> tuple[dict[str, int], int]:
+def measure(ep: int, mesh) -> tuple[dict[str, int], int]:
     from lightning_nd.nn.moe import MoE
     from lightning_nd.parallel.expert import apply_ep
 
     torch.manual_seed(0)
     layer = MoE(HIDDEN, INNER, EXPERTS, TOP_K)
-    apply_ep(layer, group)
+    apply_ep(layer, mesh)
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
     mode = AllToAllBytes()
     with mode:
@@ -79,8 +80,8 @@ def main() -> None:
     rank = dist.get_rank()
     rows = []
     for ep in (2, 4):
-        groups = [dist.new_group(list(range(start, start + ep))) for start in range(0, WORLD_SIZE, ep)]
-        sent, other = measure(ep, groups[rank // ep])
+        mesh = init_device_mesh("cpu", (WORLD_SIZE // ep, ep), mesh_dim_names=("outer", "ep"))["ep"]
+        sent, other = measure(ep, mesh)
         totals = torch.tensor([sent.get("forward", 0), sent.get("backward", 0), other], dtype=torch.float64)
         dist.all_reduce(totals)
         minimum = 2 * TOKENS * TOP_K * HIDDEN * 4 * (ep - 1) / ep  # dispatch + combine

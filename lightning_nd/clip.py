@@ -16,11 +16,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def _copies(grad: torch.Tensor, world_size: int, split: int = 1) -> int:
-    """How many ranks hold the same values as this rank's local piece of ``grad`` (``split``: into how many
-    pieces a plain tensor is divided, e.g. expert weights over ep)."""
+def _copies(grad: torch.Tensor, world_size: int) -> int:
+    """How many ranks hold the same values as this rank's local piece of ``grad``."""
     if not isinstance(grad, DTensor):
-        return world_size // split
+        return world_size
     # Anything neither replicated nor partial splits the tensor (Shard, and FSDP x TP's _StridedShard).
     shards = math.prod(
         grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial())
@@ -55,8 +54,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
     Gradients must hold no Partial placement (see `align_grads_to_params`). Under ``pp`` pipeline
     stages every parameter lives on the ranks of one stage only: 1/pp of the world.
     """
-    parameters = [p for p in parameters if p.grad is not None]
-    grads = [p.grad for p in parameters]
+    grads = [p.grad for p in parameters if p.grad is not None]
     norm_type = float(norm_type)
     distributed = dist.is_initialized()
     world_size = (dist.get_world_size() if distributed else 1) // pp
@@ -69,10 +67,10 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
         return total
     total = torch.zeros((), device=device, dtype=torch.float32)
-    for param, grad, local in zip(parameters, grads, locals_):
+    for grad, local in zip(grads, locals_):
         if local.numel():
             power_sum = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32).pow(norm_type)
-            total += power_sum.to(device) / _copies(grad, world_size, getattr(param, "_lightning_nd_split", 1))
+            total += power_sum.to(device) / _copies(grad, world_size)
     if distributed:
         dist.all_reduce(total)
     return total.pow(1.0 / norm_type)

@@ -129,6 +129,9 @@ def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> None:
         raise ValueError(f"`NDParallel(ep={sizes['ep']}, sequence_parallel=True)`: the MoE layers would receive"
                          " sequence-sharded activations, which expert dispatch does not take in this release."
                          " HINT: sequence_parallel=False with ep (tp still splits attention).")
+    if sizes["ep"] > 1 and config.cpu_offload:
+        raise ValueError(f"`NDParallel(ep={sizes['ep']}, cpu_offload=True)`: expert weights stay outside FSDP, so its"
+                         " offloading would not move them. HINT: cpu_offload=False with ep.")
     if sizes["ep"] > 1 and config.compile:
         raise ValueError(f"`NDParallel(compile=..., ep={sizes['ep']})`: expert dispatch inside compiled blocks is not"
                          " supported in this release. HINT: compile=False with ep, or ep=1.")
@@ -183,9 +186,6 @@ def check_model(
         from lightning_nd.stages import plan_stages
 
         plan_stages(module, blocks, dims, config)
-    if dims.ep > 1 and facts.num_experts is not None and facts.num_experts % dims.ep:
-        raise ValueError(f"`NDParallel(ep={dims.ep})` does not divide `num_experts={facts.num_experts}`."
-                         f" HINT: choose ep from {divisors(facts.num_experts)}.")
     if dims.ep > 1:
         _check_experts(module, dims.ep)
     if (dims.dp_enabled or dims.fsdp_enabled) and not blocks:
@@ -205,9 +205,15 @@ def check_model(
 
 
 def _check_experts(module: nn.Module, ep: int) -> None:
-    from lightning_nd.parallel.expert import is_experts
+    from lightning_nd.parallel.expert import is_experts, unsupported_experts
 
-    counts = {m.gate_up_proj.shape[0] for m in module.modules() if is_experts(m)}
+    experts = [(name, m) for name, m in module.named_modules() if is_experts(m)]
+    for name, m in experts:
+        if extra := unsupported_experts(m):
+            raise ValueError(f"`NDParallel(ep={ep})`: experts module `{name}` has parameters expert parallelism does"
+                             f" not carry ({', '.join(extra)}): only stacked `gate_up_proj`/`down_proj` SwiGLU experts"
+                             " are supported. HINT: use ep=1 for this model.")
+    counts = {m.gate_up_proj.shape[0] for _, m in experts}
     if not counts:
         raise ValueError(f"`NDParallel(ep={ep})` found no experts module (stacked `gate_up_proj`/`down_proj` weights,"
                          " as `lightning_nd.nn.moe.MoE` and Hugging Face MoE models have). HINT: use ep=1.")

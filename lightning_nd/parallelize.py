@@ -126,7 +126,7 @@ def _apply(
 def _apply_ep(module: nn.Module, mesh: NDMesh, dims: ParallelDims, report: ParallelizeReport,
               quiet: bool = False) -> None:
     """Expert parallel: experts modules become this rank's slice (FSDP leaves them to `reduce_expert_grads`)."""
-    names = apply_ep(module, mesh.group("ep"))  # check_model made sure there are some
+    names = apply_ep(module, mesh["ep"])  # check_model made sure there are some
     if not quiet and names:
         _applied(report, f"Applied expert parallel (ep={dims.ep}) to {len(names)} experts modules: each rank holds"
                          f" 1/{dims.ep} of the experts, tokens dispatched by all-to-all")

@@ -269,9 +269,10 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         self._reduce_expert_grads()
         return loss
 
-    def _reduce_expert_grads(self) -> None:
-        """Under ep, once per optimizer step: expert gradients (outside FSDP) averaged like the others."""
-        if self.dims.ep > 1 and not self._accumulating:
+    def _reduce_expert_grads(self, stepping: bool = False) -> None:
+        """Under ep, once per optimizer step: expert gradients (outside FSDP) averaged like the others. With
+        automatic optimization after the window's last backward (before clipping); manual, at the step."""
+        if self.dims.ep > 1 and not self._accumulating and stepping != self.lightning_module.automatic_optimization:
             reduce_expert_grads(self.model, self.device_mesh.group("expert_dp"), self.device_mesh.size("dp_cp"))
 
     @override

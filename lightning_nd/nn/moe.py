@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from torch import nn
 
@@ -163,31 +164,44 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = x.reshape(-1, x.shape[-1])
+        # Activation checkpointing runs forward again inside backward: the same step (and, with the RNG
+        # state checkpointing restores, the same random routing), and nothing counted twice.
+        recomputing = torch._C._current_graph_task_id() != -1
+        step = int(self.step) - (1 if recomputing else 0)
         share = 0.0
-        if self.training and self.step < self.random_routing_steps:
-            share = 1.0 - float(self.step) / self.random_routing_steps
+        if self.training and step < self.random_routing_steps:
+            share = 1.0 - step / self.random_routing_steps
         logits, weights, index = self.gate(hidden, share)
         out = self.experts(hidden, index, weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(hidden)
-        self._account(logits)
+        self._account(logits, count=not recomputing)
         return out.reshape(x.shape)
 
-    def _account(self, logits: torch.Tensor) -> None:
+    def _account(self, logits: torch.Tensor, count: bool) -> None:
+        """The auxiliary losses (recomputation rebuilds them the same way); with ``count``, stats, step, load."""
         experts, counts = self.gate.num_experts, self.experts.last_counts
         fraction = counts.float() / counts.sum()  # global under expert parallelism (see parallel/expert.py)
         mean_score = self.gate.scores(logits).mean(dim=0)
         balance = experts * (fraction * mean_score).sum()
         z_loss = torch.logsumexp(logits, dim=-1).square().mean()
-        self.aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z_loss
+        aux_loss = self.aux_loss_coef * balance + self.z_loss_coef * z_loss
+        if not count:
+            return
+        self.aux_loss = aux_loss
         self.stats = MoEStats(counts, self.experts.last_dropped, float(balance.detach()), float(z_loss.detach()))
-        if self.training:
+        if self.training:  # `step` counts training forwards (micro-batches), which random routing anneals over
             self.step += 1
             self.load += counts.to(self.load.dtype)
 
     @torch.no_grad()
-    def update_bias(self) -> None:
-        """Aux-loss-free balancing: raise the bias of experts below the mean load, lower it above; reset the load."""
+    def update_bias(self, group: torch.distributed.ProcessGroup | None = None) -> None:
+        """Aux-loss-free balancing: raise the bias of experts below the mean load, lower it above; reset the load.
+
+        Under data parallelism pass the batch ranks' group (``trainer.strategy.device_mesh.group("dp_cp")``):
+        the loads are summed over it first, so every replica moves its bias the same way."""
+        if group is not None:
+            torch.distributed.all_reduce(self.load, group=group)
         if self.bias_update_rate:
             self.gate.expert_bias += self.bias_update_rate * torch.sign(self.load.mean() - self.load)
         self.load.zero_()

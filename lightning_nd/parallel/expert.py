@@ -10,7 +10,8 @@ order one process would see with every rank's tokens concatenated: a capacity li
 global token count) drops exactly the assignments one process drops. Routing weights are applied by
 the sender after the return trip, so the router's gradient stays local. ``last_counts`` are global
 (summed over the group), so the load-balancing loss of each rank uses the global expert fractions and
-the mean over ranks equals the one-process loss.
+the mean over ranks equals the one-process loss. The expert weights are DTensors sharded over ep
+(dim 0), so checkpoints hold every expert once and `full_tensor()` gives the whole stack.
 """
 
 from __future__ import annotations
@@ -23,19 +24,31 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.distributed_c10d import ProcessGroup
+from torch.distributed.tensor import DTensor, Shard
 
 
 def is_experts(module: nn.Module) -> bool:
-    weights = [getattr(module, name, None) for name in ("gate_up_proj", "down_proj")]
-    return all(isinstance(w, torch.Tensor) and w.ndim == 3 for w in weights) and weights[0].shape[0] == weights[1].shape[0]
+    """Stacked SwiGLU experts in the Hugging Face layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    gate_up, down = (getattr(module, name, None) for name in ("gate_up_proj", "down_proj"))
+    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.ndim == down.ndim == 3):
+        return False
+    experts, double_inner, hidden = gate_up.shape
+    return down.shape == (experts, hidden, double_inner // 2) and double_inner % 2 == 0
+
+
+def unsupported_experts(module: nn.Module) -> list[str]:
+    """Parameters of an experts module that expert parallelism would not carry over (biases, extras)."""
+    return [name for name, _ in module.named_parameters() if name not in ("gate_up_proj", "down_proj")]
 
 
 class ExpertParallel(nn.Module):
     """This rank's experts of one layer, with the all-to-all dispatch and combine around them."""
 
-    def __init__(self, experts: nn.Module, group: ProcessGroup) -> None:
+    def __init__(self, experts: nn.Module, mesh: DeviceMesh) -> None:
         super().__init__()
+        group = mesh.get_group()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts = experts.gate_up_proj.shape[0]
         if self.num_experts % size:
@@ -44,10 +57,11 @@ class ExpertParallel(nn.Module):
         self.group, self.size, self.local = group, size, self.num_experts // size
         first = rank * self.local
         self.first = first
-        self.gate_up_proj = nn.Parameter(experts.gate_up_proj.detach()[first:first + self.local].clone())
-        self.down_proj = nn.Parameter(experts.down_proj.detach()[first:first + self.local].clone())
-        for param in (self.gate_up_proj, self.down_proj):
-            param._lightning_nd_split = size  # each rank holds 1/ep of the expert weights (clip.py)
+        # DTensors sharded over ep: checkpoints, clipping and `full_tensor()` see the whole expert stack.
+        for name in ("gate_up_proj", "down_proj"):
+            local = getattr(experts, name).detach()[first:first + self.local].clone()
+            setattr(self, name, nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
+                                             requires_grad=getattr(experts, name).requires_grad))
         self.capacity_factor: float | None = getattr(experts, "capacity_factor", None)
         self.act: Callable[[torch.Tensor], torch.Tensor] = getattr(experts, "act_fn", F.silu)
         self.last_counts: torch.Tensor | None = None
@@ -58,7 +72,7 @@ class ExpertParallel(nn.Module):
         """Each expert drawn from its own seed (derived from the caller's RNG state, the same on every rank),
         so the experts of different ranks differ and do not depend on ep."""
         base = int(torch.randint(2**31, ()))
-        for weight in (self.gate_up_proj, self.down_proj):
+        for weight in (self.gate_up_proj.to_local(), self.down_proj.to_local()):
             bound = 1.0 / math.sqrt(weight.shape[-1])
             for index in range(self.local):
                 generator = torch.Generator().manual_seed(base + self.first + index)
@@ -83,7 +97,7 @@ class ExpertParallel(nn.Module):
         output = self._experts(rows, received_counts, int(totals.sum()) // top_k, top_k)
         back = wait_tensor(all_to_all_single_autograd(output.contiguous(), send_splits, recv_splits, self.group))
         result = torch.zeros_like(hidden)
-        result.index_add_(0, order // top_k, back * weights.flatten()[order, None])
+        result.index_add_(0, order // top_k, (back * weights.flatten()[order, None]).to(result.dtype))
         return result
 
     def _exchange(self, counts: torch.Tensor) -> torch.Tensor:
@@ -97,31 +111,35 @@ class ExpertParallel(nn.Module):
         starts = torch.cumsum(counts.flatten(), 0) - counts.flatten()
         capacity = math.ceil(self.capacity_factor * tokens * top_k / self.num_experts) if self.capacity_factor else None
         output = torch.zeros_like(rows)
+        gate_up_proj, down_proj = self.gate_up_proj.to_local(), self.down_proj.to_local()
+        counts_list, starts_list = counts.tolist(), starts.tolist()
         dropped = 0
         for expert in range(self.local):
-            pieces = [torch.arange(int(starts[s * self.local + expert]), int(starts[s * self.local + expert])
-                                   + int(counts[s, expert]), device=rows.device) for s in range(self.size)]
+            pieces = [torch.arange(starts_list[s * self.local + expert],
+                                   starts_list[s * self.local + expert] + counts_list[s][expert], device=rows.device)
+                      for s in range(self.size)]
             chosen = torch.cat(pieces)
             if capacity is not None and chosen.numel() > capacity:
                 dropped += chosen.numel() - capacity
                 chosen = chosen[:capacity]
-            if chosen.numel() == 0:
-                continue
-            gate, up = F.linear(rows[chosen], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            output = output.index_add(0, chosen, F.linear(self.act(gate) * up, self.down_proj[expert]))
+            # Even an expert without rows runs (on none): the output stays in the graph, so every rank's
+            # backward issues the same all-to-alls (a rank whose experts got no tokens would hang the rest).
+            gate, up = F.linear(rows[chosen], gate_up_proj[expert]).chunk(2, dim=-1)
+            output = output.index_add(0, chosen, F.linear(self.act(gate) * up, down_proj[expert]))
         dropped_total = torch.tensor(dropped, device=rows.device)
         dist.all_reduce(dropped_total, group=self.group)
         self.last_dropped = int(dropped_total)
         return output
 
 
-def apply_ep(model: nn.Module, group: ProcessGroup) -> list[str]:
-    """Replace every experts module of ``model`` by this rank's `ExpertParallel` slice; returns their names."""
+def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[str]:
+    """Replace every experts module of ``model`` by this rank's `ExpertParallel` slice over the 1-D ep ``mesh``;
+    returns their names."""
     names = [name for name, module in model.named_modules() if name and is_experts(module)]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, ExpertParallel(getattr(parent, child), group))
+        setattr(parent, child, ExpertParallel(getattr(parent, child), mesh))
     return names
 
 
@@ -134,8 +152,9 @@ def reduce_expert_grads(model: nn.Module, group: ProcessGroup | None, batch_rank
     """Expert gradients to the mean over every batch rank's tokens: each holds the sum over its ep group's
     tokens; summed over the ranks holding the same experts (``group``), divided by all batch ranks."""
     for param in expert_parameters(model):
-        if param.grad is None:
-            continue
+        if param.grad is None:  # every rank must join the all-reduce
+            param.grad = torch.zeros_like(param)
+        local = param.grad.to_local()
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(param.grad, group=group)
-        param.grad.div_(batch_ranks)
+            dist.all_reduce(local, group=group)
+        local.div_(batch_ranks)

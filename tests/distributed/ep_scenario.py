@@ -14,12 +14,13 @@ from lightning_nd.parallel.expert import apply_ep
 TOKENS, HIDDEN, INNER, EXPERTS = 12, 16, 24, 8
 
 
-def _case(group, capacity_factor: float | None, top_k: int, dtype: torch.dtype) -> dict:
+def _case(mesh, capacity_factor: float | None, top_k: int, dtype: torch.dtype) -> dict:
+    group = mesh.get_group()
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     torch.manual_seed(0)
     reference = MoE(HIDDEN, INNER, EXPERTS, top_k, capacity_factor=capacity_factor, shared_intermediate=8).to(dtype)
     parallel = copy.deepcopy(reference)
-    apply_ep(parallel, group)
+    apply_ep(parallel, mesh)
     generator = torch.Generator().manual_seed(1)
     # A skewed router, so capacity really drops tokens and experts get uneven loads.
     everything = torch.randn(ep * TOKENS, HIDDEN, generator=generator, dtype=dtype) + 1.5
@@ -37,8 +38,9 @@ def _case(group, capacity_factor: float | None, top_k: int, dtype: torch.dtype) 
     errors = {
         "output": (out - expected[rank * TOKENS:(rank + 1) * TOKENS]).abs().max().item(),
         "input_grad": (mine.grad - full.grad[rank * TOKENS:(rank + 1) * TOKENS]).abs().max().item(),
-        "gate_up_grad": (parallel.experts.gate_up_proj.grad - reference.experts.gate_up_proj.grad[local]).abs().max().item(),
-        "down_grad": (parallel.experts.down_proj.grad - reference.experts.down_proj.grad[local]).abs().max().item(),
+        "gate_up_grad": (parallel.experts.gate_up_proj.grad.to_local()
+                         - reference.experts.gate_up_proj.grad[local]).abs().max().item(),
+        "down_grad": (parallel.experts.down_proj.grad.to_local() - reference.experts.down_proj.grad[local]).abs().max().item(),
         "router_grad": (router_grad - reference.gate.weight.grad).abs().max().item(),
         "shared_grad": (shared_grad - reference.shared_expert.down_proj.weight.grad).abs().max().item(),
     }
@@ -53,13 +55,13 @@ def _case(group, capacity_factor: float | None, top_k: int, dtype: torch.dtype) 
 
 
 def run_all() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
     dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    groups = {world: dist.group.WORLD}
-    pairs = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
-    groups[2] = pairs[rank // 2]
+    world = dist.get_world_size()
+    meshes = {world: init_device_mesh("cpu", (world,)), 2: init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("outer", "ep"))["ep"]}
     results = {}
-    for ep, group in sorted(groups.items()):
+    for ep, group in sorted(meshes.items()):
         for capacity_factor in (None, 1.0):
             for top_k in (1, 2):
                 for dtype in (torch.float64, torch.float32):

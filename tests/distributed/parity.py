@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader
 from examples.data import SyntheticTokens, TokenDataModule
 from examples.lit import CausalLM, logits_of
 from lightning_nd import NDParallel
-from lightning_nd.parallel.expert import ExpertParallel
 from lightning_nd.parallel.pipeline import PipelineStages
 from tests.models import VOCAB, build
 
@@ -44,14 +43,9 @@ class LossRecorder(Callback):
         self.losses.append(trainer.strategy.reduce(loss, reduce_op="mean").item())
 
 
-def _full(tensor: torch.Tensor | None, expert_group: Any = None) -> torch.Tensor | None:
-    """The whole tensor: a DTensor's full value, or every ep rank's expert slice concatenated."""
+def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     if tensor is None:
         return None
-    if expert_group is not None:
-        pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(expert_group))]
-        dist.all_gather(pieces, tensor.contiguous(), group=expert_group)
-        return torch.cat(pieces).detach().clone()
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
 
@@ -70,10 +64,8 @@ def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None,
     module = CausalLM(model=model, lr=LR)
     trainer.fit(module, datamodule=data)
     named = [(PipelineStages.original_name(name), p) for name, p in module.model.named_parameters()]
-    groups = {id(p): m.group for m in module.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
-    result = {"losses": recorder.losses, "params": {name: _full(p, groups.get(id(p))) for name, p in named},
-              "grads": {name: _full(p.grad, groups.get(id(p))) for name, p in named},
-              "global_batch": batch * dp * accumulate,
+    result = {"losses": recorder.losses, "params": {name: _full(p) for name, p in named},
+              "grads": {name: _full(p.grad) for name, p in named}, "global_batch": batch * dp * accumulate,
               "applied": trainer.strategy.report.applied if trainer.strategy.report else [],
               "timings": trainer.strategy.pipeline_timings}
     if validate:

@@ -4,8 +4,9 @@ Layer: an MoE layer under ep=2 and ep=4 (4 ranks) equals the same layer on one p
 tokens: outputs, input/expert/router/shared-expert gradients, tokens per expert, the dropped assignments
 under a capacity limit (the same ones), and the load-balancing loss (mean over ranks).
 Training: loss per step, gradients and parameters after 5 AdamW steps through `Trainer`, for an MoE Llama
-(8 experts, top-2) under ep=2 x dp_shard=2 (also with clipping), ep=4, ep=2 x tp=2 (dense layers split),
-ep=2 x pp=2, and a Hugging Face Mixtral under ep=2 with no user code.
+(8 experts, top-2) under ep=2 x dp_shard=2 (also with clipping, and with full activation checkpointing),
+ep=4, ep=2 x tp=2 (dense layers split), ep=2 x pp=2, ep=2 x dp_shard=4 with gradient accumulation and
+ep=2 x HSDP 2x2 (two ranks hold each expert), and a Hugging Face Mixtral under ep=2 with no user code.
 """
 
 from __future__ import annotations
@@ -43,18 +44,23 @@ def test_capacity_really_drops_tokens_in_the_cases(per_rank):
 
 
 LAUNCHES = {
-    "moe_ep2": (2, "moe_llama", {"ep2_fsdp2": {"ep": 2, "dp_shard": 2}, "ep2_fsdp2_clip": {"ep": 2, "dp_shard": 2}}, 4),
+    "moe_ep2": (2, "moe_llama", {"ep2_fsdp2": {"ep": 2, "dp_shard": 2}, "ep2_fsdp2_clip": {"ep": 2, "dp_shard": 2},
+                                 "ep2_fsdp2_ac": {"ep": 2, "dp_shard": 2, "activation_checkpointing": "full"}}, 4),
     "moe_ep4": (4, "moe_llama", {"ep4": {"ep": 4, "dp_shard": 4}, "ep2_tp2": {"ep": 2, "dp_shard": 2, "tp": 2},
-                                 "ep2_pp2": {"ep": 2, "dp_shard": 2, "pp": 2}}, 4),
+                                 "ep2_pp2": {"ep": 2, "dp_shard": 2, "pp": 2},
+                                 # two ranks hold each expert: their gradients are averaged across them
+                                 "ep2_fsdp4_accum": {"ep": 2, "dp_shard": 4},
+                                 "ep2_hsdp2x2": {"ep": 2, "dp_replicate": 2, "dp_shard": 2}}, 4),
     "mixtral_ep2": (2, "hf_mixtral", {"ep2_fsdp2": {"ep": 2, "dp_shard": 2}}, 4),
 }
 CLIP = {"ep2_fsdp2_clip": 0.5}
+ACCUMULATE = {"ep2_fsdp4_accum": 2}
 CASES = [(name, layout) for name, (_, _, layouts, _) in LAUNCHES.items() for layout in layouts]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return launcher(tmp_path_factory, LAUNCHES, clip=CLIP)
+    return launcher(tmp_path_factory, LAUNCHES, clip=CLIP, accumulate=ACCUMULATE)
 
 
 @pytest.mark.parametrize("launch_name, layout", CASES)

@@ -85,18 +85,15 @@ def test_bias_update_moves_load_toward_the_mean():
 def test_random_routing_anneals_to_learned_routing():
     torch.manual_seed(0)
     moe = MoE(8, 16, num_experts=8, top_k=2, random_routing_steps=4)
-    x = torch.randn(64, 8)
-    _, _, learned = moe.gate(x)
-    differing = []
-    for _ in range(5):
+    x = torch.randn(256, 8)
+    learned = moe.gate(x)[2]
+    routed = []
+    moe.gate.register_forward_hook(lambda module, args, output: routed.append(output[2]))
+    for _ in range(5):  # steps 0..4: a share of 1, 3/4, 1/2, 1/4, 0 of the tokens goes to random experts
         moe(x)
-        differing.append(float((moe.gate(x, 0.0)[2] != learned).any(-1).float().mean()))  # the router is unchanged
+    rerouted = [float((index != learned).any(-1).float().mean()) for index in routed]
     assert moe.step == 5
-    with torch.no_grad():
-        torch.manual_seed(1)
-        early = moe.gate(x, 1.0)[2]
-    assert (early != learned).any(-1).float().mean() > 0.5  # at share 1.0 nearly every token goes elsewhere
-    assert max(differing) == 0.0  # learned routing itself never changed
+    assert rerouted[0] > 0.8 and 0.3 < rerouted[2] < 0.7 and rerouted[4] == 0.0, rerouted
 
 
 def test_top_k_above_the_expert_count_names_the_fix():
