@@ -52,11 +52,14 @@ def _connect(devices: int, strategy: NDParallel, model: nn.Module) -> None:
     _trainer(devices, strategy).strategy.connect(CausalLM(model=model))
 
 
-def _moe(experts: int) -> nn.Module:
+def _moe(experts: int, bias: bool = False) -> nn.Module:
     from examples.models.llama import Llama, LlamaConfig
 
-    return Llama(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=2, num_experts=experts))
+    model = Llama(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=2, num_experts=experts))
+    for layer in model.layers if bias else ():  # experts as some models have them: with biases
+        layer.mlp.experts.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 32))
+    return model
 
 
 def _hf_llama(**config: object) -> nn.Module:
@@ -100,6 +103,9 @@ CASES = [
      ["ep=2", "sequence_parallel=False"]),
     ("ep_not_dividing_experts", lambda: _connect(4, NDParallel(ep=4, dp_shard=4), _moe(6)), ValueError,
      ["ep=4", "6", "[1, 2, 3, 6]"]),
+    ("ep_experts_with_biases", lambda: _connect(2, NDParallel(ep=2, dp_shard=2), _moe(8, bias=True)), ValueError,
+     ["gate_up_proj_bias", "ep=1"]),
+    ("ep_with_cpu_offload", lambda: NDParallel(ep=2, cpu_offload=True), ValueError, ["cpu_offload", "ep=2"]),
     ("ep_without_experts", lambda: _connect(2, NDParallel(ep=2, dp_shard=2), build("llama")), ValueError,
      ["ep=2", "no experts module"]),
     ("compile_with_tp", lambda: NDParallel(tp=2, compile=True), ValueError, ["tp=2", "wrong gradients"]),
