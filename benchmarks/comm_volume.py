@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import tensors_in  # noqa: E402
 from benchmarks.launch import run_on_ranks  # noqa: E402
 
 WORLD_SIZE = 4
@@ -78,18 +79,10 @@ def _group_of(args) -> tuple[int, ...] | None:
     return None
 
 
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
 def _ring_bytes(name: str, args, out, n: int) -> float:
     if name.startswith(("send", "recv")):  # point-to-point: the bytes a rank sends
-        return sum(t.numel() * t.element_size() for t in _tensors(args)) if name.startswith("send") else 0.0
-    full = max((t.numel() * t.element_size() for t in _tensors(args) + _tensors(out)), default=0)
+        return sum(t.numel() * t.element_size() for t in tensors_in(args)) if name.startswith("send") else 0.0
+    full = max((t.numel() * t.element_size() for t in tensors_in(args) + tensors_in(out)), default=0)
     factor = 2 if "allreduce" in name or "all_reduce" in name else 1
     return factor * full * (n - 1) / n
 

@@ -77,3 +77,12 @@ class StepTimer(Callback):
     @property
     def step_times(self) -> list[float]:
         return [b - a for a, b in zip(self.starts, self.starts[1:])][self.warmup:]
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    """Every tensor in a (nested) list or tuple, as collectives receive them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in tensors_in(item)]
+    return []

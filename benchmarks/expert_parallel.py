@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.common import tensors_in  # noqa: E402
 from benchmarks.launch import run_on_ranks  # noqa: E402
 
 WORLD_SIZE = 4
@@ -47,16 +48,8 @@ class AllToAllBytes(TorchDispatchMode):
             row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
             self.sent[self.phase] += (sum(input_splits) - input_splits[rank]) * row
         elif func.namespace == "c10d" and "barrier" not in name:  # count exchange, totals (c10d ops box lists)
-            self.other += sum(t.numel() * t.element_size() for t in _tensors(args))
+            self.other += sum(t.numel() * t.element_size() for t in tensors_in(args))
         return out
-
-
-def _tensors(value) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
 
 
 def measure(ep: int, mesh) -> tuple[dict[str, int], int]:
