@@ -124,7 +124,6 @@ class PipelineSteps:
         return stack
 
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._reduce_expert_grads(stepping=True)
         result = super().optimizer_step(*args, **kwargs)
         self._window_open = False  # the next training step starts a new accumulation window
         return result

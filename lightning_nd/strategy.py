@@ -269,10 +269,14 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         self._reduce_expert_grads()
         return loss
 
-    def _reduce_expert_grads(self, stepping: bool = False) -> None:
-        """Under ep, once per optimizer step: expert gradients (outside FSDP) averaged like the others. With
-        automatic optimization after the window's last backward (before clipping); manual, at the step."""
-        if self.dims.ep > 1 and not self._accumulating and stepping != self.lightning_module.automatic_optimization:
+    def _reduce_expert_grads(self) -> None:
+        """Under ep, after the accumulation window's last backward (before clipping and the optimizer step):
+        expert gradients (outside FSDP) averaged like the others."""
+        if self.dims.ep > 1 and not self.lightning_module.automatic_optimization:
+            raise ValueError("`NDParallel(ep=...)` reduces expert gradients after the last backward of each optimizer"
+                             " step, which it can only know under automatic optimization. HINT: use automatic"
+                             " optimization with ep, or ep=1.")
+        if self.dims.ep > 1 and not self._accumulating:
             reduce_expert_grads(self.model, self.device_mesh.group("expert_dp"), self.device_mesh.size("dp_cp"))
 
     @override

@@ -1,7 +1,7 @@
 """Expert parallelism: each rank of an ep group holds E/ep of a layer's experts; tokens travel to them
 and back with two all-to-alls (uneven splits, differentiable).
 
-``apply_ep(model, group)`` replaces every experts module that follows the Hugging Face convention
+``apply_ep(model, ep_mesh)`` replaces every experts module that follows the Hugging Face convention
 (stacked ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], called as ``experts(hidden, index,
 weights)``: `lightning_nd.nn.moe.GroupedExperts` and e.g. Mixtral's) by an `ExpertParallel` holding
 this rank's slice. Dispatch sorts the (token, slot) pairs by expert, so each destination's share is
@@ -69,8 +69,8 @@ class ExpertParallel(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Each expert drawn from its own seed (derived from the caller's RNG state, the same on every rank),
-        so the experts of different ranks differ and do not depend on ep."""
+        """Each local expert drawn from its own seed, derived from the caller's RNG state (which `materialize`
+        seeds per ep shard), so every expert differs from the others."""
         base = int(torch.randint(2**31, ()))
         for weight in (self.gate_up_proj.to_local(), self.down_proj.to_local()):
             bound = 1.0 / math.sqrt(weight.shape[-1])
@@ -152,6 +152,8 @@ def reduce_expert_grads(model: nn.Module, group: ProcessGroup | None, batch_rank
     """Expert gradients to the mean over every batch rank's tokens: each holds the sum over its ep group's
     tokens; summed over the ranks holding the same experts (``group``), divided by all batch ranks."""
     for param in expert_parameters(model):
+        if not param.requires_grad:
+            continue
         if param.grad is None:  # every rank must join the all-reduce
             param.grad = torch.zeros_like(param)
         local = param.grad.to_local()
