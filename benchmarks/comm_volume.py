@@ -15,6 +15,10 @@ B(n-1)/n (B = the full tensor). The analytic minimum per dim:
   activations forward, the second sends their gradients back: batch x seq x hidden x 4 bytes each.
 - CP (ring attention): every rank must see the other ranks' K and V once per attention forward and
   send their gradients back once in backward: per layer 2 x (cp-1) x its local K/V bytes sent.
+- EP (all-to-all, counted as the rows a rank sends to the others): per MoE layer the token copies
+  (tokens x top-k) go to their experts and come back, forward and backward: 4 x tokens x k x hidden x 4
+  bytes x (ep-1)/ep for routing spread evenly; and the expert gradients, all-reduced over the ranks that
+  hold the same experts (expert_dp): 2 x their bytes x (n-1)/n.
 """
 
 from __future__ import annotations
@@ -47,7 +51,9 @@ LAYOUTS = {
     "dp_shard=2 x tp=2": {"dp_shard": 2, "tp": 2, "zero_stage": 2},
     "pp=2 x dp_shard=2": {"pp": 2, "dp_shard": 2, "pp_microbatches": 2},
     "cp=2 x dp_shard=2": {"cp": 2, "dp_shard": 2, "zero_stage": 2},
+    "ep=2 x dp_shard=4 (moe)": {"ep": 2, "dp_shard": 4, "zero_stage": 2},
 }
+MOE = {"num_experts": 8, "num_experts_per_tok": 2}  # the model of the "(moe)" layouts: every MLP 8 experts
 
 
 class CollectiveBytes(TorchDispatchMode):
@@ -65,6 +71,9 @@ class CollectiveBytes(TorchDispatchMode):
             group = _group_of(args)
             if group is not None and len(group) > 1:
                 moved = _ring_bytes(name, args, out, len(group))
+                if "all_to_all_single" in name:  # the rows this rank sends to the others
+                    splits, row = args[2], args[0][0].numel() * args[0].element_size() if args[0].shape[0] else 0
+                    moved = (sum(splits) - splits[group.index(dist.get_rank())]) * row
                 self.by_group[group] += moved
                 self.by_kind[name] += moved
         return out
@@ -102,10 +111,16 @@ class OneStep(Callback):
             self.mode.__exit__(None, None, None)
 
 
-def analytic(dim: str, zero_stage: int, dims, fsdp_param_bytes: float) -> float:
+def analytic(dim: str, zero_stage: int, dims, fsdp_param_bytes: float, expert_bytes: float = 0.0) -> float:
     """Minimum ring bytes per rank per step on one mesh dim (see the module docstring)."""
+    if dim == "expert_dp":  # one all-reduce of this rank's expert gradients over the ranks holding the same experts
+        n = dims.dp_replicate * dims.dp_shard * dims.cp // dims.ep
+        return 2 * expert_bytes * (n - 1) / n
     if dim == "pp":
         return BATCH * SEQ * CONFIG["hidden_size"] * 4
+    if dim == "ep":  # per MoE layer: dispatch + combine, forward and backward
+        tokens = BATCH * SEQ * MOE["num_experts_per_tok"]
+        return CONFIG["num_hidden_layers"] * 4 * tokens * CONFIG["hidden_size"] * 4 * (dims.ep - 1) / dims.ep
     if dim == "cp":
         head_dim = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
         local_kv = 2 * BATCH * CONFIG["num_key_value_heads"] * (SEQ // dims.cp) * head_dim * 4
@@ -136,23 +151,29 @@ def measure(layout: dict) -> dict[str, tuple[float, float]]:
     from examples.lit import CausalLM
     from examples.models.llama import Llama, LlamaConfig
     from lightning_nd import NDParallel
+    from lightning_nd.parallel.expert import expert_parameters
 
     probe = OneStep()
     trainer = Trainer(strategy=NDParallel(**layout), accelerator="cpu", devices=WORLD_SIZE, max_steps=2,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
-    module = CausalLM(model=Llama(LlamaConfig(**CONFIG)))
+    module = CausalLM(model=Llama(LlamaConfig(**CONFIG, **(MOE if layout.get("ep", 1) > 1 else {}))))
     trainer.fit(module, datamodule=TokenDataModule(
         vocab_size=CONFIG["vocab_size"], seq_len=SEQ, num_samples=BATCH * dims_of(layout) * 2, batch_size=BATCH))
     mesh, dims = trainer.strategy.device_mesh, trainer.strategy.dims
     # What FSDP gathers: each parameter as TP leaves it on this rank (a TP shard, or whole).
-    fsdp_param_bytes = sum(_tp_local_bytes(p, dims.tp) for p in module.parameters())
-    names = {"fsdp": "dp_shard_cp", "dp_replicate": "dp_replicate", "tp": "tp", "pp": "pp", "cp": "cp"}
+    experts = {id(p) for p in expert_parameters(module)}  # outside FSDP: the ep all-to-all moves their tokens
+    expert_bytes = sum(p.to_local().numel() * 4 for p in expert_parameters(module))
+    fsdp_param_bytes = sum(_tp_local_bytes(p, dims.tp) for p in module.parameters() if id(p) not in experts)
+    names = {"fsdp": "dp_shard_cp", "dp_replicate": "dp_replicate", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
+             "expert_dp": "expert_dp"}
     rows = {}
     for dim, mesh_name in names.items():
+        if mesh_name not in mesh.names:  # ep's mesh exists only when ep > 1
+            continue
         ranks = tuple(sorted(mesh.ranks(mesh_name)))
         if len(ranks) > 1:
-            minimum = analytic(dim, trainer.strategy.config.zero_stage, dims, fsdp_param_bytes)
+            minimum = analytic(dim, trainer.strategy.config.zero_stage, dims, fsdp_param_bytes, expert_bytes)
             rows[dim] = (probe.mode.by_group.get(ranks, 0.0), minimum)
     if int(os.environ.get("RANK", 0)) == 0 and os.environ.get("COMM_DETAIL"):
         print(layout, {k: int(v) for k, v in probe.mode.by_kind.items()})
