@@ -17,8 +17,8 @@ B(n-1)/n (B = the full tensor). The analytic minimum per dim:
   send their gradients back once in backward: per layer 2 x (cp-1) x its local K/V bytes sent.
 - EP (all-to-all, counted as the rows a rank sends to the others): per MoE layer the token copies
   (tokens x top-k) go to their experts and come back, forward and backward: 4 x tokens x k x hidden x 4
-  bytes x (ep-1)/ep for routing spread evenly; and the expert gradients, all-reduced over the ranks that
-  hold the same experts (expert_dp): 2 x their bytes x (n-1)/n.
+  bytes x (ep-1)/ep for routing spread evenly; and FSDP over the ranks that hold the same experts
+  (expert_dp): 2 x their bytes x (n-1)/n at zero 2.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class OneStep(Callback):
 
 def analytic(dim: str, zero_stage: int, dims, fsdp_param_bytes: float, expert_bytes: float = 0.0) -> float:
     """Minimum ring bytes per rank per step on one mesh dim (see the module docstring)."""
-    if dim == "expert_dp":  # one all-reduce of this rank's expert gradients over the ranks holding the same experts
+    if dim == "expert_dp":  # FSDP over the ranks holding the same experts (zero 2): one all-gather, one reduce-scatter
         n = dims.dp_replicate * dims.dp_shard * dims.cp // dims.ep
         return 2 * expert_bytes * (n - 1) / n
     if dim == "pp":
@@ -163,7 +163,7 @@ def measure(layout: dict) -> dict[str, tuple[float, float]]:
     mesh, dims = trainer.strategy.device_mesh, trainer.strategy.dims
     # What FSDP gathers: each parameter as TP leaves it on this rank (a TP shard, or whole).
     experts = {id(p) for p in expert_parameters(module)}  # outside FSDP: the ep all-to-all moves their tokens
-    expert_bytes = sum(p.to_local().numel() * 4 for p in expert_parameters(module))
+    expert_bytes = sum(p.numel() // dims.ep * 4 for p in expert_parameters(module))  # this ep rank's experts
     fsdp_param_bytes = sum(_tp_local_bytes(p, dims.tp) for p in module.parameters() if id(p) not in experts)
     names = {"fsdp": "dp_shard_cp", "dp_replicate": "dp_replicate", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
              "expert_dp": "expert_dp"}

@@ -17,7 +17,7 @@ from lightning_nd.mesh import NDMesh
 from lightning_nd.parallel.activation import apply_ac, apply_compile
 from lightning_nd.parallel.cp_region import accepts_positions, inject_positions
 from lightning_nd.parallel.data import apply_fsdp, fsdp_root
-from lightning_nd.parallel.expert import apply_ep, expert_parameters
+from lightning_nd.parallel.expert import apply_ep, expert_modules, expert_parameters
 from lightning_nd.parallel.tensor import apply_tp
 from lightning_nd.parallel.pipeline import PipelineStages, StageModule
 from lightning_nd.plans import TPPlan
@@ -115,7 +115,7 @@ def _apply(
             module, block_modules, mesh["hsdp"] if hsdp else mesh["dp_shard_cp"],
             zero_stage=config.zero_stage, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
             cpu_offload=config.cpu_offload, forward_methods=forward_methods, root_unit=root_unit,
-            ignored_params=set(expert_parameters(module)),
+            **_expert_sharding(module, mesh, dims),
         )
         kind = f"HSDP (replicate={dims.dp_replicate} x shard={dims.dp_shard * dims.cp})" if hsdp else (
             f"FSDP (shard={dims.dp_shard * dims.cp})")
@@ -123,10 +123,23 @@ def _apply(
         applied(f"Applied {kind} with zero_stage={config.zero_stage} to {where}")
 
 
+def _expert_sharding(module: nn.Module, mesh: NDMesh, dims: ParallelDims) -> dict:
+    """Under ep, how FSDP treats the experts: sharded over the ranks holding the same experts when there are
+    several, else left alone (one rank per expert: nothing to average)."""
+    experts = expert_modules(module)
+    if not experts:
+        return {}
+    if mesh.size("expert_dp") > 1:
+        return {"experts": experts, "expert_mesh": mesh["expert_dp"]}
+    return {"ignored_params": set(expert_parameters(module))}
+
+
 def _apply_ep(module: nn.Module, mesh: NDMesh, dims: ParallelDims, report: ParallelizeReport,
               quiet: bool = False) -> None:
-    """Expert parallel: experts modules become this rank's slice (FSDP leaves them to `reduce_expert_grads`)."""
+    """Expert parallel: experts modules become this rank's slice, their gradient sums scaled to means."""
     names = apply_ep(module, mesh["ep"])  # check_model made sure there are some
+    for experts in expert_modules(module):
+        experts.grad_scale = 1.0 / dims.ep  # the ep group's tokens add up; dense gradients are means
     if not quiet and names:
         _applied(report, f"Applied expert parallel (ep={dims.ep}) to {len(names)} experts modules: each rank holds"
                          f" 1/{dims.ep} of the experts, tokens dispatched by all-to-all")

@@ -187,7 +187,6 @@ class PipelineSteps:
             param.grad = grad
         self._grads = []
         align_grads_to_params(module.parameters())
-        self._reduce_expert_grads()
         self.pre_backward(loss)
         loss = self.precision_plugin.pre_backward(loss, module)
         loss = self.precision_plugin.post_backward(loss, module)

@@ -25,7 +25,6 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_nd.checks import already_parallel, check_sequence_lengths, model_to_check, shard_batch
-from lightning_nd.parallel.expert import reduce_expert_grads
 from lightning_nd.clip import clip_grad_norm_, align_grads_to_params
 from lightning_nd.dims import ParallelDims
 from lightning_nd.materialize import materialize
@@ -98,7 +97,6 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         check_config(self._sizes, self.config)
         self._init_on_meta = init_on_meta
         self._cp_positions: Tensor | None = None
-        self._accumulating = False
         self._dims: ParallelDims | None = None
         self._nd_mesh: NDMesh | None = None
         self.report: ParallelizeReport | None = None
@@ -249,12 +247,8 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         assert self.model is not None
-        self._accumulating = True
-        try:
-            with accumulate_without_sync(self.model, self.config.zero_stage):
-                yield None
-        finally:
-            self._accumulating = False
+        with accumulate_without_sync(self.model, self.config.zero_stage):
+            yield None
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -266,18 +260,7 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         # sharded embedding) are aligned now: clipping, hooks and the optimizer see the true shard.
         assert self.model is not None
         align_grads_to_params(self.model.parameters())
-        self._reduce_expert_grads()
         return loss
-
-    def _reduce_expert_grads(self) -> None:
-        """Under ep, after the accumulation window's last backward (before clipping and the optimizer step):
-        expert gradients (outside FSDP) averaged like the others."""
-        if self.dims.ep > 1 and not self.lightning_module.automatic_optimization:
-            raise ValueError("`NDParallel(ep=...)` reduces expert gradients after the last backward of each optimizer"
-                             " step, which it can only know under automatic optimization. HINT: use automatic"
-                             " optimization with ep, or ep=1.")
-        if self.dims.ep > 1 and not self._accumulating:
-            reduce_expert_grads(self.model, self.device_mesh.group("expert_dp"), self.device_mesh.size("dp_cp"))
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:

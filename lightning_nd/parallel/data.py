@@ -45,13 +45,17 @@ def apply_fsdp(
     forward_methods: Iterable[str] = (),
     root_unit: nn.Module | None = None,
     ignored_params: set[nn.Parameter] | None = None,
+    experts: Sequence[nn.Module] = (),
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
     """Shard ``blocks`` one by one, then the root unit (``root_unit``, else see `fsdp_root`), which
     holds everything else.
 
     When the root unit is ``root`` itself (its own parameters, or several children share them),
     ``forward_methods`` (a LightningModule's step methods) trigger FSDP's hooks as ``forward`` does.
-    ``ignored_params`` (expert weights under ep) stay whole and local; their gradients are reduced elsewhere.
+    ``ignored_params`` (expert weights under ep, when each expert sits on one rank of its group) stay whole
+    and local. ``experts`` with an ``expert_mesh`` (the ranks holding the same experts) become units of their
+    own, sharded and their gradients averaged over it.
     """
     kwargs = {
         "mesh": mesh,
@@ -60,6 +64,8 @@ def apply_fsdp(
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
     }
+    for module in experts if expert_mesh is not None else ():
+        fully_shard(module, reshard_after_forward=zero_stage == 3, **{**kwargs, "mesh": expert_mesh})
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them.
         reshard = zero_stage == 3 and index < len(blocks) - 1

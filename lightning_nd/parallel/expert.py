@@ -12,6 +12,10 @@ the sender after the return trip, so the router's gradient stays local. ``last_c
 (summed over the group), so the load-balancing loss of each rank uses the global expert fractions and
 the mean over ranks equals the one-process loss. The expert weights are DTensors sharded over ep
 (dim 0), so checkpoints hold every expert once and `full_tensor()` gives the whole stack.
+
+Gradients: an expert's gradient sums what every rank of its ep group sent it, while dense gradients are
+averaged over the batch ranks; ``grad_scale`` (set to 1/ep by the composer) divides the sum, and FSDP,
+which shards the experts over the ranks that hold the same ones, averages over those.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.distributed_c10d import ProcessGroup
 from torch.distributed.tensor import DTensor, Shard
 
 
@@ -41,6 +44,19 @@ def is_experts(module: nn.Module) -> bool:
 def unsupported_experts(module: nn.Module) -> list[str]:
     """Parameters of an experts module that expert parallelism would not carry over (biases, extras)."""
     return [name for name, _ in module.named_parameters() if name not in ("gate_up_proj", "down_proj")]
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the gradient times ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
 
 
 class ExpertParallel(nn.Module):
@@ -66,6 +82,7 @@ class ExpertParallel(nn.Module):
         self.act: Callable[[torch.Tensor], torch.Tensor] = getattr(experts, "act_fn", F.silu)
         self.last_counts: torch.Tensor | None = None
         self.last_dropped = 0
+        self.grad_scale = 1.0
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -74,7 +91,7 @@ class ExpertParallel(nn.Module):
         base = int(torch.randint(2**31, ()))
         for weight in (self.gate_up_proj.to_local(), self.down_proj.to_local()):
             bound = 1.0 / math.sqrt(weight.shape[-1])
-            for index in range(self.local):
+            for index in range(weight.shape[0]):  # this rank's experts (or its FSDP shard of their rows)
                 generator = torch.Generator().manual_seed(base + self.first + index)
                 values = torch.rand(weight.shape[1:], generator=generator, dtype=weight.dtype) * 2 * bound - bound
                 weight[index].copy_(values.to(weight.device))
@@ -111,7 +128,8 @@ class ExpertParallel(nn.Module):
         starts = torch.cumsum(counts.flatten(), 0) - counts.flatten()
         capacity = math.ceil(self.capacity_factor * tokens * top_k / self.num_experts) if self.capacity_factor else None
         output = torch.zeros_like(rows)
-        gate_up_proj, down_proj = self.gate_up_proj.to_local(), self.down_proj.to_local()
+        gate_up_proj = _ScaleGrad.apply(self.gate_up_proj.to_local(), self.grad_scale)
+        down_proj = _ScaleGrad.apply(self.down_proj.to_local(), self.grad_scale)
         counts_list, starts_list = counts.tolist(), starts.tolist()
         dropped = 0
         for expert in range(self.local):
@@ -143,20 +161,9 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[str]:
     return names
 
 
+def expert_modules(model: nn.Module) -> list[ExpertParallel]:
+    return [m for m in model.modules() if isinstance(m, ExpertParallel)]
+
+
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in model.modules() if isinstance(m, ExpertParallel) for p in m.parameters(recurse=False)]
-
-
-@torch.no_grad()
-def reduce_expert_grads(model: nn.Module, group: ProcessGroup | None, batch_ranks: int) -> None:
-    """Expert gradients to the mean over every batch rank's tokens: each holds the sum over its ep group's
-    tokens; summed over the ranks holding the same experts (``group``), divided by all batch ranks."""
-    for param in expert_parameters(model):
-        if not param.requires_grad:
-            continue
-        if param.grad is None:  # every rank must join the all-reduce
-            param.grad = torch.zeros_like(param)
-        local = param.grad.to_local()
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(local, group=group)
-        local.div_(batch_ranks)
+    return [p for m in expert_modules(model) for p in m.parameters(recurse=False)]
