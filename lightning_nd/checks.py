@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -18,7 +17,6 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_nd.materialize import check_initialisable
-from lightning_nd.parallel.context import sequence_length, shard_positions, shard_sequence
 
 log = logging.getLogger("lightning_nd")
 
@@ -34,29 +32,6 @@ def check_sequence_lengths(batch: Any, tp: int) -> None:
             )
 
     apply_to_collection(batch, Tensor, check)
-
-
-def shard_batch(batch: Any, cp: int, rank: int, keys: Sequence[str] | None) -> tuple[Any, Tensor]:
-    """This cp rank's zigzag shard of every sequence tensor of the batch, and the global positions it holds."""
-    seq_len = sequence_length(batch)
-    if seq_len is None:
-        raise ValueError("Context parallelism splits the sequence, and the batch has no integer [batch, seq] tensor"
-                         " (token ids) to read its length from. HINT: put token ids in the batch, or use cp=1.")
-    if seq_len % (2 * cp):
-        raise ValueError(
-            f"`NDParallel(cp={cp})` splits each sequence into {2 * cp} chunks (two per rank, head and tail, so causal"
-            f" attention work is balanced), but the batch's sequence length is {seq_len}. HINT: pad or crop sequences"
-            f" to a multiple of {2 * cp}."
-        )
-    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-    if isinstance(mask, Tensor) and not bool(mask.all()):
-        raise ValueError(
-            "Context parallelism got a batch whose `attention_mask` masks tokens (padding): ring attention covers"
-            " causal and full attention over whole sequences only. HINT: pack sequences to one length without"
-            " padding, or use cp=1."
-        )
-    positions = shard_positions(seq_len, cp, rank, "zigzag")
-    return shard_sequence(batch, positions, seq_len, keys), positions
 
 
 def model_to_check(model: LightningModule) -> torch.nn.Module | None:

@@ -24,7 +24,8 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_nd.checks import already_parallel, check_sequence_lengths, model_to_check, shard_batch
+from lightning_nd.checks import already_parallel, check_sequence_lengths, model_to_check
+from lightning_nd.parallel.context import shard_batch
 from lightning_nd.clip import clip_grad_norm_, align_grads_to_params
 from lightning_nd.dims import ParallelDims
 from lightning_nd.materialize import materialize

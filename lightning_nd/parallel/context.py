@@ -66,6 +66,29 @@ def shard_sequence(batch: object, positions: torch.Tensor, seq_len: int, keys: S
     return shard(batch)
 
 
+def shard_batch(batch: object, cp: int, rank: int, keys: Sequence[str] | None) -> tuple[object, torch.Tensor]:
+    """This cp rank's zigzag shard of every sequence tensor of the batch, and the global positions it holds."""
+    seq_len = sequence_length(batch)
+    if seq_len is None:
+        raise ValueError("Context parallelism splits the sequence, and the batch has no integer [batch, seq] tensor"
+                         " (token ids) to read its length from. HINT: put token ids in the batch, or use cp=1.")
+    if seq_len % (2 * cp):
+        raise ValueError(
+            f"`NDParallel(cp={cp})` splits each sequence into {2 * cp} chunks (two per rank, head and tail, so causal"
+            f" attention work is balanced), but the batch's sequence length is {seq_len}. HINT: pad or crop sequences"
+            f" to a multiple of {2 * cp}."
+        )
+    mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+    if isinstance(mask, torch.Tensor) and not bool(mask.all()):
+        raise ValueError(
+            "Context parallelism got a batch whose `attention_mask` masks tokens (padding): ring attention covers"
+            " causal and full attention over whole sequences only. HINT: pack sequences to one length without"
+            " padding, or use cp=1."
+        )
+    positions = shard_positions(seq_len, cp, rank, "zigzag")
+    return shard_sequence(batch, positions, seq_len, keys), positions
+
+
 def _tensors(value: object) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]

@@ -127,26 +127,23 @@ class ExpertParallel(nn.Module):
         rank order, keeping at most the capacity (global) per expert; dropped rows give zeros."""
         starts = torch.cumsum(counts.flatten(), 0) - counts.flatten()
         capacity = math.ceil(self.capacity_factor * tokens * top_k / self.num_experts) if self.capacity_factor else None
+        if capacity is not None:  # every owner drops what exceeds capacity: from the global counts, no collective
+            self.last_dropped = int((self.last_counts - capacity).clamp_min(0).sum())
         output = torch.zeros_like(rows)
         gate_up_proj = _ScaleGrad.apply(self.gate_up_proj.to_local(), self.grad_scale)
         down_proj = _ScaleGrad.apply(self.down_proj.to_local(), self.grad_scale)
         counts_list, starts_list = counts.tolist(), starts.tolist()
-        dropped = 0
         for expert in range(self.local):
             pieces = [torch.arange(starts_list[s * self.local + expert],
                                    starts_list[s * self.local + expert] + counts_list[s][expert], device=rows.device)
                       for s in range(self.size)]
             chosen = torch.cat(pieces)
-            if capacity is not None and chosen.numel() > capacity:
-                dropped += chosen.numel() - capacity
+            if capacity is not None:
                 chosen = chosen[:capacity]
             # Even an expert without rows runs (on none): the output stays in the graph, so every rank's
             # backward issues the same all-to-alls (a rank whose experts got no tokens would hang the rest).
             gate, up = F.linear(rows[chosen], gate_up_proj[expert]).chunk(2, dim=-1)
             output = output.index_add(0, chosen, F.linear(self.act(gate) * up, down_proj[expert]))
-        dropped_total = torch.tensor(dropped, device=rows.device)
-        dist.all_reduce(dropped_total, group=self.group)
-        self.last_dropped = int(dropped_total)
         return output
 
 

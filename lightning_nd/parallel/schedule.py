@@ -161,32 +161,27 @@ class PipelineRunner:
         total = torch.stack([_full(l).detach() for l in losses]).sum() * accumulate if losses else None
         return self._share(total)
 
-    def _forward(self, inputs: Any, finish: Callable[[torch.Tensor, int], None]) -> int:
-        """Forward-only over up to ``microbatches`` chunks (a short last batch splits unevenly); returns
-        how many chunks."""
+    def _forward(self, inputs: Any, target: Any, finish: Callable[[torch.Tensor, Any], None]) -> None:
+        """Forward-only over up to ``microbatches`` chunks (a short last batch splits unevenly); ``finish`` gets
+        each last-stage output with its part of ``target`` (None without one)."""
         kwargs = pack_inputs(inputs)
         size = next(v.shape[0] for v in kwargs.values() if isinstance(v, torch.Tensor))
         chunks = min(self.microbatches, size)
-        forward_only(self.modules, self.owners, kwargs, chunks, self.device, finish)
-        return chunks
+        parts = torch.tensor_split(target, chunks) if target is not None else [None] * chunks
+        forward_only(self.modules, self.owners, kwargs, chunks, self.device,
+                     lambda output, index: finish(output, parts[index]))
 
     def eval_step(self, inputs: Any, target: Any, loss: Callable) -> torch.Tensor:
         """The per-sample mean loss of the batch (microbatch losses weighted by size), on every rank."""
         weighted: list[torch.Tensor] = []
-
-        def finish(output: torch.Tensor, index: int) -> None:
-            part = targets[index]
-            weighted.append(_full(loss(output, part)).detach().float() * part.shape[0])
-
-        size = target.shape[0]
-        targets = torch.tensor_split(target, min(self.microbatches, size))
-        self._forward(inputs, finish)
-        return self._share(torch.stack(weighted).sum() / size if weighted else None)
+        self._forward(inputs, target, lambda output, part: weighted.append(
+            _full(loss(output, part)).detach().float() * part.shape[0]))
+        return self._share(torch.stack(weighted).sum() / target.shape[0] if weighted else None)
 
     def predict_step(self, inputs: Any) -> torch.Tensor:
         """The model's output for the whole batch, on every rank of the pipeline."""
         outputs: list[torch.Tensor] = []
-        self._forward(inputs, lambda output, index: outputs.append(_full(output)))
+        self._forward(inputs, None, lambda output, part: outputs.append(_full(output)))
         result = torch.cat(outputs) if self.has_last else None
         holder = [(tuple(result.shape), str(result.dtype)) if result is not None else None]
         dist.broadcast_object_list(holder, src=self.last_stage_rank, group=self.group)
