@@ -185,3 +185,19 @@ def assert_state_matches(per_rank: list, layout: str) -> None:
         torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=2e-6, msg=lambda m: f"grad {name}: {m}")
     for name, expected in reference["params"].items():
         torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=5e-5, msg=lambda m: f"param {name}: {m}")
+
+
+def assert_training_matches(per_rank: list, layout: str, applied: str, clip: float | None = None) -> None:
+    """A layout trained like one process: the line naming ``applied`` was logged; loss per optimizer step
+    (micro-steps averaged), gradients and parameters match; every rank's validation loss matches; with
+    ``clip``, clipping really acted (the one-process gradient norm exceeded it)."""
+    parallel, reference = per_rank[0][layout]["parallel"], per_rank[0][layout]["reference"]
+    assert any(applied in line for line in parallel["applied"]), parallel["applied"]
+    steps = torch.tensor(parallel["losses"]).view(STEPS, -1).mean(dim=1)
+    torch.testing.assert_close(steps, torch.tensor(reference["losses"]), rtol=1e-6, atol=2e-6)
+    assert_state_matches(per_rank, layout)
+    for result in per_rank:
+        val_loss = result[layout]["parallel"]["val_loss"]
+        assert abs(val_loss - reference["val_loss"]) <= 2e-6 + 1e-6 * abs(reference["val_loss"]), val_loss
+    if clip is not None:
+        assert reference["max_unclipped_norm"] > clip

@@ -12,9 +12,8 @@ ep=2 x HSDP 2x2 (two ranks hold each expert), and a Hugging Face Mixtral under e
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.distributed.parity import STEPS, assert_state_matches, launcher
+from tests.distributed.parity import assert_training_matches, launcher
 from tests.launcher import launch
 
 TOLERANCE = {"float64": 1e-10, "float32": 2e-4}
@@ -65,13 +64,4 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("launch_name, layout", CASES)
 def test_training_under_expert_parallelism_matches_one_process(runs, launch_name, layout):
-    per_rank = runs(launch_name)
-    parallel, reference = per_rank[0][layout]["parallel"], per_rank[0][layout]["reference"]
-    assert any("expert parallel" in line for line in parallel["applied"])
-    steps = torch.tensor(parallel["losses"]).view(STEPS, -1).mean(dim=1)
-    torch.testing.assert_close(steps, torch.tensor(reference["losses"]), rtol=1e-6, atol=2e-6)
-    assert_state_matches(per_rank, layout)
-    for result in per_rank:
-        assert result[layout]["parallel"]["val_loss"] == pytest.approx(reference["val_loss"], abs=2e-6, rel=1e-6)
-    if layout in CLIP:
-        assert reference["max_unclipped_norm"] > CLIP[layout]
+    assert_training_matches(runs(launch_name), layout, "expert parallel", CLIP.get(layout))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_nd.parallel.split import SCHEDULES
-from tests.distributed.parity import STEPS, assert_state_matches, launcher
+from tests.distributed.parity import assert_training_matches, launcher
 from tests.launcher import launch
 
 PP2 = {f"pp2_{name}": {"pp": 2, "dp_shard": 1, "pp_schedule": name} for name in SCHEDULES}
@@ -43,14 +43,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("launch_name, layout", CASES)
 def test_pipeline_matches_one_process(runs, launch_name, layout):
-    per_rank = runs(launch_name)
-    parallel, reference = per_rank[0][layout]["parallel"], per_rank[0][layout]["reference"]
-    assert "pipeline stages" in parallel["applied"][0]
-    steps = torch.tensor(parallel["losses"]).view(STEPS, -1).mean(dim=1)
-    torch.testing.assert_close(steps, torch.tensor(reference["losses"]), rtol=1e-6, atol=2e-6)
-    assert_state_matches(per_rank, layout)
-    if layout in CLIP:
-        assert reference["max_unclipped_norm"] > CLIP[layout]  # clipping really acted
+    assert_training_matches(runs(launch_name), layout, "pipeline stages", CLIP.get(layout))
 
 
 @pytest.mark.parametrize("launch_name, layout", CASES)

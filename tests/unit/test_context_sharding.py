@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_nd.checks import shard_batch
-from lightning_nd.parallel.context import sequence_length, shard_positions, shard_sequence
+from lightning_nd.parallel.context import sequence_length, shard_batch, shard_positions, shard_sequence
 from lightning_nd.parallel.cp_region import context_parallel_region, current_positions, inject_positions
 from tests.models import build
 
