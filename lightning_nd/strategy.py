@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_nd.checkpointing import ShardedCheckpoints
 from lightning_nd.checks import already_parallel, check_sequence_lengths, model_to_check
 from lightning_nd.parallel.context import shard_batch
 from lightning_nd.clip import clip_grad_norm_, align_grads_to_params
@@ -33,6 +34,7 @@ from lightning_nd.mesh import NDMesh, build_mesh
 from lightning_nd.parallel.data import accumulate_without_sync, fsdp_root
 from lightning_nd.config import ParallelConfig, check_config, check_model
 from lightning_nd.parallelize import ParallelizeReport, parallelize
+from lightning_nd.failures import FailureHandling, check_timeouts
 from lightning_nd.pipelined import PipelineSteps
 
 log = logging.getLogger("lightning_nd")
@@ -40,7 +42,7 @@ log = logging.getLogger("lightning_nd")
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class NDParallel(PipelineSteps, ModelParallelStrategy):
+class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParallelStrategy):
     """N-D parallel training of an ordinary LightningModule.
 
     Args:
@@ -52,7 +54,12 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
             `parallel/cp_region.py`).
         init_on_meta: build the layers created in ``configure_model`` on the meta device, then
             materialise only each rank's shard with every module's ``reset_parameters()``.
-        timeout: process-group timeout.
+        timeout: process-group timeout after the first optimizer step: a collective that waits longer fails.
+        init_timeout: process-group timeout for start-up, the first step and checkpoint save/load.
+        heartbeat_timeout: a rank silent this long is dead; every other rank then exits 1 naming it
+            (`watchdog.py`). None: no watchdog (a death is noticed after ``timeout``).
+        Checkpoints (``ModelCheckpoint``, ``Trainer(ckpt_path=...)``): sharded, atomic, loadable under any
+            layout (`checkpointing.py`).
         process_group_backend: ``"gloo"`` or ``"nccl"``; chosen from the device when None.
     """
 
@@ -82,10 +89,15 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
         pp_split: Sequence[str] | None = None,
         cp_shard_keys: Sequence[str] | None = None,
         init_on_meta: bool = True,
-        timeout: timedelta = timedelta(minutes=10),
+        timeout: timedelta | float = timedelta(minutes=5),
+        init_timeout: timedelta | float = timedelta(minutes=20),
+        heartbeat_timeout: timedelta | float | None = timedelta(seconds=60),
         process_group_backend: str | None = None,
     ) -> None:
-        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend, timeout=timeout)
+        timeout, init_timeout, heartbeat_timeout = check_timeouts(timeout, init_timeout, heartbeat_timeout)
+        super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
+                         timeout=init_timeout)
+        self._step_timeout, self._init_timeout, self._heartbeat_timeout = timeout, init_timeout, heartbeat_timeout
         self._sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
         ParallelDims.check_sizes(self._sizes)
         self.config = ParallelConfig(
@@ -158,9 +170,15 @@ class NDParallel(PipelineSteps, ModelParallelStrategy):
             log.addHandler(logging.StreamHandler())
             log.setLevel(logging.INFO)
         self._nd_mesh = build_mesh(self.dims, self.root_device.type)
+        self._start_watchdog()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._nd_mesh
         rank_zero_info(f"lightning-nd mesh {self.dims.as_dict()}\n{self.dims.rank_table()}")
+
+    @override
+    def teardown(self) -> None:
+        self._stop_watchdog()
+        super().teardown()
 
     @property
     @override

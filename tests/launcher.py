@@ -26,11 +26,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(target: str, world_size: int, out_dir: Path, timeout: float = 600, **kwargs: Any) -> list[Any]:
-    """Run ``target`` ("module:function") with ``kwargs`` on ``world_size`` ranks; returns each rank's result.
-
-    Raises with every rank's output tail when a rank fails or the run exceeds ``timeout`` seconds.
-    """
+def start(target: str, world_size: int, out_dir: Path, **kwargs: Any) -> list[tuple[subprocess.Popen, Any]]:
+    """Start ``world_size`` ranks of ``target``; each rank's output goes to ``out_dir/rank<r>.log``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
     procs = []
@@ -44,6 +41,15 @@ def launch(target: str, world_size: int, out_dir: Path, timeout: float = 600, **
         log = open(out_dir / f"rank{rank}.log", "w")
         cmd = [sys.executable, "-m", "tests.worker", target, json.dumps(kwargs), str(out_dir)]
         procs.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log))
+    return procs
+
+
+def launch(target: str, world_size: int, out_dir: Path, timeout: float = 600, **kwargs: Any) -> list[Any]:
+    """Run ``target`` ("module:function") with ``kwargs`` on ``world_size`` ranks; returns each rank's result.
+
+    Raises with every rank's output tail when a rank fails or the run exceeds ``timeout`` seconds.
+    """
+    procs = start(target, world_size, out_dir, **kwargs)
     first, failed = _wait_all([proc for proc, _ in procs], timeout)
     for _, log in procs:
         log.close()

@@ -1,0 +1,12 @@
+"""Checkpoints that survive layout changes and failures (sharded DCP folders, one-file exports).
+
+`NDParallel` saves and loads through these when Lightning asks (``ModelCheckpoint``,
+``Trainer(ckpt_path=...)``); ``python -m lightning_nd.checkpoint`` inspects, verifies and exports.
+"""
+
+from lightning_nd.checkpoint.files import CheckpointError, is_complete, latest_checkpoint
+from lightning_nd.checkpoint.full import export, load_full, read_sharded
+from lightning_nd.checkpoint.sharded import load_sharded, save_sharded
+
+__all__ = ["CheckpointError", "export", "is_complete", "latest_checkpoint", "load_full", "load_sharded",
+           "read_sharded", "save_sharded"]

@@ -1,0 +1,59 @@
+"""Inspect, verify and export lightning-nd checkpoints without starting any process group.
+
+    python -m lightning_nd.checkpoint export CKPT OUT [--format torch|safetensors] [--module model]
+    python -m lightning_nd.checkpoint verify CKPT
+    python -m lightning_nd.checkpoint latest DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lightning_nd.checkpoint.files import CheckpointError, latest_checkpoint, problems, read_manifest
+from lightning_nd.checkpoint.full import export
+
+
+def _progress(message: str) -> None:
+    print(f"[lightning_nd.checkpoint] {message}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lightning_nd.checkpoint", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_file = commands.add_parser("export", help="a sharded checkpoint folder -> one file of whole tensors")
+    to_file.add_argument("ckpt", type=Path, help="checkpoint folder written by NDParallel")
+    to_file.add_argument("out", type=Path, help="file to write")
+    to_file.add_argument("--format", choices=("torch", "safetensors"), default=None,
+                         help="default: safetensors for a .safetensors OUT, else torch (a Lightning checkpoint)")
+    to_file.add_argument("--module", default=None,
+                         help="keep only this attribute's weights, without its prefix (e.g. `model` for Hugging Face)")
+    check = commands.add_parser("verify", help="every file present, at its size and checksum")
+    check.add_argument("ckpt", type=Path)
+    newest = commands.add_parser("latest", help="print the newest complete checkpoint in a folder")
+    newest.add_argument("folder", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "export":
+            fmt = args.format or ("safetensors" if args.out.suffix == ".safetensors" else "torch")
+            print(export(args.ckpt, args.out, fmt, module=args.module, progress=_progress))
+        elif args.command == "verify":
+            manifest = read_manifest(args.ckpt)
+            if found := problems(args.ckpt, manifest):
+                raise CheckpointError(f"`{args.ckpt}`: " + "; ".join(found))
+            print(f"{args.ckpt}: complete, {len(manifest['files'])} files, step {manifest.get('global_step')},"
+                  f" layout {manifest.get('layout')} on {manifest.get('world_size')} ranks")
+        else:
+            found = latest_checkpoint(args.folder)
+            if found is None:
+                raise CheckpointError(f"No complete checkpoint in `{args.folder}`.")
+            print(found)
+    except (CheckpointError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

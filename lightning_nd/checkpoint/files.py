@@ -1,0 +1,125 @@
+"""A checkpoint on disk: a folder that appears whole or not at all, and says what it must contain.
+
+Every rank writes into ``.<name>.partial`` next to the final path. Once all have written, rank 0
+writes the manifest (each file, who wrote it, its size and CRC32) and renames the folder into place.
+A save cut short leaves only the hidden ``.partial`` folder, which no search for checkpoints matches,
+and a folder without a manifest, or whose files disagree with it, is refused with the missing piece named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "lightning_nd.json"
+META = "meta.pt"
+DCP_METADATA = ".metadata"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded: incomplete, truncated, corrupt, or from another model."""
+
+
+def staging_path(path: Path) -> Path:
+    return path.parent / f".{path.name}.partial"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-{rank}.pt"
+
+
+def crc32(path: Path, chunk: int = 1 << 22) -> int:
+    value = 0
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            value = zlib.crc32(block, value)
+    return value
+
+
+def own_files(folder: Path, rank: int) -> dict[str, dict[str, int]]:
+    """The files ``rank`` wrote into ``folder`` (its DCP shards, its RNG states; rank 0 also the metadata)."""
+    names = [p.name for p in folder.iterdir() if p.name.startswith(f"__{rank}_")] + [rng_file(rank)]
+    if rank == 0:
+        names += [DCP_METADATA, META]
+    return {name: {"rank": rank, "bytes": (folder / name).stat().st_size, "crc32": crc32(folder / name)}
+            for name in sorted(names)}
+
+
+def commit(staging: Path, path: Path, files: dict[str, dict[str, int]], info: dict[str, Any]) -> None:
+    """Rank 0, once every rank has written: the manifest last, then the folder into place."""
+    manifest = {"format": FORMAT_VERSION, "saved_at": time.time(), "files": files, **info}
+    with open(staging / MANIFEST, "w") as handle:
+        json.dump(manifest, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():  # saving over a checkpoint (``last.ckpt``): the old one leaves only once the new one is whole
+        old = path.parent / f".{path.name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+        staging.rename(path)
+        shutil.rmtree(old)
+        return
+    staging.rename(path)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise CheckpointError(f"There is no checkpoint at `{path}`.")
+    if not path.is_dir():
+        raise CheckpointError(f"`{path}` is a file, not a sharded lightning-nd checkpoint folder.")
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        raise CheckpointError(
+            f"`{path}` has no `{MANIFEST}`: its save never finished (a rank died or the job was stopped while"
+            " writing), or it was not written by lightning-nd. HINT: resume from an older checkpoint."
+        )
+    try:
+        return json.loads(manifest_path.read_text())
+    except ValueError as error:
+        raise CheckpointError(f"`{manifest_path}` is corrupt ({error}). HINT: resume from an older checkpoint.") from None
+
+
+def problems(path: Path, manifest: dict[str, Any], names: list[str] | None = None, checksum: bool = True) -> list[str]:
+    """What is wrong with the files (``names``, default all) the manifest lists: missing, truncated, corrupt."""
+    found = []
+    for name in names if names is not None else sorted(manifest["files"]):
+        entry, file = manifest["files"][name], path / name
+        writer = f"written by rank {entry['rank']}"
+        if not file.exists():
+            found.append(f"`{name}` ({writer}) is missing")
+        elif (size := file.stat().st_size) != entry["bytes"]:
+            found.append(f"`{name}` ({writer}) has {size} bytes, {entry['bytes']} were written (truncated)")
+        elif checksum and crc32(file) != entry["crc32"]:
+            found.append(f"`{name}` ({writer}) does not match its checksum (corrupt)")
+    return found
+
+
+def raise_problems(path: Path, found: list[str]) -> None:
+    if found:
+        raise CheckpointError(f"Checkpoint `{path}` cannot be loaded: " + "; ".join(found)
+                              + ". HINT: resume from an older checkpoint.")
+
+
+def is_complete(path: Path) -> bool:
+    """Whole as far as a quick look tells: a manifest, and every file it lists present at its size."""
+    try:
+        return not problems(path, read_manifest(path), checksum=False)
+    except CheckpointError:
+        return False
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The newest complete lightning-nd checkpoint in ``folder`` (by save time), or None."""
+    found = []
+    for path in Path(folder).iterdir():
+        if not path.name.startswith(".") and path.is_dir() and is_complete(path):
+            found.append((read_manifest(path)["saved_at"], path))
+    return max(found)[1] if found else None

@@ -1,0 +1,101 @@
+"""Layout-independent state: what a rank holds, under the names of the whole, unsplit model.
+
+FSDP, TP and EP keep parameter names (their shards are DTensors that know their place in the whole
+tensor). Pipeline parallelism moves the model into ``<attribute>.stages.<i>.module.``; these names
+are mapped back, so a checkpoint saved under one pipeline layout loads under any other, or none.
+Optimizer state is keyed by the same names (never by position), with each group's hyperparameters
+kept apart from its parameter list (the list differs between pipeline ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_nd.parallel.pipeline import PipelineStages
+
+
+class Names:
+    """Local (this rank's module) names <-> names in the whole model, for one LightningModule."""
+
+    def __init__(self, stage_attribute: str | None = None) -> None:
+        self._prefix = f"{stage_attribute}." if stage_attribute else None
+
+    def original(self, name: str) -> str:
+        if self._prefix is None or not name.startswith(self._prefix):
+            return name
+        return self._prefix + PipelineStages.original_name(name[len(self._prefix):])
+
+    def by_original(self, local: Iterable[str]) -> dict[str, list[str]]:
+        """Each whole-model name and the local names holding it (two stages of one rank may share a buffer)."""
+        grouped: dict[str, list[str]] = {}
+        for name in local:
+            grouped.setdefault(self.original(name), []).append(name)
+        return grouped
+
+
+def model_state(model: nn.Module, names: Names) -> dict[str, Tensor]:
+    """The model's tensors (DTensor shards, no copies) under whole-model names."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    local = get_model_state_dict(model)
+    return {original: local[owners[0]] for original, owners in names.by_original(local).items()}
+
+
+def set_model_state(model: nn.Module, names: Names, state: Mapping[str, Tensor]) -> None:
+    """Put ``state`` (whole-model names, tensors shaped like this rank's own) into the model."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    local = get_local_names(model)
+    set_model_state_dict(model, {name: state[names.original(name)] for name in local})
+
+
+def get_local_names(model: nn.Module) -> list[str]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return list(get_model_state_dict(model))
+
+
+def optimizer_state(model: nn.Module, optimizer: Optimizer, names: Names) -> dict[str, Any]:
+    """``{"state": {name: {...}}, "param_groups": [hyperparameters]}``; state is created if the optimizer
+    has not stepped yet (so its shapes are known when loading)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    local = get_optimizer_state_dict(model, optimizer)
+    return {
+        "state": {names.original(name): value for name, value in local["state"].items()},
+        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in local["param_groups"]],
+    }
+
+
+def group_names(model: nn.Module, optimizer: Optimizer, names: Names) -> list[list[str]]:
+    """The whole-model names of each group's parameters on this rank, in the optimizer's order."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    return [[names.original(name) for name in group["params"]] for group in groups]
+
+
+def set_optimizer_state(model: nn.Module, optimizer: Optimizer, names: Names, state: Mapping[str, Any],
+                        full: bool = False) -> None:
+    """Load ``state`` (as `optimizer_state` returns it, whole tensors when ``full``) into the optimizer."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    local_groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    if len(local_groups) != len(state["param_groups"]):
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this one has"
+            f" {len(local_groups)}. HINT: `configure_optimizers` must build the same groups as the run that saved it."
+        )
+    local_state = {name: state["state"][names.original(name)]
+                   for group in local_groups for name in group["params"] if names.original(name) in state["state"]}
+    groups = [{**saved, "params": group["params"]} for saved, group in zip(state["param_groups"], local_groups)]
+    set_optimizer_state_dict(model, optimizer, {"state": local_state, "param_groups": groups},
+                             options=StateDictOptions(full_state_dict=full))

@@ -1,0 +1,94 @@
+"""Where in the data a checkpoint was saved, and resuming there.
+
+Lightning restores its loop counters but restarts an ordinary ``DataLoader`` at the start of the epoch,
+so a run resumed mid-epoch would train on the epoch's first batches twice and never see its last
+ones. The training loader is wrapped to skip (read, not train) the batches already trained.
+
+With Lightning's ``DistributedSampler``, step ``i`` of an epoch takes positions ``[i*G, (i+1)*G)`` of
+one permutation of the dataset, for any number of batch ranks (``G`` = samples per step over all
+batch ranks). So the same ``G`` resumes with the same samples per step, whatever the layout; another
+``G`` cannot, and the log says how far off it is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+log = logging.getLogger("lightning_nd")
+
+
+@dataclass
+class DataPosition:
+    epoch: int
+    batches: int  # batches of the epoch whose step ran
+    global_batch: int | None  # samples per batch over all batch ranks (None: the loader has no batch_size)
+
+    @classmethod
+    def of(cls, trainer: Any, batch_ranks: int) -> DataPosition:
+        per_rank = getattr(trainer.train_dataloader, "batch_size", None)
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        return cls(trainer.current_epoch, progress.processed, per_rank * batch_ranks if per_rank else None)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> DataPosition:
+        return cls(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class SkippingLoader:
+    """A training loader whose next pass starts ``skip`` batches in; everything else is the loader's."""
+
+    def __init__(self, loader: Any, skip: int) -> None:
+        self.loader, self.skip = loader, skip
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.loader)
+        skip, self.skip = self.skip, 0
+        for done in range(skip):
+            next(iterator)
+            if (done + 1) % 1000 == 0:
+                log.info(f"lightning-nd: skipped {done + 1}/{skip} batches already trained")
+        return iterator
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def resume_loader(loader: Any, position: DataPosition, batch_ranks: int, trainer: Any) -> Any:
+    """``loader`` for the epoch a run resumes in: skipping what ``position`` says was trained."""
+    length = len(loader) if hasattr(loader, "__len__") else None
+    if trainer.current_epoch != position.epoch or position.batches == 0 or position.batches == length:
+        return loader  # saved at an epoch's end: the next epoch starts from its beginning anyway
+    if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
+        return loader  # a stateful loader: Lightning restores its position itself
+    per_rank = getattr(loader, "batch_size", None)
+    global_batch = per_rank * batch_ranks if per_rank else None
+    skip = position.batches
+    if global_batch is None or position.global_batch is None:
+        log.warning(f"lightning-nd: resuming epoch {position.epoch} after {skip} batches; the loader has no"
+                    " `batch_size`, so the samples skipped are counted in batches, not checked.")
+    elif global_batch != position.global_batch:
+        seen = position.batches * position.global_batch
+        skip = seen // global_batch
+        log.warning(
+            f"lightning-nd: the data order of epoch {position.epoch} cannot be preserved. The checkpoint was saved"
+            f" after {position.batches} batches of {position.global_batch} samples ({seen} samples); this run takes"
+            f" {global_batch} samples per batch ({batch_ranks} batch ranks x {per_rank}), so it skips {skip} batches"
+            f" ({skip * global_batch} samples) and {seen - skip * global_batch} samples are trained twice. Later"
+            " epochs are as an uninterrupted run at this batch size. HINT: keep batch ranks x batch_size at"
+            f" {position.global_batch} to resume exactly."
+        )
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        progress.ready = progress.started = progress.processed = progress.completed = skip
+    log.info(f"lightning-nd: resuming epoch {position.epoch} at batch {skip}: skipping the {skip} batches already trained")
+    return SkippingLoader(loader, skip)

@@ -1,0 +1,107 @@
+"""Dead-rank detection: heartbeats through the rendezvous store, so that when one rank dies the others
+stop within seconds, saying which rank, instead of hanging until the process-group timeout.
+
+Every rank bumps its own counter each ``interval``; rank r watches rank r+1 (so the store sees a few
+requests per rank per interval, whatever the world size). A counter that stops for ``dead_after``
+while its rank has not finished is a death: the watcher posts a verdict, and every rank that reads
+it prints it and exits 1. A rank that raises posts its own failure; the others exit if they have not
+failed by themselves ``dead_after`` later. No clocks are compared between machines.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+_runs = itertools.count()  # every rank starts its watchdogs in the same order: the same key prefix
+
+
+class RankWatchdog:
+    def __init__(self, store, rank: int, world_size: int, dead_after: float, interval: float = 1.0,
+                 hint: Callable[[], str] = lambda: "") -> None:
+        import torch.distributed as dist
+
+        self.store = dist.PrefixStore(f"lightning_nd/watchdog/{next(_runs)}/", store)
+        self.rank, self.world_size, self.dead_after, self.interval, self.hint = rank, world_size, dead_after, interval, hint
+        self.peer = (rank + 1) % world_size
+        self._stop = threading.Event()
+        self._lock, self._announced = threading.Lock(), False
+        self._thread = threading.Thread(target=self._run, name="lightning-nd-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self.store.add(f"beat/{self.rank}", 1)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """This rank finished normally: its silence from now on is no death."""
+        self._stop.set()
+        self._thread.join()
+        try:
+            self.store.set(f"done/{self.rank}", "1")
+        except Exception:  # the store is gone with a rank that finished first: nobody is left to watch
+            pass
+
+    def report_failure(self, reason: str) -> None:
+        self._post(self.rank, f"failed: {reason}")
+
+    def verdict(self) -> tuple[int, str] | None:
+        if not self.store.check(["verdict"]):
+            return None
+        rank, _, reason = self.store.get("verdict").decode().partition("|")
+        return (int(rank), reason) if reason else None
+
+    def wait_for_verdict(self, seconds: float) -> tuple[int, str] | None:
+        deadline = time.monotonic() + seconds
+        try:
+            while (found := self.verdict()) is None and time.monotonic() < deadline:
+                time.sleep(self.interval / 4)
+        except Exception as error:
+            return 0, f"died or is unreachable: the rendezvous store does not answer ({error})"
+        return found
+
+    def announce(self, rank: int, reason: str) -> None:
+        """Print the verdict once (the watchdog thread and the failing step may both get to it)."""
+        with self._lock:
+            if not self._announced:
+                self._announced = True
+                print(f"lightning-nd: rank {rank} {reason}. Rank {self.rank} stops too (exit 1) rather than wait for"
+                      f" the process-group timeout.{self.hint()}", file=sys.stderr, flush=True)
+
+    def _post(self, rank: int, reason: str) -> None:
+        self.store.compare_set("verdict", "", f"{rank}|{reason}")  # the first verdict stands
+
+    def _run(self) -> None:
+        last_count, last_change, unreachable_since, failure_seen = -1, time.monotonic(), None, None
+        while not self._stop.wait(self.interval):
+            now = time.monotonic()
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                if self.world_size > 1:
+                    count = self.store.add(f"beat/{self.peer}", 0)
+                    if count != last_count:
+                        last_count, last_change = count, now
+                    elif now - last_change > self.dead_after and not self.store.check([f"done/{self.peer}"]):
+                        self._post(self.peer, f"died: no heartbeat for {now - last_change:.0f} s (killed, crashed or out of memory)")
+                found = self.verdict()
+                unreachable_since = None
+            except Exception as error:  # the store's host (rank 0's process, unless torchrun holds it) is gone
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since <= self.dead_after:
+                    continue
+                found = (0, f"died or is unreachable: the rendezvous store does not answer ({error})")
+            if found is None or self._stop.is_set():
+                continue
+            rank, reason = found
+            if reason.startswith("failed") and rank != self.rank:
+                failure_seen = failure_seen or now  # give this rank time to fail (and report) by itself
+                if now - failure_seen <= self.dead_after:
+                    continue
+            if rank != self.rank:
+                self.announce(rank, reason)
+                if self.rank == 0:  # rank 0's process usually hosts the store: let the others read the verdict
+                    time.sleep(3 * self.interval)
+                os._exit(1)

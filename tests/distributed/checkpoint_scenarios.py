@@ -1,0 +1,149 @@
+"""Checkpoint scenarios run on every rank: train with checkpoints, resume on the same and on other
+layouts, load one-file exports, and die on purpose (`test_checkpoint.py`, `test_failures.py`).
+
+One epoch is 4 steps of 8 samples; the checkpoint at step 3 is mid-epoch, so resuming from it must
+also skip the batch already trained and cross into epoch 1 with the sampler's new order.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from examples.data import TokenDataModule
+from examples.lit import CausalLM
+from lightning_nd import NDParallel
+from lightning_nd.parallel.pipeline import PipelineStages
+from tests.distributed.parity import LossRecorder
+from tests.models import VOCAB, build
+
+SEQ_LEN = 16
+GLOBAL_BATCH = 8
+STEPS_PER_EPOCH = 4
+STEPS = 6
+SAVE_EVERY = 3
+WORLD = int(os.environ.get("WORLD_SIZE", 1))  # read at import: Lightning's teardown unsets it
+
+
+class StateAt(Callback):
+    """Whole parameters (whole-model names) when training starts (what was loaded) and after step ``step``."""
+
+    def __init__(self, step: int | None = None) -> None:
+        self.step, self.loaded, self.after = step, {}, {}
+
+    @staticmethod
+    def _params(module) -> dict[str, torch.Tensor]:
+        return {PipelineStages.original_name(n): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                for n, p in module.model.named_parameters()}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.loaded = self._params(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            self.after = self._params(pl_module)
+
+
+class DieAt(Callback):
+    """SIGKILL rank ``rank`` as step ``step`` starts; the time of death goes to ``stamp``."""
+
+    def __init__(self, rank: int, step: int, stamp: str) -> None:
+        self.rank, self.step, self.stamp = rank, step, stamp
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            Path(self.stamp).write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fit(layout: dict[str, Any], max_steps: int, ckpt_dir: str | None = None, ckpt_path: str | None = None,
+        callbacks: list[Callback] = (), seed: int = 0, every: int = SAVE_EVERY, **strategy: Any) -> dict[str, Any]:
+    recorder, state = LossRecorder(), StateAt(step=SAVE_EVERY)
+    checkpoints = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every,
+                                   save_top_k=-1, save_last="link", filename="{step}")] if ckpt_dir else []
+    trainer = Trainer(
+        strategy=NDParallel(**layout, **strategy), accelerator="cpu", devices=WORLD, max_steps=max_steps,
+        callbacks=[recorder, state, *checkpoints, *callbacks], logger=False, enable_checkpointing=bool(ckpt_dir),
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )
+    dp = trainer.strategy.dims.batch_size_multiplier
+    data = TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=GLOBAL_BATCH * STEPS_PER_EPOCH,
+                           batch_size=GLOBAL_BATCH // dp)
+    torch.manual_seed(seed)
+    module = CausalLM(model=build("llama"), lr=1e-3)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return {"losses": recorder.losses, "loaded": state.loaded, "after": state.after,
+            "epoch": trainer.current_epoch, "step": trainer.global_step}
+
+
+def resume_and_reshard(ckpt_dir: str, layouts: dict[str, dict[str, Any]], export_to: str) -> dict[str, Any]:
+    """Train 6 steps saving at 3 and 6; resume from step 3 on the same layout to step 6, and on each of
+    ``layouts`` (from the folder, and ``full_*`` from a one-file export) for one step."""
+    from lightning_nd.checkpoint import export
+
+    base = {"dp_shard": 2, "tp": 2}
+    results = {"uninterrupted": fit(base, STEPS, ckpt_dir=ckpt_dir)}
+    step3 = str(Path(ckpt_dir) / f"step={SAVE_EVERY}.ckpt")
+    results["same_layout"] = fit(base, STEPS, ckpt_path=step3, seed=1)
+    if dist.get_rank() == 0:
+        export(Path(step3), Path(export_to))
+    dist.barrier()
+    for name, layout in layouts.items():
+        source = export_to if name.startswith("full_") else step3
+        results[name] = fit(layout, SAVE_EVERY + 1, ckpt_path=source, seed=1)
+    return results
+
+
+def probe_tokens() -> torch.Tensor:
+    return torch.randint(VOCAB, (2, SEQ_LEN), generator=torch.Generator().manual_seed(7))
+
+
+def logits_after_loading(ckpt_path: str) -> torch.Tensor:
+    """One process: load ``ckpt_path`` through `Trainer.validate` under NDParallel, return its logits on the probe."""
+    trainer = Trainer(strategy=NDParallel(), accelerator="cpu", devices=WORLD, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=1)
+    data = TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=GLOBAL_BATCH, batch_size=GLOBAL_BATCH)
+    torch.manual_seed(1)
+    module = CausalLM(model=build("llama"), lr=1e-3)
+    trainer.validate(module, datamodule=data, ckpt_path=ckpt_path, verbose=False)
+    with torch.no_grad():
+        return module(probe_tokens())
+
+
+FAST_FAILURE = {"heartbeat_timeout": 5, "timeout": 30}  # seconds; the test allows timeout + 30 s
+
+
+def die_mid_step(ckpt_dir: str, stamp: str, rank: int, step: int) -> dict[str, Any]:
+    """4 ranks, a checkpoint every step; ``rank`` is SIGKILLed as step ``step + 1`` starts."""
+    return fit({"dp_shard": 4}, STEPS, ckpt_dir=ckpt_dir, every=1, callbacks=[DieAt(rank, step, stamp)], **FAST_FAILURE)
+
+
+def die_mid_save(ckpt_dir: str, stamp: str, rank: int, step: int) -> dict[str, Any]:
+    """4 ranks, a checkpoint every step; ``rank`` is SIGKILLed after writing its shards of step ``step``,
+    before the checkpoint is committed."""
+    from lightning_nd.checkpoint import files
+
+    own_files = files.own_files
+
+    def dying(folder: Path, writer: int) -> dict[str, dict[str, int]]:
+        if writer == rank and folder.name == f".step={step}.ckpt.partial":
+            Path(stamp).write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return own_files(folder, writer)
+
+    files.own_files = dying
+    return fit({"dp_shard": 4}, STEPS, ckpt_dir=ckpt_dir, every=1, **FAST_FAILURE)
+
+
+def resume_last(ckpt_dir: str, fresh_dir: str) -> dict[str, Any]:
+    """Resume from ``last`` in ``ckpt_dir`` to the end; and the same run uninterrupted, for comparison."""
+    return {"resumed": fit({"dp_shard": 4}, STEPS, ckpt_dir=ckpt_dir, ckpt_path="last", every=1, seed=1),
+            "uninterrupted": fit({"dp_shard": 4}, STEPS, ckpt_dir=fresh_dir, every=1)}
