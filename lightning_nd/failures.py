@@ -93,8 +93,10 @@ class FailureHandling:
             self._watchdog.report_failure(text.splitlines()[0][:300] if text else type(exception).__name__)
         super().on_exception(exception)
 
-    def _stop_watchdog(self) -> None:
+    def teardown(self) -> None:
         if self._watchdog is not None:
             if not self._failed:
                 self._watchdog.stop()
+                self.barrier()  # no rank leaves (perhaps taking the store with it) while another still watches
             self._watchdog = None
+        super().teardown()

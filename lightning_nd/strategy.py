@@ -175,11 +175,6 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
         self.lightning_module._device_mesh = self._nd_mesh
         rank_zero_info(f"lightning-nd mesh {self.dims.as_dict()}\n{self.dims.rank_table()}")
 
-    @override
-    def teardown(self) -> None:
-        self._stop_watchdog()
-        super().teardown()
-
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

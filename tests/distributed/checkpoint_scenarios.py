@@ -65,7 +65,8 @@ class DieAt(Callback):
 
 
 def fit(layout: dict[str, Any], max_steps: int, ckpt_dir: str | None = None, ckpt_path: str | None = None,
-        callbacks: list[Callback] = (), seed: int = 0, every: int = SAVE_EVERY, **strategy: Any) -> dict[str, Any]:
+        callbacks: list[Callback] = (), seed: int = 0, every: int = SAVE_EVERY, model: str = "llama",
+        **strategy: Any) -> dict[str, Any]:
     recorder, state = LossRecorder(), StateAt(step=SAVE_EVERY)
     checkpoints = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every,
                                    save_top_k=-1, save_last="link", filename="{step}")] if ckpt_dir else []
@@ -77,28 +78,27 @@ def fit(layout: dict[str, Any], max_steps: int, ckpt_dir: str | None = None, ckp
     dp = trainer.strategy.dims.batch_size_multiplier
     data = TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=GLOBAL_BATCH * STEPS_PER_EPOCH,
                            batch_size=GLOBAL_BATCH // dp)
-    torch.manual_seed(seed)
-    module = CausalLM(model=build("llama"), lr=1e-3)
+    module = CausalLM(model=build(model, seed), lr=1e-3)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return {"losses": recorder.losses, "loaded": state.loaded, "after": state.after,
             "epoch": trainer.current_epoch, "step": trainer.global_step}
 
 
-def resume_and_reshard(ckpt_dir: str, layouts: dict[str, dict[str, Any]], export_to: str) -> dict[str, Any]:
-    """Train 6 steps saving at 3 and 6; resume from step 3 on the same layout to step 6, and on each of
-    ``layouts`` (from the folder, and ``full_*`` from a one-file export) for one step."""
+def resume_and_reshard(ckpt_dir: str, base: dict[str, Any], layouts: dict[str, dict[str, Any]], export_to: str,
+                       model: str = "llama") -> dict[str, Any]:
+    """Train 6 steps on ``base`` saving at 3 and 6; resume from step 3 on the same layout to step 6, and on
+    each of ``layouts`` (from the folder, and ``full_*`` from a one-file export) for one step."""
     from lightning_nd.checkpoint import export
 
-    base = {"dp_shard": 2, "tp": 2}
-    results = {"uninterrupted": fit(base, STEPS, ckpt_dir=ckpt_dir)}
+    results = {"uninterrupted": fit(base, STEPS, ckpt_dir=ckpt_dir, model=model)}
     step3 = str(Path(ckpt_dir) / f"step={SAVE_EVERY}.ckpt")
-    results["same_layout"] = fit(base, STEPS, ckpt_path=step3, seed=1)
+    results["same_layout"] = fit(base, STEPS, ckpt_path=step3, seed=1, model=model)
     if dist.get_rank() == 0:
         export(Path(step3), Path(export_to))
     dist.barrier()
     for name, layout in layouts.items():
         source = export_to if name.startswith("full_") else step3
-        results[name] = fit(layout, SAVE_EVERY + 1, ckpt_path=source, seed=1)
+        results[name] = fit(layout, SAVE_EVERY + 1, ckpt_path=source, seed=1, model=model)
     return results
 
 
@@ -106,8 +106,21 @@ def probe_tokens() -> torch.Tensor:
     return torch.randint(VOCAB, (2, SEQ_LEN), generator=torch.Generator().manual_seed(7))
 
 
+def one_process(sharded: str, full: str, truncated: str) -> dict[str, Any]:
+    """One process under NDParallel: logits on the probe after loading the folder and the one-file export;
+    the error loading a truncated copy."""
+    from lightning_nd.checkpoint import CheckpointError
+
+    result = {"sharded": logits_after_loading(sharded), "full": logits_after_loading(full)}
+    try:
+        logits_after_loading(truncated)
+    except CheckpointError as error:
+        result["truncated_error"] = str(error)
+    return result
+
+
 def logits_after_loading(ckpt_path: str) -> torch.Tensor:
-    """One process: load ``ckpt_path`` through `Trainer.validate` under NDParallel, return its logits on the probe."""
+    """Load ``ckpt_path`` through `Trainer.validate` under NDParallel, return the logits on the probe."""
     trainer = Trainer(strategy=NDParallel(), accelerator="cpu", devices=WORLD, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=1)
     data = TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=GLOBAL_BATCH, batch_size=GLOBAL_BATCH)

@@ -1,0 +1,136 @@
+"""Checkpoints: resume on the same layout continues the loss curve bit for bit (mid-epoch, so the data
+position matters); resharded to other layouts (dp, tp, pp x dp, cp x dp, experts over other ep) the
+loaded parameters are the saved ones and the next step's loss matches; a one-file export loads into
+other layouts, into one process (the same outputs as the folder) and into a plain Lightning run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from examples.data import TokenDataModule
+from examples.lit import CausalLM, logits_of
+from lightning_nd.checkpoint import latest_checkpoint, read_sharded
+from tests.distributed.checkpoint_scenarios import GLOBAL_BATCH, SAVE_EVERY, SEQ_LEN, STEPS, probe_tokens
+from tests.launcher import REPO, launch
+from tests.models import VOCAB, build
+
+DENSE = {
+    "dp4": {"dp_shard": 4}, "tp4": {"dp_shard": 1, "tp": 4}, "pp2_dp2": {"pp": 2, "dp_shard": 2},
+    "cp2_dp2": {"cp": 2, "dp_shard": 2}, "full_pp2_tp2": {"pp": 2, "dp_shard": 1, "tp": 2},
+    "full_dp2_tp2_sp": {"dp_shard": 2, "tp": 2, "sequence_parallel": True},
+}
+MOE = {"ep2_dp4": {"dp_shard": 4, "ep": 2}, "dp4": {"dp_shard": 4}, "full_ep4_dp4": {"dp_shard": 4, "ep": 4}}
+LAUNCHES = {"dense": ("llama", {"dp_shard": 2, "tp": 2}, DENSE), "moe": ("moe_llama", {"dp_shard": 4, "ep": 4}, MOE)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    done = {}
+
+    def run(name: str):
+        if name not in done:
+            model, base, layouts = LAUNCHES[name]
+            root = tmp_path_factory.mktemp(f"ckpt_{name}")
+            results = launch("tests.distributed.checkpoint_scenarios:resume_and_reshard", 4, root / "out", timeout=900,
+                             ckpt_dir=str(root / "ckpt"), base=base, layouts=layouts, export_to=str(root / "full.ckpt"),
+                             model=model)
+            done[name] = (root, results)
+        return done[name]
+
+    return run
+
+
+def _merged(results: list, run: str, what: str) -> dict[str, torch.Tensor]:
+    """Whole parameters by name over ranks (a pipeline rank holds its stages' only)."""
+    merged: dict[str, torch.Tensor] = {}
+    for rank_result in results:
+        merged.update(rank_result[run][what])
+    return merged
+
+
+@pytest.mark.parametrize("name", ["dense", "moe"])
+def test_resume_on_the_same_layout_continues_the_loss_curve_exactly(runs, name):
+    _, results = runs(name)
+    uninterrupted, resumed = results[0]["uninterrupted"], results[0]["same_layout"]
+    assert len(uninterrupted["losses"]) == STEPS and len(resumed["losses"]) == STEPS - SAVE_EVERY
+    assert resumed["losses"] == uninterrupted["losses"][SAVE_EVERY:]  # bit for bit: weights, Adam, RNG, data
+    assert resumed["epoch"] == uninterrupted["epoch"] and resumed["step"] == STEPS
+
+
+@pytest.mark.parametrize("name,layout", [(n, layout) for n, (_, _, layouts) in LAUNCHES.items() for layout in layouts])
+def test_resharded_resume_loads_the_saved_weights_and_matches_the_next_step(runs, name, layout):
+    _, results = runs(name)
+    saved, loaded = _merged(results, "uninterrupted", "after"), _merged(results, layout, "loaded")
+    assert loaded.keys() == saved.keys()
+    for key, value in saved.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+    expected = results[0]["uninterrupted"]["losses"][SAVE_EVERY]
+    torch.testing.assert_close(results[0][layout]["losses"], [expected], rtol=1e-6, atol=2e-6)
+
+
+def test_export_cli_loads_into_one_process_with_the_same_outputs(runs, tmp_path):
+    root, results = runs("dense")
+    step3 = root / "ckpt" / f"step={SAVE_EVERY}.ckpt"
+    for out, extra in ((tmp_path / "full.ckpt", []), (tmp_path / "model.safetensors", ["--module", "model"])):
+        done = subprocess.run([sys.executable, "-m", "lightning_nd.checkpoint", "export", str(step3), str(out), *extra],
+                              cwd=REPO, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert "Checking" in done.stderr and "Writing" in done.stderr  # progress shown
+    truncated = tmp_path / "truncated.ckpt"
+    shutil.copytree(step3, truncated)
+    shard = truncated / "__2_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    one = launch("tests.distributed.checkpoint_scenarios:one_process", 1, tmp_path / "out", timeout=300,
+                 sharded=str(step3), full=str(tmp_path / "full.ckpt"), truncated=str(truncated))[0]
+    assert torch.equal(one["sharded"], one["full"])
+    assert "`__2_0.distcp` (written by rank 2) has 100 bytes" in one["truncated_error"]
+
+    from safetensors.torch import load_file
+
+    plain = build("llama", seed=5)
+    plain.load_state_dict(load_file(tmp_path / "model.safetensors"))
+    with torch.no_grad():
+        torch.testing.assert_close(logits_of(plain(probe_tokens())), one["sharded"], rtol=0, atol=0)
+    saved = _merged(results, "uninterrupted", "after")
+    for key, value in torch.load(tmp_path / "full.ckpt", weights_only=False)["state_dict"].items():
+        assert torch.equal(value, saved[key.removeprefix("model.")]), key
+
+
+def test_export_resumes_plain_torch_with_its_optimizer_state(runs):
+    """The export is an ordinary Lightning checkpoint (`torch.optim` state by position): loaded into one
+    plain module and optimizer, the next two steps (the second depends on Adam's moments) match."""
+    root, results = runs("dense")
+    full = torch.load(root / "full.ckpt", weights_only=False)
+    module = CausalLM(model=build("llama", seed=9), lr=1e-3)
+    module.load_state_dict(full["state_dict"])
+    optimizer = module.configure_optimizers()
+    optimizer.load_state_dict(full["optimizer_states"][0])
+    dataset = TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=GLOBAL_BATCH * 4).train_dataloader().dataset
+    # DistributedSampler (seed 0): step i of epoch e takes positions [8i, 8i + 8) of randperm(32, seed e).
+    orders = [torch.randperm(len(dataset), generator=torch.Generator().manual_seed(epoch)).tolist() for epoch in (0, 1)]
+    losses = []
+    for order in (orders[0][24:32], orders[1][0:8]):
+        batch = torch.utils.data.default_collate([dataset[i] for i in order])
+        optimizer.zero_grad()
+        loss = module.loss(batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    expected = results[0]["uninterrupted"]["losses"][SAVE_EVERY:SAVE_EVERY + 2]
+    torch.testing.assert_close(losses, expected, rtol=1e-6, atol=2e-6)
+
+
+def test_latest_complete_checkpoint_and_its_contents(runs):
+    root, _ = runs("dense")
+    latest = latest_checkpoint(root / "ckpt")
+    assert latest is not None and latest.name == f"step={STEPS}.ckpt"
+    whole = read_sharded(latest)
+    assert whole["global_step"] == STEPS and whole["lightning_nd"]["layout"]["tp"] == 2
+    names = whole["lightning_nd"]["param_names"][0][0]
+    assert len(whole["optimizer_states"][0]["state"]) == len(names) == len(whole["state_dict"])

@@ -1,0 +1,104 @@
+"""Checkpoint folders without processes: a complete one verifies, exports and is found newest; a missing
+manifest, a missing, truncated or corrupt file is refused naming the piece; the CLI says the same."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_nd.checkpoint import CheckpointError, export, is_complete, latest_checkpoint, read_sharded
+from lightning_nd.checkpoint import files
+from lightning_nd.checkpoint.__main__ import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def write_checkpoint(path: Path, step: int = 1) -> dict[str, torch.Tensor]:
+    """A one-rank checkpoint written the way `save_sharded` writes it (DCP, RNG, meta, manifest, commit)."""
+    import torch.distributed.checkpoint as dcp
+
+    weights = {"model.w": torch.randn(4, 3), "model.b": torch.randn(3)}
+    optimizer = {"state": {name: {"step": torch.tensor(2.0), "exp_avg": torch.ones_like(w)} for name, w in weights.items()},
+                 "param_groups": [{"lr": 0.1}]}
+    staging = files.staging_path(path)
+    staging.mkdir(parents=True)
+    dcp.save({"model": dict(weights), "optimizer_0": optimizer}, storage_writer=dcp.FileSystemWriter(staging), no_dist=True)
+    torch.save({"torch": torch.get_rng_state()}, staging / files.rng_file(0))
+    meta = {"global_step": step, "lightning_nd": {"layout": {"dp_shard": 1}, "world_size": 1,
+                                                   "param_names": [[["model.w", "model.b"]]]}}
+    torch.save(meta, staging / files.META)
+    files.commit(staging, path, files.own_files(staging, 0), {"world_size": 1, "global_step": step})
+    return weights
+
+
+def test_complete_checkpoint_reads_whole_and_exports(tmp_path):
+    weights = write_checkpoint(tmp_path / "step=1.ckpt")
+    assert is_complete(tmp_path / "step=1.ckpt") and not files.staging_path(tmp_path / "step=1.ckpt").exists()
+    whole = read_sharded(tmp_path / "step=1.ckpt", progress=lambda _: None)
+    for name, value in weights.items():
+        assert torch.equal(whole["state_dict"][name], value)
+    optimizer = whole["optimizer_states"][0]
+    assert optimizer["param_groups"] == [{"lr": 0.1, "params": [0, 1]}] and set(optimizer["state"]) == {0, 1}
+    out = export(tmp_path / "step=1.ckpt", tmp_path / "w.safetensors", "safetensors", module="model", progress=lambda _: None)
+    from safetensors.torch import load_file
+
+    assert set(load_file(out)) == {"w", "b"}
+    with pytest.raises(ValueError, match="HINT: choose one of model"):
+        export(tmp_path / "step=1.ckpt", tmp_path / "x.safetensors", "safetensors", module="net", progress=lambda _: None)
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("manifest", "has no `lightning_nd.json`: its save never finished"),
+    ("missing", "`__0_0.distcp` (written by rank 0) is missing"),
+    ("truncated", "`__0_0.distcp` (written by rank 0) has 10 bytes"),
+    ("corrupt", "`__0_0.distcp` (written by rank 0) does not match its checksum (corrupt)"),
+    ("meta", "`meta.pt` (written by rank 0) is missing"),
+])
+def test_damaged_checkpoint_is_refused_naming_the_piece(tmp_path, capsys, damage, message):
+    path = tmp_path / "step=1.ckpt"
+    write_checkpoint(path)
+    shard = path / "__0_0.distcp"
+    if damage == "manifest":
+        (path / files.MANIFEST).unlink()
+    elif damage == "missing":
+        shard.unlink()
+    elif damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:10])
+    elif damage == "corrupt":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    else:
+        (path / files.META).unlink()
+    with pytest.raises(CheckpointError) as error:
+        read_sharded(path, progress=lambda _: None)
+    assert message in str(error.value) and "HINT" in str(error.value)
+    assert main(["verify", str(path)]) == 1 and message in capsys.readouterr().err
+
+
+def test_latest_skips_half_written_and_damaged_folders(tmp_path, capsys):
+    write_checkpoint(tmp_path / "step=1.ckpt", step=1)
+    time.sleep(0.01)
+    write_checkpoint(tmp_path / "step=2.ckpt", step=2)
+    write_checkpoint(tmp_path / "step=9.ckpt", step=9)
+    (tmp_path / "step=9.ckpt" / "__0_0.distcp").write_bytes(b"cut")  # truncated: not complete
+    partial = files.staging_path(tmp_path / "step=10.ckpt")
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert latest_checkpoint(tmp_path).name == "step=2.ckpt"
+    assert main(["latest", str(tmp_path)]) == 0 and capsys.readouterr().out.strip().endswith("step=2.ckpt")
+    assert latest_checkpoint(tmp_path / "step=9.ckpt") is None
+
+
+def test_saving_over_an_existing_checkpoint_replaces_it_whole(tmp_path):
+    path = tmp_path / "last.ckpt"
+    write_checkpoint(path, step=1)
+    write_checkpoint(path, step=2)
+    assert json.loads((path / files.MANIFEST).read_text())["global_step"] == 2 and is_complete(path)
+    assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
