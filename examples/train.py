@@ -3,9 +3,11 @@
     python examples/train.py parallel=fsdp_tp trainer.devices=4 trainer.max_steps=20
     python examples/train.py parallel=hsdp model=gpt trainer.devices=4
     python examples/train.py -m parallel=fsdp,fsdp_tp,hsdp trainer.devices=4 trainer.max_steps=20
+    python examples/train.py parallel=fsdp trainer.devices=4 ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt
 
 TensorBoard logs land in Hydra's run directory (``outputs/<date>/<time>/tensorboard``):
-``tensorboard --logdir outputs``.
+``tensorboard --logdir outputs``; checkpoints in its ``checkpoints/`` (``last.ckpt`` links the newest), and
+``ckpt_path=`` resumes from one under any layout.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import hydra
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,10 +47,12 @@ def main(cfg: DictConfig) -> float:
     seed_everything(cfg.seed, workers=True)
     strategy = NDParallel.from_config(OmegaConf.to_container(cfg.parallel, resolve=True))
     logger = TensorBoardLogger(save_dir=cfg.log_dir, name="", version="")
+    checkpoints = ModelCheckpoint(**OmegaConf.to_container(cfg.checkpoint, resolve=True))
     trainer = Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy, logger=logger,
-                      callbacks=[LayoutCard()])
+                      callbacks=[LayoutCard(), checkpoints])
     module = CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr)
-    trainer.fit(module, datamodule=TokenDataModule(**OmegaConf.to_container(cfg.data, resolve=True)))
+    trainer.fit(module, datamodule=TokenDataModule(**OmegaConf.to_container(cfg.data, resolve=True)),
+                ckpt_path=cfg.ckpt_path)
     return float(trainer.callback_metrics["train_loss"])
 
 

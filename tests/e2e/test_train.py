@@ -3,6 +3,7 @@ TensorBoard's own event reader."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -112,3 +113,18 @@ def test_bad_override_fails_before_training_with_a_hint(override, message):
     assert done.returncode != 0
     assert message in output and "HINT" in output
     assert "Initializing distributed" not in output, "the error must come before any process group starts"
+
+
+def test_resume_under_another_layout_from_the_command_line(tmp_path):
+    first = run_train_script(["parallel=fsdp_tp", "trainer.devices=4", "trainer.max_steps=4",
+                              "checkpoint.every_n_train_steps=2", f"hydra.run.dir={tmp_path / 'first'}"])
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    assert last.resolve().name == "step=4.ckpt"
+    second = run_train_script(["parallel=fsdp", "trainer.devices=2", "trainer.max_steps=6", f"ckpt_path={last}",
+                               f"hydra.run.dir={tmp_path / 'second'}"])
+    output = second.stdout + second.stderr
+    assert second.returncode == 0, output[-3000:]
+    assert "resharded" in output and "'tp': 2" in output and "Restored all states" in output
+    manifest = json.loads((tmp_path / "second" / "checkpoints" / "last.ckpt" / "lightning_nd.json").read_text())
+    assert manifest["global_step"] == 6 and manifest["layout"]["tp"] == 1
