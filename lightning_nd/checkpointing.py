@@ -30,6 +30,7 @@ class ShardedCheckpoints:
     folder, or one file of whole tensors (an export, or any Lightning checkpoint)."""
 
     _data_position: DataPosition | None = None
+    _pending_rng: dict[str, Any] | None = None
     last_checkpoint: Path | None = None
 
     def _names(self) -> Names:
@@ -74,12 +75,18 @@ class ShardedCheckpoints:
             log.info(f"lightning-nd: resharded `{path}` from {saved['layout']} on {saved['world_size']} ranks to"
                      f" {self.dims.as_dict()} on {self.world_size}")
         if rng is not None:
-            _set_rng_states(rng)
+            self._pending_rng = rng  # set as training resumes: starting the data loader draws from it first
         elif self.lightning_module.trainer.state.fn == "fit":
             log.warning(f"lightning-nd: `{path}` has no random state for {self.world_size} ranks (saved on"
                         f" {saved.get('world_size', '?')}); dropout and sampling continue from this run's seeds.")
         self._data_position = DataPosition.from_dict(saved["data"]) if "data" in saved else None
         return meta
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pending_rng is not None:
+            _set_rng_states(self._pending_rng)
+            self._pending_rng = None
+        return super().training_step(*args, **kwargs)
 
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)

@@ -34,10 +34,14 @@ WORLD = int(os.environ.get("WORLD_SIZE", 1))  # read at import: Lightning's tear
 
 
 class StateAt(Callback):
-    """Whole parameters (whole-model names) when training starts (what was loaded) and after step ``step``."""
+    """Whole parameters (whole-model names) when training starts (what was loaded) and after step ``step``;
+    a number drawn from the global RNG in every step (as dropout would)."""
 
     def __init__(self, step: int | None = None) -> None:
-        self.step, self.loaded, self.after = step, {}, {}
+        self.step, self.loaded, self.after, self.draws = step, {}, {}, {}
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.draws[trainer.global_step + 1] = torch.rand(()).item()
 
     @staticmethod
     def _params(module) -> dict[str, torch.Tensor]:
@@ -80,7 +84,7 @@ def fit(layout: dict[str, Any], max_steps: int, ckpt_dir: str | None = None, ckp
                            batch_size=GLOBAL_BATCH // dp)
     module = CausalLM(model=build(model, seed), lr=1e-3)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
-    return {"losses": recorder.losses, "loaded": state.loaded, "after": state.after,
+    return {"losses": recorder.losses, "loaded": state.loaded, "after": state.after, "draws": state.draws,
             "epoch": trainer.current_epoch, "step": trainer.global_step}
 
 

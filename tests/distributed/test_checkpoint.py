@@ -61,6 +61,9 @@ def test_resume_on_the_same_layout_continues_the_loss_curve_exactly(runs, name):
     assert len(uninterrupted["losses"]) == STEPS and len(resumed["losses"]) == STEPS - SAVE_EVERY
     assert resumed["losses"] == uninterrupted["losses"][SAVE_EVERY:]  # bit for bit: weights, Adam, RNG, data
     assert resumed["epoch"] == uninterrupted["epoch"] and resumed["step"] == STEPS
+    for rank_result in results:  # each rank's random stream continues where it was saved
+        draws = rank_result["uninterrupted"]["draws"]
+        assert rank_result["same_layout"]["draws"] == {step: draws[step] for step in range(SAVE_EVERY + 1, STEPS + 1)}
 
 
 @pytest.mark.parametrize("name,layout", [(n, layout) for n, (_, _, layouts) in LAUNCHES.items() for layout in layouts])
