@@ -89,6 +89,7 @@ class FailureHandling:
                 found = self._watchdog.wait_for_verdict(self._watchdog.dead_after + 3 * self._watchdog.interval)
                 if found is not None and found[0] != self._watchdog.rank:
                     self._watchdog.announce(*found)
+                    self._watchdog.linger()
                     return super().on_exception(exception)
             self._watchdog.report_failure(text.splitlines()[0][:300] if text else type(exception).__name__)
         super().on_exception(exception)

@@ -71,6 +71,11 @@ class RankWatchdog:
                 print(f"lightning-nd: rank {rank} {reason}. Rank {self.rank} stops too (exit 1) rather than wait for"
                       f" the process-group timeout.{self.hint()}", file=sys.stderr, flush=True)
 
+    def linger(self) -> None:
+        """Rank 0's process usually hosts the store: before it exits, give the others time to read the verdict."""
+        if self.rank == 0:
+            time.sleep(5 * self.interval)
+
     def _post(self, rank: int, reason: str) -> None:
         self.store.compare_set("verdict", "", f"{rank}|{reason}")  # the first verdict stands
 
@@ -102,6 +107,5 @@ class RankWatchdog:
                     continue
             if rank != self.rank:
                 self.announce(rank, reason)
-                if self.rank == 0:  # rank 0's process usually hosts the store: let the others read the verdict
-                    time.sleep(3 * self.interval)
+                self.linger()
                 os._exit(1)

@@ -70,7 +70,7 @@ class DieAt(Callback):
 
 def fit(layout: dict[str, Any], max_steps: int, ckpt_dir: str | None = None, ckpt_path: str | None = None,
         callbacks: list[Callback] = (), seed: int = 0, every: int = SAVE_EVERY, model: str = "llama",
-        **strategy: Any) -> dict[str, Any]:
+        save_to: str | None = None, **strategy: Any) -> dict[str, Any]:
     recorder, state = LossRecorder(), StateAt(step=SAVE_EVERY)
     checkpoints = [ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=every,
                                    save_top_k=-1, save_last="link", filename="{step}")] if ckpt_dir else []
@@ -84,6 +84,8 @@ def fit(layout: dict[str, Any], max_steps: int, ckpt_dir: str | None = None, ckp
                            batch_size=GLOBAL_BATCH // dp)
     module = CausalLM(model=build(model, seed), lr=1e-3)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    if save_to:
+        trainer.save_checkpoint(save_to)
     return {"losses": recorder.losses, "loaded": state.loaded, "after": state.after, "draws": state.draws,
             "epoch": trainer.current_epoch, "step": trainer.global_step}
 
@@ -102,7 +104,8 @@ def resume_and_reshard(ckpt_dir: str, base: dict[str, Any], layouts: dict[str, d
     dist.barrier()
     for name, layout in layouts.items():
         source = export_to if name.startswith("full_") else step3
-        results[name] = fit(layout, SAVE_EVERY + 1, ckpt_path=source, seed=1, model=model)
+        save_to = str(Path(ckpt_dir) / f"{name}.ckpt") if name.startswith("pp") else None  # a pipeline's own save
+        results[name] = fit(layout, SAVE_EVERY + 1, ckpt_path=source, seed=1, model=model, save_to=save_to)
     return results
 
 
@@ -112,10 +115,11 @@ def probe_tokens() -> torch.Tensor:
 
 def one_process(sharded: str, full: str, truncated: str) -> dict[str, Any]:
     """One process under NDParallel: logits on the probe after loading the folder and the one-file export;
-    the error loading a truncated copy."""
+    training resumed from the folder (model and optimizer); the error loading a truncated copy."""
     from lightning_nd.checkpoint import CheckpointError
 
-    result = {"sharded": logits_after_loading(sharded), "full": logits_after_loading(full)}
+    result = {"sharded": logits_after_loading(sharded), "full": logits_after_loading(full),
+              "resumed": fit({}, SAVE_EVERY + 1, ckpt_path=sharded, seed=1)}
     try:
         logits_after_loading(truncated)
     except CheckpointError as error:

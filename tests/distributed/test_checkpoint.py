@@ -1,6 +1,6 @@
 """Checkpoints: resume on the same layout continues the loss curve bit for bit (mid-epoch, so the data
 position matters); resharded to other layouts (dp, tp, pp x dp, cp x dp, experts over other ep) the
-loaded parameters are the saved ones and the next step's loss matches; a one-file export loads into
+loaded parameters are the saved ones and the next step's loss matches (HSDP too); a one-file export loads into
 other layouts, into one process (the same outputs as the folder) and into a plain Lightning run.
 """
 
@@ -22,6 +22,7 @@ from tests.models import VOCAB, build
 
 DENSE = {
     "dp4": {"dp_shard": 4}, "tp4": {"dp_shard": 1, "tp": 4}, "pp2_dp2": {"pp": 2, "dp_shard": 2},
+    "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
     "cp2_dp2": {"cp": 2, "dp_shard": 2}, "full_pp2_tp2": {"pp": 2, "dp_shard": 1, "tp": 2},
     "full_dp2_tp2_sp": {"dp_shard": 2, "tp": 2, "sequence_parallel": True},
 }
@@ -77,7 +78,7 @@ def test_resharded_resume_loads_the_saved_weights_and_matches_the_next_step(runs
     torch.testing.assert_close(results[0][layout]["losses"], [expected], rtol=1e-6, atol=2e-6)
 
 
-def test_export_cli_loads_into_one_process_with_the_same_outputs(runs, tmp_path):
+def test_export_cli_loads_into_one_process_with_the_same_outputs_and_resumes_there(runs, tmp_path):
     root, results = runs("dense")
     step3 = root / "ckpt" / f"step={SAVE_EVERY}.ckpt"
     for out, extra in ((tmp_path / "full.ckpt", []), (tmp_path / "model.safetensors", ["--module", "model"])):
@@ -92,6 +93,8 @@ def test_export_cli_loads_into_one_process_with_the_same_outputs(runs, tmp_path)
     one = launch("tests.distributed.checkpoint_scenarios:one_process", 1, tmp_path / "out", timeout=300,
                  sharded=str(step3), full=str(tmp_path / "full.ckpt"), truncated=str(truncated))[0]
     assert torch.equal(one["sharded"], one["full"])
+    expected = results[0]["uninterrupted"]["losses"][SAVE_EVERY]
+    torch.testing.assert_close(one["resumed"]["losses"], [expected], rtol=1e-6, atol=2e-6)
     assert "`__2_0.distcp` (written by rank 2) has 100 bytes" in one["truncated_error"]
 
     from safetensors.torch import load_file
@@ -105,35 +108,45 @@ def test_export_cli_loads_into_one_process_with_the_same_outputs(runs, tmp_path)
         assert torch.equal(value, saved[key.removeprefix("model.")]), key
 
 
-def test_export_resumes_plain_torch_with_its_optimizer_state(runs):
-    """The export is an ordinary Lightning checkpoint (`torch.optim` state by position): loaded into one
-    plain module and optimizer, the next two steps (the second depends on Adam's moments) match."""
+@pytest.mark.parametrize("saved_under", ["dp2_tp2", "pp2_dp2"])
+def test_export_resumes_plain_torch_with_its_optimizer_state(runs, tmp_path, saved_under):
+    """The export is an ordinary Lightning checkpoint (`torch.optim` state by position, in the whole model's
+    parameter order even when saved by pipeline stages): loaded into one plain module and optimizer, the
+    next steps (the second depends on Adam's moments) match the uninterrupted run."""
     root, results = runs("dense")
-    full = torch.load(root / "full.ckpt", weights_only=False)
+    if saved_under == "dp2_tp2":  # saved after step 3
+        full, first_step = torch.load(root / "full.ckpt", weights_only=False), SAVE_EVERY
+    else:  # saved by the pp=2 x dp_shard=2 run after it resumed and trained step 4
+        assert subprocess.run([sys.executable, "-m", "lightning_nd.checkpoint", "export", str(root / "ckpt" / "pp2_dp2.ckpt"),
+                               str(tmp_path / "pp.ckpt")], cwd=REPO, capture_output=True).returncode == 0
+        full, first_step = torch.load(tmp_path / "pp.ckpt", weights_only=False), SAVE_EVERY + 1
     module = CausalLM(model=build("llama", seed=9), lr=1e-3)
+    assert full["lightning_nd"]["param_names"][0][0] == [name for name, _ in module.named_parameters()]
     module.load_state_dict(full["state_dict"])
     optimizer = module.configure_optimizers()
     optimizer.load_state_dict(full["optimizer_states"][0])
     dataset = TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=GLOBAL_BATCH * 4).train_dataloader().dataset
     # DistributedSampler (seed 0): step i of epoch e takes positions [8i, 8i + 8) of randperm(32, seed e).
     orders = [torch.randperm(len(dataset), generator=torch.Generator().manual_seed(epoch)).tolist() for epoch in (0, 1)]
+    steps = [orders[0][24:32], orders[1][0:8], orders[1][8:16]][first_step - SAVE_EVERY:][:2]
     losses = []
-    for order in (orders[0][24:32], orders[1][0:8]):
+    for order in steps:
         batch = torch.utils.data.default_collate([dataset[i] for i in order])
         optimizer.zero_grad()
         loss = module.loss(batch)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    expected = results[0]["uninterrupted"]["losses"][SAVE_EVERY:SAVE_EVERY + 2]
+    expected = results[0]["uninterrupted"]["losses"][first_step:first_step + 2]
     torch.testing.assert_close(losses, expected, rtol=1e-6, atol=2e-6)
 
 
 def test_latest_complete_checkpoint_and_its_contents(runs):
     root, _ = runs("dense")
-    latest = latest_checkpoint(root / "ckpt")
-    assert latest is not None and latest.name == f"step={STEPS}.ckpt"
+    latest = latest_checkpoint(root / "ckpt")  # the pipeline run saved last, after resuming at step 3
+    assert latest is not None and latest.name == "pp2_dp2.ckpt"
     whole = read_sharded(latest)
-    assert whole["global_step"] == STEPS and whole["lightning_nd"]["layout"]["tp"] == 2
+    assert whole["global_step"] == SAVE_EVERY + 1 and whole["lightning_nd"]["layout"]["pp"] == 2
+    assert read_sharded(root / "ckpt" / f"step={STEPS}.ckpt")["lightning_nd"]["layout"]["tp"] == 2
     names = whole["lightning_nd"]["param_names"][0][0]
     assert len(whole["optimizer_states"][0]["state"]) == len(names) == len(whole["state_dict"])
