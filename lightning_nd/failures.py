@@ -50,11 +50,12 @@ class FailureHandling:
     _stepped = False
     _failed = False
 
-    def _start_watchdog(self) -> None:
+    def _start_failure_handling(self) -> None:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
 
         self._stepped = self._failed = False
+        set_timeout(self._init_timeout)  # a later fit in this process starts in the long phase again
         if self._heartbeat_timeout is None or dist.get_world_size() == 1:
             return
         self._watchdog = RankWatchdog(_get_default_store(), dist.get_rank(), dist.get_world_size(),

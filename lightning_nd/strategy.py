@@ -170,7 +170,7 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
             log.addHandler(logging.StreamHandler())
             log.setLevel(logging.INFO)
         self._nd_mesh = build_mesh(self.dims, self.root_device.type)
-        self._start_watchdog()
+        self._start_failure_handling()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._nd_mesh
         rank_zero_info(f"lightning-nd mesh {self.dims.as_dict()}\n{self.dims.rank_table()}")

@@ -116,7 +116,7 @@ def test_bad_override_fails_before_training_with_a_hint(override, message):
 
 
 def test_resume_under_another_layout_from_the_command_line(tmp_path):
-    first = run_train_script(["parallel=fsdp_tp", "trainer.devices=4", "trainer.max_steps=4",
+    first = run_train_script(["parallel=tp", "trainer.devices=2", "trainer.max_steps=4",
                               "checkpoint.every_n_train_steps=2", f"hydra.run.dir={tmp_path / 'first'}"])
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
