@@ -14,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.optim import Optimizer
 
 from lightning_nd.checkpoint.full import load_full
@@ -53,8 +53,9 @@ class ShardedCheckpoints:
                             " torch.distributed.checkpoint, not a `CheckpointIO` plugin.")
         path = Path(self.broadcast(str(filepath)))
         state = {"model": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-        checkpoint["lightning_nd"] = info = self._layout_info()
+        optimizer_states = checkpoint.pop("optimizer_states", [])  # none when saving weights only
+        state.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
+        checkpoint["lightning_nd"] = info = self._layout_info(len(optimizer_states))
         with self._long_timeout():
             save_sharded(path, state, checkpoint, _collect_rng_states(), info | {"global_step": checkpoint.get("global_step")})
         self.last_checkpoint = path
@@ -66,26 +67,28 @@ class ShardedCheckpoints:
         strict = self.lightning_module.strict_loading
         with self._long_timeout():
             if path.is_file():
-                meta = load_full(path, self.model, optimizers, self._names(), strict=strict)
-                rng = None
+                meta, rng = load_full(path, self.model, optimizers, self._names(), strict, bool(weights_only)), None
             else:
-                meta, rng, _ = load_sharded(path, self.model, optimizers, self._names(), strict=strict)
+                meta, rng = load_sharded(path, self.model, optimizers, self._names(), strict=strict)
         saved = meta.get("lightning_nd", {})
+        same_layout = saved.get("layout") == self.dims.as_dict() and saved.get("world_size") == self.world_size
         if saved.get("layout", self.dims.as_dict()) != self.dims.as_dict():
             log.info(f"lightning-nd: resharded `{path}` from {saved['layout']} on {saved['world_size']} ranks to"
                      f" {self.dims.as_dict()} on {self.world_size}")
-        if rng is not None:
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return meta  # validate/test/predict: the weights are all they take
+        if rng is not None and same_layout:
             self._pending_rng = rng  # set as training resumes: starting the data loader draws from it first
-        elif self.lightning_module.trainer.state.fn == "fit":
-            log.warning(f"lightning-nd: `{path}` has no random state for {self.world_size} ranks (saved on"
-                        f" {saved.get('world_size', '?')}); dropout and sampling continue from this run's seeds.")
+        else:
+            log.warning(f"lightning-nd: `{path}` has no random state for this layout ({self.dims.as_dict()} on"
+                        f" {self.world_size} ranks); dropout and sampling continue from this run's seeds.")
         self._data_position = DataPosition.from_dict(saved["data"]) if "data" in saved else None
         return meta
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pending_rng is not None:
             _set_rng_states(self._pending_rng)
-            self._pending_rng = None
+        self._pending_rng = self._data_position = None  # every training loader has been set up by now
         return super().training_step(*args, **kwargs)
 
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -93,15 +96,14 @@ class ShardedCheckpoints:
         trainer = self.lightning_module.trainer
         if self._data_position is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        position, self._data_position = self._data_position, None
-        return resume_loader(dataloader, position, self.dims.batch_size_multiplier, trainer)
+        return resume_loader(dataloader, self._data_position, self.dims.batch_size_multiplier, trainer)
 
-    def _layout_info(self) -> dict[str, Any]:
-        """The layout, the data position, and each optimizer group's parameter names over all ranks."""
+    def _layout_info(self, saved_optimizers: int) -> dict[str, Any]:
+        """The layout, the data position, and each saved optimizer group's parameter names over all ranks."""
         assert self.model is not None
         trainer = self.lightning_module.trainer
         local = [group_names(self.model, o._optimizer if isinstance(o, LightningOptimizer) else o, self._names())
-                 for o in self.optimizers]
+                 for o in self.optimizers[:saved_optimizers]]
         param_names = []
         for index in range(len(local)):
             groups = [rank_groups[index] for rank_groups in gather(local)]

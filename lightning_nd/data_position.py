@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from lightning.fabric.utilities.data import _set_sampler_epoch
+
 log = logging.getLogger("lightning_nd")
 
 
@@ -25,12 +27,14 @@ class DataPosition:
     epoch: int
     batches: int  # batches of the epoch whose step ran
     global_batch: int | None  # samples per batch over all batch ranks (None: the loader has no batch_size)
+    epoch_done: bool = False  # saved at the epoch's end (``limit_train_batches`` counts): the next one starts fresh
 
     @classmethod
     def of(cls, trainer: Any, batch_ranks: int) -> DataPosition:
         per_rank = getattr(trainer.train_dataloader, "batch_size", None)
-        progress = trainer.fit_loop.epoch_loop.batch_progress.current
-        return cls(trainer.current_epoch, progress.processed, per_rank * batch_ranks if per_rank else None)
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return cls(trainer.current_epoch, processed, per_rank * batch_ranks if per_rank else None,
+                   epoch_done=processed >= trainer.num_training_batches)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> DataPosition:
@@ -44,11 +48,13 @@ class SkippingLoader:
     """A training loader whose next pass starts ``skip`` batches in; everything else is the loader's."""
 
     def __init__(self, loader: Any, skip: int) -> None:
-        self.loader, self.skip = loader, skip
+        object.__setattr__(self, "loader", loader)
+        object.__setattr__(self, "skip", skip)
 
     def __iter__(self) -> Iterator[Any]:
         iterator = iter(self.loader)
-        skip, self.skip = self.skip, 0
+        skip = self.skip
+        object.__setattr__(self, "skip", 0)
         for done in range(skip):
             next(iterator)
             if (done + 1) % 1000 == 0:
@@ -63,14 +69,18 @@ class SkippingLoader:
             raise AttributeError(name)
         return getattr(self.loader, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:  # e.g. Lightning's `worker_init_fn`
+        setattr(self.loader, name, value)
+
 
 def resume_loader(loader: Any, position: DataPosition, batch_ranks: int, trainer: Any) -> Any:
     """``loader`` for the epoch a run resumes in: skipping what ``position`` says was trained."""
-    length = len(loader) if hasattr(loader, "__len__") else None
-    if trainer.current_epoch != position.epoch or position.batches == 0 or position.batches == length:
+    if trainer.current_epoch != position.epoch or position.batches == 0 or position.epoch_done:
         return loader  # saved at an epoch's end: the next epoch starts from its beginning anyway
     if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
         return loader  # a stateful loader: Lightning restores its position itself
+    # Lightning starts iterating before it tells the sampler the epoch: skipping now must use this epoch's order.
+    _set_sampler_epoch(loader, position.epoch)
     per_rank = getattr(loader, "batch_size", None)
     global_batch = per_rank * batch_ranks if per_rank else None
     skip = position.batches

@@ -15,7 +15,9 @@ from typing import Any
 
 from lightning_nd.watchdog import RankWatchdog
 
-COMMUNICATION_ERRORS = ("connection", "closed", "timed out", "timeout", "gloo", "nccl", "broken pipe", "peer")
+# What a rank sees when a peer dies under it (gloo, NCCL, the store): wait for the watchdog to name the peer.
+COMMUNICATION_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "nccl error",
+                        "distnetworkerror", "distbackenderror")
 
 
 def check_timeouts(timeout: Any, init_timeout: Any, heartbeat_timeout: Any) -> tuple[timedelta, timedelta, timedelta | None]:
@@ -83,22 +85,25 @@ class FailureHandling:
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
-        if self._watchdog is not None:
+        watchdog = self._watchdog
+        if watchdog is not None:
             text = f"{type(exception).__name__}: {exception}"
-            if any(word in text.lower() for word in COMMUNICATION_ERRORS):
+            found = None
+            if any(words in text.lower() for words in COMMUNICATION_ERRORS):
                 # Probably a peer's death seen first as a broken connection: let its watcher name it.
-                found = self._watchdog.wait_for_verdict(self._watchdog.dead_after + 3 * self._watchdog.interval)
-                if found is not None and found[0] != self._watchdog.rank:
-                    self._watchdog.announce(*found)
-                    self._watchdog.linger()
-                    return super().on_exception(exception)
-            self._watchdog.report_failure(text.splitlines()[0][:300] if text else type(exception).__name__)
+                found = watchdog.wait_for_verdict(watchdog.dead_after + 3 * watchdog.interval)
+            if found is not None and found[0] != watchdog.rank:
+                watchdog.announce(*found)
+            else:
+                watchdog.report_failure(text.splitlines()[0][:300])
+            watchdog.halt()  # this rank is done with this run, even if the process carries on (a retry)
+            watchdog.linger()
         super().on_exception(exception)
 
     def teardown(self) -> None:
         if self._watchdog is not None:
             if not self._failed:
+                self.barrier()  # watched while waiting: no rank leaves (perhaps with the store) before all are here
                 self._watchdog.stop()
-                self.barrier()  # no rank leaves (perhaps taking the store with it) while another still watches
             self._watchdog = None
         super().teardown()

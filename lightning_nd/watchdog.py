@@ -25,7 +25,9 @@ class RankWatchdog:
                  hint: Callable[[], str] = lambda: "") -> None:
         import torch.distributed as dist
 
-        self.store = dist.PrefixStore(f"lightning_nd/watchdog/{next(_runs)}/", store)
+        # Its own connection: a client serialises its requests, and the main thread may block in one (a store
+        # barrier, NCCL set-up) for longer than the heartbeat timeout.
+        self.store = dist.PrefixStore(f"lightning_nd/watchdog/{next(_runs)}/", store.clone())
         self.rank, self.world_size, self.dead_after, self.interval, self.hint = rank, world_size, dead_after, interval, hint
         self.peer = (rank + 1) % world_size
         self._stop = threading.Event()
@@ -36,10 +38,14 @@ class RankWatchdog:
         self.store.add(f"beat/{self.rank}", 1)
         self._thread.start()
 
-    def stop(self) -> None:
-        """This rank finished normally: its silence from now on is no death."""
+    def halt(self) -> None:
+        """This rank failed: stop beating and judging (the others learn of it), whatever this process does next."""
         self._stop.set()
         self._thread.join()
+
+    def stop(self) -> None:
+        """This rank finished normally: its silence from now on is no death."""
+        self.halt()
         try:
             self.store.set(f"done/{self.rank}", "1")
         except Exception:  # the store is gone with a rank that finished first: nobody is left to watch
@@ -80,24 +86,24 @@ class RankWatchdog:
         self.store.compare_set("verdict", "", f"{rank}|{reason}")  # the first verdict stands
 
     def _run(self) -> None:
-        last_count, last_change, unreachable_since, failure_seen = -1, time.monotonic(), None, None
+        last_count, last_change, unreachable_since, failure_seen, found = -1, time.monotonic(), None, None, None
         while not self._stop.wait(self.interval):
             now = time.monotonic()
             try:
                 self.store.add(f"beat/{self.rank}", 1)
-                if self.world_size > 1:
-                    count = self.store.add(f"beat/{self.peer}", 0)
-                    if count != last_count:
-                        last_count, last_change = count, now
-                    elif now - last_change > self.dead_after and not self.store.check([f"done/{self.peer}"]):
-                        self._post(self.peer, f"died: no heartbeat for {now - last_change:.0f} s (killed, crashed or out of memory)")
+                count = self.store.add(f"beat/{self.peer}", 0)
+                if count != last_count:
+                    last_count, last_change = count, now
+                elif now - last_change > self.dead_after and not self.store.check([f"done/{self.peer}"]):
+                    self._post(self.peer, f"died: no heartbeat for {now - last_change:.0f} s (killed, crashed or out of memory)")
                 found = self.verdict()
                 unreachable_since = None
             except Exception as error:  # the store's host (rank 0's process, unless torchrun holds it) is gone
                 unreachable_since = unreachable_since or now
-                if now - unreachable_since <= self.dead_after:
+                if found is None and now - unreachable_since <= self.dead_after:
                     continue
-                found = (0, f"died or is unreachable: the rendezvous store does not answer ({error})")
+                found = found or (0, f"died or is unreachable: the rendezvous store does not answer ({error})")
+                failure_seen = failure_seen or now - self.dead_after  # the store is gone: no one else will report
             if found is None or self._stop.is_set():
                 continue
             rank, reason = found

@@ -51,6 +51,15 @@ def own_files(folder: Path, rank: int) -> dict[str, dict[str, int]]:
             for name in sorted(names)}
 
 
+def check_target(path: Path) -> None:
+    """Saving replaces an earlier checkpoint of that name, never a folder of something else."""
+    if path.is_dir() and not path.is_symlink() and not (path / MANIFEST).exists() and any(path.iterdir()):
+        raise CheckpointError(
+            f"`{path}` is a folder that is not a lightning-nd checkpoint; saving there would replace it."
+            " HINT: save to a new path, e.g. inside that folder."
+        )
+
+
 def commit(staging: Path, path: Path, files: dict[str, dict[str, int]], info: dict[str, Any]) -> None:
     """Rank 0, once every rank has written: the manifest last, then the folder into place."""
     manifest = {"format": FORMAT_VERSION, "saved_at": time.time(), "files": files, **info}
@@ -82,9 +91,13 @@ def read_manifest(path: Path) -> dict[str, Any]:
             " writing), or it was not written by lightning-nd. HINT: resume from an older checkpoint."
         )
     try:
-        return json.loads(manifest_path.read_text())
+        manifest = json.loads(manifest_path.read_text())
     except ValueError as error:
         raise CheckpointError(f"`{manifest_path}` is corrupt ({error}). HINT: resume from an older checkpoint.") from None
+    if manifest.get("format", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"`{path}` was written by a newer lightning-nd (format {manifest['format']}, this one reads"
+                              f" {FORMAT_VERSION}). HINT: upgrade lightning-nd.")
+    return manifest
 
 
 def problems(path: Path, manifest: dict[str, Any], names: list[str] | None = None, checksum: bool = True) -> list[str]:
@@ -118,8 +131,10 @@ def is_complete(path: Path) -> bool:
 
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     """The newest complete lightning-nd checkpoint in ``folder`` (by save time), or None."""
+    if not Path(folder).is_dir():
+        raise CheckpointError(f"`{folder}` is not a folder.")
     found = []
-    for path in Path(folder).iterdir():
-        if not path.name.startswith(".") and path.is_dir() and is_complete(path):
+    for path in Path(folder).iterdir():  # links (``last.ckpt``) name a checkpoint found anyway
+        if not path.name.startswith(".") and not path.is_symlink() and path.is_dir() and is_complete(path):
             found.append((read_manifest(path)["saved_at"], path))
     return max(found)[1] if found else None

@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_nd.checkpoint import files
 from lightning_nd.checkpoint.files import CheckpointError
-from lightning_nd.checkpoint.names import Names, get_local_names, set_optimizer_state
+from lightning_nd.checkpoint.names import Names, get_local_names, group_names, set_optimizer_state
 from lightning_nd.checkpoint.sharded import gather
 
 log = logging.getLogger("lightning_nd")
@@ -43,7 +43,8 @@ def read_sharded(path: Path, progress: Callable[[str], None] = log.info) -> dict
     _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     meta = torch.load(path / files.META, weights_only=False)
     param_names = meta.get("lightning_nd", {}).get("param_names", [])
-    optimizers = [positional(state[f"optimizer_{i}"], names) for i, names in enumerate(param_names)]
+    optimizers = [positional(state[f"optimizer_{i}"], names) for i, names in enumerate(param_names)
+                  if f"optimizer_{i}" in state]  # none in a weights-only checkpoint
     return {**meta, "state_dict": state["model"], "optimizer_states": optimizers}
 
 
@@ -77,7 +78,9 @@ def export(path: Path, out: Path, fmt: str = "torch", module: str | None = None,
         if not weights:
             tops = sorted({k.split(".", 1)[0] for k in full["state_dict"]})
             raise ValueError(f"No weights under `{module}` in `{path}`. HINT: choose one of {', '.join(tops)}.")
-        full["state_dict"] = weights
+        full["state_dict"] = weights  # weights only: optimizer state keeps the LightningModule's names
+        full.pop("optimizer_states", None)
+        full.get("lightning_nd", {}).pop("param_names", None)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.parent / f".{out.name}.partial"
     progress(f"Writing {len(full['state_dict'])} weight tensors to `{out}` ({fmt})")
@@ -94,33 +97,34 @@ def export(path: Path, out: Path, fmt: str = "torch", module: str | None = None,
 
 
 def load_full(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], names: Names,
-              strict: bool = True) -> dict[str, Any]:
+              strict: bool = True, weights_only: bool = False) -> dict[str, Any]:
     """Load a one-file checkpoint (an export, or any Lightning checkpoint) into this rank's shards; returns
     the rest of it (loops, schedulers) for Lightning."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=False)
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     if "state_dict" not in checkpoint:
         raise CheckpointError(f"`{path}` has no `state_dict`: it is not a Lightning checkpoint or an export of one.")
     weights = checkpoint.pop("state_dict")
     local = get_local_names(model)
     wanted = set().union(*gather({names.original(name) for name in local}))
     missing, unexpected = sorted(wanted - weights.keys()), sorted(weights.keys() - wanted)
-    if missing or (unexpected and strict):
+    if (missing or unexpected) and strict:
         raise CheckpointError(
             f"`{path}` does not fit the model: missing {missing[:5]} ({len(missing)} in all), unexpected"
-            f" {unexpected[:5]} ({len(unexpected)} in all). HINT: was it saved from another model?"
+            f" {unexpected[:5]} ({len(unexpected)} in all). HINT: was it saved from another model? Set"
+            " `strict_loading = False` on the LightningModule to load what matches."
         )
-    set_model_state_dict(model, {name: weights[names.original(name)] for name in local},
+    set_model_state_dict(model, {name: weights[names.original(name)] for name in local if names.original(name) in weights},
                          options=StateDictOptions(full_state_dict=True, strict=strict))
     saved = checkpoint.pop("optimizer_states", [])
     param_names = checkpoint.get("lightning_nd", {}).get("param_names")
     if optimizers and len(saved) == len(optimizers):
         if param_names is None:
-            param_names = _names_by_position(model, names, saved, path)
-        for optimizer, state, group_names in zip(optimizers, saved, param_names):
-            set_optimizer_state(model, optimizer, names, named(state, group_names), full=True)
+            param_names = _names_by_position(model, optimizers, names, saved, path)
+        for optimizer, state, saved_names in zip(optimizers, saved, param_names):
+            set_optimizer_state(model, optimizer, names, named(state, saved_names), full=True)
     elif optimizers:
         log.warning(f"`{path}` holds {len(saved)} optimizer state(s) for {len(optimizers)} optimizer(s):"
                     " the optimizers start fresh.")
@@ -128,16 +132,21 @@ def load_full(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], nam
     return checkpoint
 
 
-def _names_by_position(model: nn.Module, names: Names, saved: list[dict[str, Any]], path: Path) -> list[list[list[str]]]:
-    """A plain Lightning checkpoint numbers parameters in the order of ``parameters()`` of the whole model."""
-    order = [names.original(name) for name, _ in model.named_parameters()]
+def _names_by_position(model: nn.Module, optimizers: Sequence[Optimizer], names: Names, saved: list[dict[str, Any]],
+                       path: Path) -> list[list[list[str]]]:
+    """A plain Lightning checkpoint numbers parameters across its optimizer's groups, in order: this run's
+    optimizers (the same `configure_optimizers`) say which parameter each number is."""
     if any(names.original(name) != name for name, _ in model.named_parameters()):
         raise CheckpointError(
             f"`{path}` numbers optimizer state by position, which a pipeline stage cannot map to parameters."
             " HINT: load it once without pipeline parallelism and save again, or load the weights only."
         )
     result = []
-    for state in saved:
-        result.append([[order[i] for i in group["params"]] for group in state["param_groups"]])
+    for optimizer, state in zip(optimizers, saved):
+        live = group_names(model, optimizer, names)
+        if [len(group) for group in live] != [len(group["params"]) for group in state["param_groups"]]:
+            raise CheckpointError(f"`{path}`: the optimizer's parameter groups differ from this run's. HINT: build the"
+                                  " same groups in `configure_optimizers`, or load the weights only.")
+        flat = [name for group in live for name in group]
+        result.append([[flat[i] for i in group["params"]] for group in state["param_groups"]])
     return result
-

@@ -45,12 +45,12 @@ def model_state(model: nn.Module, names: Names) -> dict[str, Tensor]:
     return {original: local[owners[0]] for original, owners in names.by_original(local).items()}
 
 
-def set_model_state(model: nn.Module, names: Names, state: Mapping[str, Tensor]) -> None:
+def set_model_state(model: nn.Module, names: Names, state: Mapping[str, Tensor], strict: bool = True) -> None:
     """Put ``state`` (whole-model names, tensors shaped like this rank's own) into the model."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    local = get_local_names(model)
-    set_model_state_dict(model, {name: state[names.original(name)] for name in local})
+    local = {name: state[names.original(name)] for name in get_local_names(model) if names.original(name) in state}
+    set_model_state_dict(model, local, options=StateDictOptions(strict=strict))
 
 
 def get_local_names(model: nn.Module) -> list[str]:
@@ -59,24 +59,29 @@ def get_local_names(model: nn.Module) -> list[str]:
     return list(get_model_state_dict(model))
 
 
-def optimizer_state(model: nn.Module, optimizer: Optimizer, names: Names) -> dict[str, Any]:
-    """``{"state": {name: {...}}, "param_groups": [hyperparameters]}``; state is created if the optimizer
-    has not stepped yet (so its shapes are known when loading)."""
+def optimizer_state(model: nn.Module, optimizer: Optimizer, names: Names, create: bool = False) -> dict[str, Any]:
+    """``{"state": {name: {...}}, "param_groups": [hyperparameters]}``. An optimizer that has not stepped has no
+    state: saved as such (torch would create it with a real zero-lr step, which changes the next update), or,
+    with ``create`` (the target of a load), created so its shapes are known."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    if not optimizer.state and not create:
+        return {"state": {}, "param_groups": hyper}
     local = get_optimizer_state_dict(model, optimizer)
-    return {
-        "state": {names.original(name): value for name, value in local["state"].items()},
-        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in local["param_groups"]],
-    }
+    return {"state": {names.original(name): value for name, value in local["state"].items()},
+            "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in local["param_groups"]]}
 
 
 def group_names(model: nn.Module, optimizer: Optimizer, names: Names) -> list[list[str]]:
     """The whole-model names of each group's parameters on this rank, in the optimizer's order."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    by_id = {id(param): _state_dict_name(name) for name, param in model.named_parameters()}
+    return [[names.original(by_id[id(param)]) for param in group["params"]] for group in optimizer.param_groups]
 
-    groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
-    return [[names.original(name) for name in group["params"]] for group in groups]
+
+def _state_dict_name(name: str) -> str:
+    """A parameter's name in the state dict: without the wrappers activation checkpointing and compile add."""
+    return ".".join(part for part in name.split(".") if part not in ("_checkpoint_wrapped_module", "_orig_mod"))
 
 
 def set_optimizer_state(model: nn.Module, optimizer: Optimizer, names: Names, state: Mapping[str, Any],

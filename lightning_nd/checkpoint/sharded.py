@@ -7,8 +7,9 @@ Lightning's remaining state (loops, schedulers, hyperparameters) in ``meta.pt``,
 
 from __future__ import annotations
 
+import logging
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from lightning_nd.checkpoint.files import CheckpointError
 from lightning_nd.checkpoint.names import Names, model_state, optimizer_state, set_model_state, set_optimizer_state
 
 SHOWN = 5
+log = logging.getLogger("lightning_nd")
 
 
 def gather(value: Any) -> list[Any]:
@@ -30,24 +32,37 @@ def gather(value: Any) -> list[Any]:
     return gathered
 
 
+def on_rank0(action: Callable[[], Any]) -> None:
+    """Run ``action`` on rank 0 only; if it fails, every rank raises its error (none is left waiting)."""
+    error: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            action()
+        except Exception as failure:
+            error[0] = f"{type(failure).__name__}: {failure}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise CheckpointError(f"Saving the checkpoint failed on rank 0: {error[0]}")
+
+
 def save_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any], rng: dict[str, Any], info: dict[str, Any]) -> None:
     """Every rank: write ``state`` (DCP), its ``rng``; rank 0 also ``meta`` and, once all are done, commits."""
     import torch.distributed.checkpoint as dcp
 
     rank = dist.get_rank()
     staging = files.staging_path(path)
-    if rank == 0:
+
+    def prepare() -> None:
+        files.check_target(path)
         shutil.rmtree(staging, ignore_errors=True)  # left by a save that was cut short
         staging.mkdir(parents=True)
-    dist.barrier()
+        torch.save(meta, staging / files.META)
+
+    on_rank0(prepare)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))
     torch.save(rng, staging / files.rng_file(rank))
-    if rank == 0:
-        torch.save(meta, staging / files.META)
     written = gather(files.own_files(staging, rank))
-    if rank == 0:
-        files.commit(staging, path, {name: entry for part in written for name, entry in part.items()}, info)
-    dist.barrier()
+    on_rank0(lambda: files.commit(staging, path, {name: entry for part in written for name, entry in part.items()}, info))
 
 
 def verify(path: Path) -> dict[str, Any]:
@@ -61,36 +76,52 @@ def verify(path: Path) -> dict[str, Any]:
 
 
 def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], names: Names,
-                 strict: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
-    """Load model and optimizers in place; returns Lightning's remaining state, this rank's RNG states
-    (None when the world size changed) and the manifest."""
+                 strict: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Load model and optimizers in place; returns Lightning's remaining state and this rank's RNG states
+    (None when the checkpoint has none for this rank)."""
     import torch.distributed.checkpoint as dcp
 
-    manifest = verify(path)
+    verify(path)
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     model_target = model_state(model, names)
-    _check_model_keys(path, saved, set(model_target), strict)
-    _load(path, {"model": model_target})
-    set_model_state(model, names, model_target)
-    saved_optimizers = len({key.split(".", 1)[0] for key in saved if key.startswith("optimizer_")})
-    if optimizers and saved_optimizers != len(optimizers):
-        raise CheckpointError(
-            f"Checkpoint `{path}` holds {saved_optimizers} optimizer(s), `configure_optimizers` returned"
-            f" {len(optimizers)}. HINT: load the weights only (`LightningModule.load_state_dict`) or build the same optimizers."
-        )
+    missing = _check_model_keys(path, saved, set(model_target), strict)
+    _load(path, {"model": {k: v for k, v in model_target.items() if k not in missing}})
+    set_model_state(model, names, model_target, strict=strict)
+    _check_optimizers(path, saved, optimizers)
     for index, optimizer in enumerate(optimizers):
-        target = optimizer_state(model, optimizer, names)
+        target = optimizer_state(model, optimizer, names, create=True)
         key = f"optimizer_{index}"
         # Parameters that had not stepped when the checkpoint was saved have no state in it.
         target["state"] = {name: value for name, value in target["state"].items()
                            if all(f"{key}.state.{name}.{field}" in saved for field in value)}
         _load(path, {key: target})
+        if not target["state"]:
+            optimizer.state.clear()  # saved before its first step: drop what creating the load target made
         set_optimizer_state(model, optimizer, names, target)
     meta = torch.load(path / files.META, weights_only=False)
     rank_rng = path / files.rng_file(dist.get_rank())
-    same_world = manifest.get("world_size") == dist.get_world_size()
-    rng = torch.load(rank_rng, weights_only=False) if same_world and rank_rng.exists() else None
-    return meta, rng, manifest
+    return meta, torch.load(rank_rng, weights_only=False) if rank_rng.exists() else None
+
+
+def _check_optimizers(path: Path, saved: set[str], optimizers: Sequence[Optimizer]) -> None:
+    groups: dict[str, set[str]] = {}
+    for key in saved:
+        if key.startswith("optimizer_"):
+            name, _, rest = key.partition(".")
+            groups.setdefault(name, set()).update([rest.split(".")[1]] if rest.startswith("param_groups.") else [])
+    if optimizers and not groups:
+        raise CheckpointError(
+            f"Checkpoint `{path}` holds no optimizer state (saved with `save_weights_only=True`?), so training cannot"
+            " resume from it. HINT: load the weights (`LightningModule.load_state_dict`, or an export) and start the"
+            " optimizer fresh, or resume from a full checkpoint."
+        )
+    found = [len(groups.get(f"optimizer_{i}", ())) for i in range(len(optimizers))]
+    wanted = [len(optimizer.param_groups) for optimizer in optimizers]
+    if optimizers and (len(groups) != len(optimizers) or found != wanted):
+        raise CheckpointError(
+            f"Checkpoint `{path}` holds {len(groups)} optimizer(s) with {found} parameter groups; `configure_optimizers`"
+            f" built {len(optimizers)} with {wanted}. HINT: build the same optimizers and groups as the run that saved it."
+        )
 
 
 def _load(path: Path, state: dict[str, Any]) -> None:
@@ -102,17 +133,21 @@ def _load(path: Path, state: dict[str, Any]) -> None:
         raise CheckpointError(f"Loading `{', '.join(state)}` from `{path}` failed: {error}") from error
 
 
-def _check_model_keys(path: Path, saved: set[str], wanted: set[str], strict: bool) -> None:
+def _check_model_keys(path: Path, saved: set[str], wanted: set[str], strict: bool) -> set[str]:
+    """This model's tensors the checkpoint lacks (allowed, and returned, only when not ``strict``)."""
     everywhere = set().union(*gather(wanted))  # under pp each rank holds part: decide on all of it, on every rank
     missing = sorted(name for name in everywhere if f"model.{name}" not in saved)
     unexpected = sorted(key[len("model."):] for key in saved if key.startswith("model.") and key[len("model."):] not in everywhere)
     errors = []
     if missing:
         errors.append(f"{len(missing)} tensor(s) of this model are not in it: {', '.join(missing[:SHOWN])}")
-    if unexpected and strict:
+    if unexpected:
         errors.append(f"{len(unexpected)} tensor(s) in it are not in this model: {', '.join(unexpected[:SHOWN])}")
-    if errors:
+    if errors and strict:
         raise CheckpointError(
             f"Checkpoint `{path}` does not fit the model: {'; '.join(errors)}. HINT: was it saved from another"
-            " model or another version of it? Set `strict_loading = False` on the LightningModule to ignore extra tensors."
+            " model or another version of it? Set `strict_loading = False` on the LightningModule to load what matches."
         )
+    if errors:
+        log.warning(f"lightning-nd: `{path}` partly fits the model (strict_loading=False): {'; '.join(errors)}")
+    return set(missing) & wanted

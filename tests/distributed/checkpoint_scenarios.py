@@ -1,8 +1,8 @@
 """Checkpoint scenarios run on every rank: train with checkpoints, resume on the same and on other
 layouts, load one-file exports, and die on purpose (`test_checkpoint.py`, `test_failures.py`).
 
-One epoch is 4 steps of 8 samples; the checkpoint at step 3 is mid-epoch, so resuming from it must
-also skip the batch already trained and cross into epoch 1 with the sampler's new order.
+One epoch is 4 steps of 8 samples; the checkpoints at steps 3 and 6 are mid-epoch (epochs 0 and 1), so
+resuming from them must skip the batches already trained, in that epoch's sampler order.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from tests.models import VOCAB, build
 SEQ_LEN = 16
 GLOBAL_BATCH = 8
 STEPS_PER_EPOCH = 4
-STEPS = 6
+STEPS = 8
 SAVE_EVERY = 3
 WORLD = int(os.environ.get("WORLD_SIZE", 1))  # read at import: Lightning's teardown unsets it
 
@@ -92,13 +92,15 @@ def fit(layout: dict[str, Any], max_steps: int, ckpt_dir: str | None = None, ckp
 
 def resume_and_reshard(ckpt_dir: str, base: dict[str, Any], layouts: dict[str, dict[str, Any]], export_to: str,
                        model: str = "llama") -> dict[str, Any]:
-    """Train 6 steps on ``base`` saving at 3 and 6; resume from step 3 on the same layout to step 6, and on
-    each of ``layouts`` (from the folder, and ``full_*`` from a one-file export) for one step."""
+    """Train 8 steps on ``base`` saving at 3 and 6; resume on the same layout from each to step 8, and from
+    step 3 on each of ``layouts`` (from the folder, and ``full_*`` from a one-file export) for one step."""
     from lightning_nd.checkpoint import export
 
     results = {"uninterrupted": fit(base, STEPS, ckpt_dir=ckpt_dir, model=model)}
     step3 = str(Path(ckpt_dir) / f"step={SAVE_EVERY}.ckpt")
     results["same_layout"] = fit(base, STEPS, ckpt_path=step3, seed=1, model=model)
+    step6 = str(Path(ckpt_dir) / f"step={2 * SAVE_EVERY}.ckpt")
+    results["same_layout_epoch1"] = fit(base, STEPS, ckpt_path=step6, seed=1, model=model)
     if dist.get_rank() == 0:
         export(Path(step3), Path(export_to))
     dist.barrier()

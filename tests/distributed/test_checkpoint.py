@@ -1,5 +1,5 @@
-"""Checkpoints: resume on the same layout continues the loss curve bit for bit (mid-epoch, so the data
-position matters); resharded to other layouts (dp, tp, pp x dp, cp x dp, experts over other ep) the
+"""Checkpoints: resume on the same layout continues the loss curve bit for bit (mid-epoch in epochs 0 and 1,
+so the data position and the sampler's epoch matter); resharded to other layouts (dp, tp, pp x dp, cp x dp, experts over other ep) the
 loaded parameters are the saved ones and the next step's loss matches (HSDP too); a one-file export loads into
 other layouts, into one process (the same outputs as the folder) and into a plain Lightning run.
 """
@@ -58,13 +58,15 @@ def _merged(results: list, run: str, what: str) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", ["dense", "moe"])
 def test_resume_on_the_same_layout_continues_the_loss_curve_exactly(runs, name):
     _, results = runs(name)
-    uninterrupted, resumed = results[0]["uninterrupted"], results[0]["same_layout"]
-    assert len(uninterrupted["losses"]) == STEPS and len(resumed["losses"]) == STEPS - SAVE_EVERY
-    assert resumed["losses"] == uninterrupted["losses"][SAVE_EVERY:]  # bit for bit: weights, Adam, RNG, data
-    assert resumed["epoch"] == uninterrupted["epoch"] and resumed["step"] == STEPS
-    for rank_result in results:  # each rank's random stream continues where it was saved
-        draws = rank_result["uninterrupted"]["draws"]
-        assert rank_result["same_layout"]["draws"] == {step: draws[step] for step in range(SAVE_EVERY + 1, STEPS + 1)}
+    uninterrupted = results[0]["uninterrupted"]
+    assert len(uninterrupted["losses"]) == STEPS
+    for run, start in (("same_layout", SAVE_EVERY), ("same_layout_epoch1", 2 * SAVE_EVERY)):
+        resumed = results[0][run]
+        assert resumed["losses"] == uninterrupted["losses"][start:], run  # bit for bit: weights, Adam, RNG, data
+        assert resumed["epoch"] == uninterrupted["epoch"] and resumed["step"] == STEPS
+        for rank_result in results:  # each rank's random stream continues where it was saved
+            draws = rank_result["uninterrupted"]["draws"]
+            assert rank_result[run]["draws"] == {step: draws[step] for step in range(start + 1, STEPS + 1)}
 
 
 @pytest.mark.parametrize("name,layout", [(n, layout) for n, (_, _, layouts) in LAUNCHES.items() for layout in layouts])
@@ -146,6 +148,6 @@ def test_latest_complete_checkpoint_and_its_contents(runs):
     assert latest is not None and latest.name == "pp2_dp2.ckpt"
     whole = read_sharded(latest)
     assert whole["global_step"] == SAVE_EVERY + 1 and whole["lightning_nd"]["layout"]["pp"] == 2
-    assert read_sharded(root / "ckpt" / f"step={STEPS}.ckpt")["lightning_nd"]["layout"]["tp"] == 2
+    assert read_sharded(root / "ckpt" / f"step={2 * SAVE_EVERY}.ckpt")["lightning_nd"]["layout"]["tp"] == 2
     names = whole["lightning_nd"]["param_names"][0][0]
     assert len(whole["optimizer_states"][0]["state"]) == len(names) == len(whole["state_dict"])

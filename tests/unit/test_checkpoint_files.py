@@ -18,7 +18,7 @@ from lightning_nd.checkpoint.__main__ import main
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
-def write_checkpoint(path: Path, step: int = 1) -> dict[str, torch.Tensor]:
+def write_checkpoint(path: Path, step: int = 1, optimizer_state: bool = True) -> dict[str, torch.Tensor]:
     """A one-rank checkpoint written the way `save_sharded` writes it (DCP, RNG, meta, manifest, commit)."""
     import torch.distributed.checkpoint as dcp
 
@@ -27,7 +27,8 @@ def write_checkpoint(path: Path, step: int = 1) -> dict[str, torch.Tensor]:
                  "param_groups": [{"lr": 0.1}]}
     staging = files.staging_path(path)
     staging.mkdir(parents=True)
-    dcp.save({"model": dict(weights), "optimizer_0": optimizer}, storage_writer=dcp.FileSystemWriter(staging), no_dist=True)
+    state = {"model": dict(weights), **({"optimizer_0": optimizer} if optimizer_state else {})}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), no_dist=True)
     torch.save({"torch": torch.get_rng_state()}, staging / files.rng_file(0))
     meta = {"global_step": step, "lightning_nd": {"layout": {"dp_shard": 1}, "world_size": 1,
                                                    "param_names": [[["model.w", "model.b"]]]}}
@@ -102,3 +103,54 @@ def test_saving_over_an_existing_checkpoint_replaces_it_whole(tmp_path):
     write_checkpoint(path, step=2)
     assert json.loads((path / files.MANIFEST).read_text())["global_step"] == 2 and is_complete(path)
     assert sorted(os.listdir(tmp_path)) == ["last.ckpt"]
+
+
+def test_weights_only_checkpoint_reads_and_exports(tmp_path):
+    write_checkpoint(tmp_path / "w.ckpt", optimizer_state=False)  # param names recorded, no optimizer saved
+    whole = read_sharded(tmp_path / "w.ckpt", progress=lambda _: None)
+    assert whole["optimizer_states"] == [] and set(whole["state_dict"]) == {"model.w", "model.b"}
+
+
+def test_saving_onto_a_folder_that_is_no_checkpoint_is_refused(tmp_path):
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match="is a folder that is not a lightning-nd checkpoint"):
+        files.check_target(tmp_path / "runs")
+    write_checkpoint(tmp_path / "old.ckpt")
+    files.check_target(tmp_path / "old.ckpt")  # an earlier checkpoint of that name may be replaced
+    files.check_target(tmp_path / "new.ckpt")
+
+
+def test_latest_ignores_links_and_refuses_a_missing_folder(tmp_path, capsys):
+    write_checkpoint(tmp_path / "step=1.ckpt", step=1)
+    (tmp_path / "last.ckpt").symlink_to("step=1.ckpt")
+    assert latest_checkpoint(tmp_path).name == "step=1.ckpt"
+    with pytest.raises(CheckpointError, match="is not a folder"):
+        latest_checkpoint(tmp_path / "nowhere")
+    assert main(["latest", str(tmp_path / "nowhere")]) == 1 and "is not a folder" in capsys.readouterr().err
+
+
+def test_optimizer_state_of_an_optimizer_that_never_stepped_leaves_it_untouched():
+    from lightning_nd.checkpoint.names import Names, group_names, optimizer_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.AdamW([{"params": model[1].parameters(), "weight_decay": 0.0},
+                                   {"params": model[0].parameters()}], lr=0.1)
+    state = optimizer_state(model, optimizer, Names())
+    assert state["state"] == {} and not optimizer.state  # torch would have stepped it with lr 0
+    assert [g["weight_decay"] for g in state["param_groups"]] == [0.0, 0.01]
+    assert group_names(model, optimizer, Names()) == [["1.weight", "1.bias"], ["0.weight", "0.bias"]]
+
+
+def test_positional_optimizer_state_maps_through_this_runs_groups():
+    """torch numbers parameters group by group; a decay / no-decay split is not `named_parameters()` order."""
+    from lightning_nd.checkpoint.full import _names_by_position
+    from lightning_nd.checkpoint.names import Names
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.AdamW([{"params": model[1].parameters()}, {"params": model[0].parameters()}])
+    saved = [{"param_groups": [{"params": [0, 1]}, {"params": [2, 3]}]}]
+    assert _names_by_position(model, [optimizer], Names(), saved, Path("x")) == [
+        [["1.weight", "1.bias"], ["0.weight", "0.bias"]]]
+    with pytest.raises(CheckpointError, match="parameter groups differ"):
+        _names_by_position(model, [optimizer], Names(), [{"param_groups": [{"params": [0, 1, 2, 3]}]}], Path("x"))

@@ -8,15 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 from lightning.pytorch.loops.progress import _ProcessedTracker
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_nd import NDParallel
 from lightning_nd.data_position import DataPosition, SkippingLoader, resume_loader
 
 
-def _trainer(epoch: int, batches: int) -> SimpleNamespace:
+def _trainer(epoch: int, batches: int, num_training_batches: float = 8) -> SimpleNamespace:
     progress = _ProcessedTracker(ready=batches, started=batches, processed=batches, completed=batches)
-    return SimpleNamespace(current_epoch=epoch, fit_loop=SimpleNamespace(
+    return SimpleNamespace(current_epoch=epoch, num_training_batches=num_training_batches, fit_loop=SimpleNamespace(
         epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(current=progress))))
 
 
@@ -43,8 +43,38 @@ def test_other_global_batch_says_how_far_off_it_is(caplog):
     assert len(list(resumed)) == len(loader) - 1
 
 
-@pytest.mark.parametrize("epoch,batches", [(1, 3), (0, 0), (0, 8)])
-def test_no_skip_in_another_epoch_or_at_an_epoch_boundary(epoch, batches):
+def test_resuming_in_a_later_epoch_skips_in_that_epochs_order():
+    """Lightning iterates the loader before it tells the sampler the epoch: the skip must not use epoch 0's order."""
+    loader = _loader(4)
+    resumed = resume_loader(loader, DataPosition(1, 2, global_batch=8), batch_ranks=2, trainer=_trainer(1, 2))
+    got = [b.tolist() for b in resumed]
+    expected_sampler = DistributedSampler(range(64), num_replicas=2, rank=0, shuffle=True, seed=0)
+    expected_sampler.set_epoch(1)
+    expected = [b.tolist() for b in DataLoader(range(64), batch_size=4, sampler=expected_sampler)]
+    assert got == expected[2:] and expected[2:] != [b.tolist() for b in _loader(4)][2:]
+
+
+def test_a_loader_without_length_is_skipped_by_reading():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(40))
+
+    loader = DataLoader(Stream(), batch_size=4)
+    position = DataPosition(0, 3, global_batch=8)
+    resumed = resume_loader(loader, position, batch_ranks=2, trainer=_trainer(0, 3, num_training_batches=float("inf")))
+    assert [b.tolist() for b in resumed][0] == [12, 13, 14, 15]
+
+
+def test_position_of_a_finished_epoch_says_so():
+    trainer = _trainer(0, 5, num_training_batches=5)  # limit_train_batches=5 of an 8-batch loader
+    trainer.train_dataloader = _loader(4)
+    position = DataPosition.of(trainer, batch_ranks=2)
+    assert position == DataPosition(0, 5, 8, epoch_done=True)
+    assert resume_loader(trainer.train_dataloader, position, 2, trainer) is trainer.train_dataloader
+
+
+@pytest.mark.parametrize("epoch,batches", [(1, 3), (0, 0)])
+def test_no_skip_in_another_epoch_or_at_its_start(epoch, batches):
     loader = _loader(4)
     assert resume_loader(loader, DataPosition(0, batches, 8), 2, _trainer(epoch, batches)) is loader
 
