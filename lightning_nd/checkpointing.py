@@ -35,7 +35,9 @@ class ShardedCheckpoints:
 
     def _names(self) -> Names:
         plan = self.report.stage_plan if self.report is not None else None
-        return Names(plan.attribute if plan is not None else None)
+        if plan is None:
+            return Names()
+        return Names(plan.attribute, [unit for stage in plan.layout.stages for unit in stage])
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
@@ -104,20 +106,12 @@ class ShardedCheckpoints:
         trainer = self.lightning_module.trainer
         local = [group_names(self.model, o._optimizer if isinstance(o, LightningOptimizer) else o, self._names())
                  for o in self.optimizers[:saved_optimizers]]
-        param_names = []
+        names, everywhere, param_names = self._names(), gather(local), []
         for index in range(len(local)):
-            groups = [rank_groups[index] for rank_groups in gather(local)]
-            param_names.append([self._whole_model_order(_merged([g[i] for g in groups])) for i in range(len(groups[0]))])
+            groups = [rank_groups[index] for rank_groups in everywhere]
+            param_names.append([names.whole_model_order(_merged([g[i] for g in groups])) for i in range(len(groups[0]))])
         return {"layout": self.dims.as_dict(), "world_size": dist.get_world_size(), "param_names": param_names,
                 "data": DataPosition.of(trainer, self.dims.batch_size_multiplier).as_dict()}
-
-    def _whole_model_order(self, names: list[str]) -> list[str]:
-        """Under pp, names in the unsplit model's order (stage by stage), as a plain run numbers them."""
-        plan = self.report.stage_plan if self.report is not None else None
-        if plan is None:
-            return names
-        units = [f"{plan.attribute}.{unit}." for stage in plan.layout.stages for unit in stage]
-        return sorted(names, key=lambda name: next((i for i, u in enumerate(units) if name.startswith(u)), len(units)))
 
 
 def _merged(lists: list[list[str]]) -> list[str]:

@@ -17,6 +17,10 @@ import threading
 import time
 from collections.abc import Callable
 
+def _store_gone(error: Exception) -> tuple[int, str]:
+    return 0, f"died or is unreachable: the rendezvous store does not answer ({error})"
+
+
 _runs = itertools.count()  # every rank starts its watchdogs in the same order: the same key prefix
 
 
@@ -28,7 +32,7 @@ class RankWatchdog:
         # Its own connection: a client serialises its requests, and the main thread may block in one (a store
         # barrier, NCCL set-up) for longer than the heartbeat timeout.
         self.store = dist.PrefixStore(f"lightning_nd/watchdog/{next(_runs)}/", store.clone())
-        self.rank, self.world_size, self.dead_after, self.interval, self.hint = rank, world_size, dead_after, interval, hint
+        self.rank, self.dead_after, self.interval, self.hint = rank, dead_after, interval, hint
         self.peer = (rank + 1) % world_size
         self._stop = threading.Event()
         self._lock, self._announced = threading.Lock(), False
@@ -66,7 +70,7 @@ class RankWatchdog:
             while (found := self.verdict()) is None and time.monotonic() < deadline:
                 time.sleep(self.interval / 4)
         except Exception as error:
-            return 0, f"died or is unreachable: the rendezvous store does not answer ({error})"
+            return _store_gone(error)
         return found
 
     def announce(self, rank: int, reason: str) -> None:
@@ -102,7 +106,7 @@ class RankWatchdog:
                 unreachable_since = unreachable_since or now
                 if found is None and now - unreachable_since <= self.dead_after:
                     continue
-                found = found or (0, f"died or is unreachable: the rendezvous store does not answer ({error})")
+                found = found or _store_gone(error)
                 failure_seen = failure_seen or now - self.dead_after  # the store is gone: no one else will report
             if found is None or self._stop.is_set():
                 continue

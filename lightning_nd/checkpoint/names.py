@@ -9,7 +9,7 @@ kept apart from its parameter list (the list differs between pipeline ranks).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -19,10 +19,19 @@ from lightning_nd.parallel.pipeline import PipelineStages
 
 
 class Names:
-    """Local (this rank's module) names <-> names in the whole model, for one LightningModule."""
+    """Local (this rank's module) names <-> names in the whole model, for one LightningModule. Under pp,
+    ``stage_attribute`` holds the stages and ``units`` are the whole model's units in order."""
 
-    def __init__(self, stage_attribute: str | None = None) -> None:
+    def __init__(self, stage_attribute: str | None = None, units: Sequence[str] = ()) -> None:
         self._prefix = f"{stage_attribute}." if stage_attribute else None
+        self._units = [f"{self._prefix}{unit}." for unit in units] if self._prefix else []
+
+    def whole_model_order(self, names: list[str]) -> list[str]:
+        """Names in the unsplit model's order (unit by unit, stable within one), as a plain run numbers them."""
+        if not self._units:
+            return names
+        return sorted(names, key=lambda name: next((i for i, u in enumerate(self._units) if name.startswith(u)),
+                                                   len(self._units)))
 
     def original(self, name: str) -> str:
         if self._prefix is None or not name.startswith(self._prefix):
@@ -75,8 +84,13 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, names: Names, create
 
 def group_names(model: nn.Module, optimizer: Optimizer, names: Names) -> list[list[str]]:
     """The whole-model names of each group's parameters on this rank, in the optimizer's order."""
+    return [[names.original(name) for name in group] for group in _local_group_names(model, optimizer)]
+
+
+def _local_group_names(model: nn.Module, optimizer: Optimizer) -> list[list[str]]:
+    """Each group's parameters by their state-dict names in ``model`` (found by identity: no state is created)."""
     by_id = {id(param): _state_dict_name(name) for name, param in model.named_parameters()}
-    return [[names.original(by_id[id(param)]) for param in group["params"]] for group in optimizer.param_groups]
+    return [[by_id[id(param)] for param in group["params"]] for group in optimizer.param_groups]
 
 
 def _state_dict_name(name: str) -> str:
@@ -87,20 +101,16 @@ def _state_dict_name(name: str) -> str:
 def set_optimizer_state(model: nn.Module, optimizer: Optimizer, names: Names, state: Mapping[str, Any],
                         full: bool = False) -> None:
     """Load ``state`` (as `optimizer_state` returns it, whole tensors when ``full``) into the optimizer."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    local_groups = get_optimizer_state_dict(model, optimizer)["param_groups"]
+    local_groups = _local_group_names(model, optimizer)
     if len(local_groups) != len(state["param_groups"]):
         raise ValueError(
             f"The checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this one has"
             f" {len(local_groups)}. HINT: `configure_optimizers` must build the same groups as the run that saved it."
         )
     local_state = {name: state["state"][names.original(name)]
-                   for group in local_groups for name in group["params"] if names.original(name) in state["state"]}
-    groups = [{**saved, "params": group["params"]} for saved, group in zip(state["param_groups"], local_groups)]
+                   for group in local_groups for name in group if names.original(name) in state["state"]}
+    groups = [{**saved, "params": group} for saved, group in zip(state["param_groups"], local_groups)]
     set_optimizer_state_dict(model, optimizer, {"state": local_state, "param_groups": groups},
                              options=StateDictOptions(full_state_dict=full))

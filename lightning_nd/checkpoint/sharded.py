@@ -65,14 +65,13 @@ def save_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any], rng: d
     on_rank0(lambda: files.commit(staging, path, {name: entry for part in written for name, entry in part.items()}, info))
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """Every rank: the manifest, after each rank checked its share of the files (sizes and checksums)."""
+def verify(path: Path) -> None:
+    """Every rank: each rank checks its share of the files the manifest lists (sizes and checksums); all raise."""
     manifest = files.read_manifest(path)
     rank, world = dist.get_rank(), dist.get_world_size()
     share = sorted(manifest["files"])[rank::world]
     found = [problem for part in gather(files.problems(path, manifest, share)) for problem in part]
     files.raise_problems(path, found)
-    return manifest
 
 
 def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], names: Names,
