@@ -165,7 +165,7 @@ def measure(layout: dict) -> dict[str, tuple[float, float]]:
     experts = {id(p) for p in expert_parameters(module)}  # outside FSDP: the ep all-to-all moves their tokens
     expert_bytes = sum(p.numel() // dims.ep * 4 for p in expert_parameters(module))  # this ep rank's experts
     fsdp_param_bytes = sum(_tp_local_bytes(p, dims.tp) for p in module.parameters() if id(p) not in experts)
-    names = {"fsdp": "dp_shard_cp", "dp_replicate": "dp_replicate", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
+    names = {"fsdp": "fsdp", "dp_replicate": "dp_replicate", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
              "expert_dp": "expert_dp"}
     rows = {}
     for dim, mesh_name in names.items():

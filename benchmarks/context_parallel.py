@@ -30,7 +30,7 @@ SEQ, HEADS, KV_HEADS, HEAD_DIM = 2048, 8, 2, 64
 def saved_bytes(cp: int, group) -> int:
     """Bytes autograd keeps for backward in this rank's ring attention over its shard."""
     from lightning_nd.nn.ring_attention import ring_attention
-    from lightning_nd.parallel.context import shard_positions
+    from lightning_nd.parallel.context.sharding import shard_positions
 
     rank = dist.get_rank(group)
     positions = shard_positions(SEQ, cp, rank, "zigzag")
@@ -53,7 +53,7 @@ def saved_bytes(cp: int, group) -> int:
 
 
 def main() -> None:
-    from lightning_nd.parallel.context import attention_flops_per_rank
+    from lightning_nd.parallel.context.sharding import attention_flops_per_rank
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

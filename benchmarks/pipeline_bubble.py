@@ -63,8 +63,8 @@ def measure(schedule: str, microbatches: int) -> float:
 
 
 def main() -> None:
-    from lightning_nd.parallel.schedule import check_schedule, theoretical_bubble
-    from lightning_nd.parallel.split import SCHEDULES
+    from lightning_nd.parallel.pipeline.schedule import check_schedule, theoretical_bubble
+    from lightning_nd.layout.pipeline_split import SCHEDULES
 
     rows = []
     for microbatches in (4, 8):

@@ -3,11 +3,11 @@
 ``Trainer(strategy=NDParallel(dp_shard=2, tp=2))`` or, after ``import lightning_nd``, ``Trainer(strategy="nd")``.
 """
 
-from lightning_nd.dims import ParallelDims
-from lightning_nd.mesh import NDMesh
-from lightning_nd.config import ParallelConfig
-from lightning_nd.parallelize import parallelize
-from lightning_nd.plans import STYLES as TP_STYLES
-from lightning_nd.strategy import NDParallel
+from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.runtime.mesh import NDMesh
+from lightning_nd.layout.options import ParallelConfig
+from lightning_nd.parallel.compose import parallelize
+from lightning_nd.layout.tp_plan import STYLES as TP_STYLES
+from lightning_nd.strategy.nd_parallel import NDParallel
 
 __all__ = ["NDMesh", "NDParallel", "ParallelConfig", "ParallelDims", "TP_STYLES", "parallelize"]

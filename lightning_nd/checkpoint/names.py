@@ -15,7 +15,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_nd.parallel.pipeline import PipelineStages
+from lightning_nd.parallel.pipeline.stage import PipelineStages
 
 
 class Names:

@@ -198,7 +198,7 @@ class MoE(nn.Module):
     def update_bias(self, group: torch.distributed.ProcessGroup | None = None) -> None:
         """Aux-loss-free balancing: raise the bias of experts below the mean load, lower it above; reset the load.
 
-        Under data parallelism pass the batch ranks' group (``trainer.strategy.device_mesh.group("dp_cp")``):
+        Under data parallelism pass the batch ranks' group (``trainer.strategy.device_mesh.group("loss")``):
         the loads are summed over it first, so every replica moves its bias the same way."""
         if group is not None:
             torch.distributed.all_reduce(self.load, group=group)

@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from lightning_nd.structure import HEAD_ATTRS, KV_HEAD_ATTRS, get_submodule, parent_name
+from lightning_nd.layout.structure import HEAD_ATTRS, KV_HEAD_ATTRS, get_submodule, parent_name
 
 SEQUENCE_DIM = 1
 

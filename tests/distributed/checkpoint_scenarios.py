@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from examples.data import TokenDataModule
 from examples.lit import CausalLM
 from lightning_nd import NDParallel
-from lightning_nd.parallel.pipeline import PipelineStages
+from lightning_nd.parallel.pipeline.stage import PipelineStages
 from tests.distributed.parity import LossRecorder
 from tests.models import VOCAB, build
 

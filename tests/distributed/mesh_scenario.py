@@ -8,8 +8,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_nd.dims import ParallelDims
-from lightning_nd.mesh import build_mesh
+from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.runtime.mesh import build_mesh
 
 
 def group_ranks(layouts: list[dict[str, int]]) -> list[dict[str, Any]]:

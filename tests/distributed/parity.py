@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from examples.data import SyntheticTokens, TokenDataModule
 from examples.lit import CausalLM, logits_of
 from lightning_nd import NDParallel
-from lightning_nd.parallel.pipeline import PipelineStages
+from lightning_nd.parallel.pipeline.stage import PipelineStages
 from tests.models import VOCAB, build
 
 SEQ_LEN = 16
@@ -74,7 +74,7 @@ def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None,
         result["val_loss"] = trainer.validate(module, dataloaders=val, verbose=False)[0]["val_loss"]
         if layout.get("pp", 1) > 1:  # predict: the last stage's logits, handed to every rank
             result["predictions"] = torch.cat(trainer.predict(module, dataloaders=val))
-            result["dp"], result["dp_rank"] = dp, trainer.strategy.device_mesh.local_rank("dp")
+            result["dp"], result["dp_rank"] = dp, trainer.strategy.device_mesh.local_rank("batch")
     return result
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_nd.nn.ring_attention import all_gather_attention, ring_attention
-from lightning_nd.parallel.context import shard_positions
+from lightning_nd.parallel.context.sharding import shard_positions
 
 BATCH, HEADS, SEQ, DIM = 2, 4, 32, 8
 

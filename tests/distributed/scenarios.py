@@ -182,7 +182,7 @@ class OwnParallelism(CausalLM):
     """A user's custom parallel code in `configure_model`: the strategy must leave it alone."""
 
     def configure_model(self) -> None:
-        mesh = self.device_mesh["dp_shard_cp"]
+        mesh = self.device_mesh["fsdp"]
         for layer in self.model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(self.model, mesh=mesh)

@@ -1,10 +1,12 @@
-"""The named sub-meshes hold exactly the ranks that `ParallelDims.coordinates` says (8 gloo ranks)."""
+"""The named sub-meshes hold exactly the ranks that `ParallelDims.coordinates` says, and that the mesh roles
+of `layout/roles.py` compute without a process group (8 gloo ranks)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_nd.dims import ParallelDims
+from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.layout.roles import group_of, role_names
 from tests.launcher import launch
 
 WORLD = 8
@@ -16,8 +18,8 @@ LAYOUTS = [
 # Which coordinates vary inside each named group; every other coordinate is shared.
 VARYING = {
     "pp": {"pp"}, "dp_replicate": {"dp_replicate"}, "dp_shard": {"dp_shard"}, "cp": {"cp"}, "tp": {"tp"},
-    "dp": {"dp_replicate", "dp_shard"}, "dp_shard_cp": {"dp_shard", "cp"},
-    "dp_cp": {"dp_replicate", "dp_shard", "cp"}, "hsdp": {"dp_replicate", "dp_shard", "cp"},
+    "batch": {"dp_replicate", "dp_shard"}, "fsdp": {"dp_shard", "cp"},
+    "loss": {"dp_replicate", "dp_shard", "cp"}, "hsdp": {"dp_replicate", "dp_shard", "cp"},
 }
 
 
@@ -49,4 +51,4 @@ def test_named_groups_match_coordinates(reports, index):
             assert len(group) == dims.ep and rank in group
             assert sorted(dims.coordinates(r)["ep"] for r in group) == list(range(dims.ep))
             assert all(dims.coordinates(r)["tp"] == dims.coordinates(rank)["tp"] for r in group)
-            assert set(group) <= set(report["dp_shard_cp"])
+            assert set(group) <= set(report["fsdp"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nd.parallel.split import SCHEDULES
+from lightning_nd.layout.pipeline_split import SCHEDULES
 from tests.distributed.parity import assert_training_matches, launcher
 from tests.launcher import launch
 

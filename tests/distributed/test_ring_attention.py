@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_nd.parallel.context import attention_flops_per_rank, shard_positions
+from lightning_nd.parallel.context.sharding import attention_flops_per_rank, shard_positions
 from tests.launcher import launch
 
 TOLERANCE = {"float64": 1e-12, "float32": 2e-5}

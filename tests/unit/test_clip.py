@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from lightning_nd.clip import clip_grad_norm_, global_grad_norm
+from lightning_nd.runtime.clip import clip_grad_norm_, global_grad_norm
 
 
 def _params_with_grads(scale: float, seed: int = 0) -> list[torch.nn.Parameter]:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nd.parallel.pipeline import PipelineStages, StageModule, pack_inputs
-from lightning_nd.parallel.schedule import check_schedule, theoretical_bubble
-from lightning_nd.parallel.split import balanced_counts, split_stages, stage_ranks
-from lightning_nd.structure import find_blocks
+from lightning_nd.parallel.pipeline.stage import PipelineStages, StageModule, pack_inputs
+from lightning_nd.parallel.pipeline.schedule import check_schedule, theoretical_bubble
+from lightning_nd.layout.pipeline_split import balanced_counts, split_stages, stage_ranks
+from lightning_nd.layout.structure import find_blocks
 from tests.models import build
 
 
@@ -92,7 +92,7 @@ class _NoHooks:
 
 
 def test_default_batch_split_passes_every_other_key_as_a_keyword_input():
-    from lightning_nd.pipelined import split_batch
+    from lightning_nd.strategy.pipeline_engine import split_batch
 
     tokens, labels, mask = torch.zeros(2, 4), torch.ones(2, 4), torch.ones(2, 4)
     inputs, target = split_batch(_NoHooks(), {"tokens": tokens, "labels": labels, "attention_mask": mask})
@@ -102,14 +102,14 @@ def test_default_batch_split_passes_every_other_key_as_a_keyword_input():
 
 
 def test_hugging_face_batches_need_their_own_loss_hook():
-    from lightning_nd.pipelined import split_batch
+    from lightning_nd.strategy.pipeline_engine import split_batch
 
     with pytest.raises(ValueError, match=r"unshifted.*HINT.*labels\[:, 1:\]"):
         split_batch(_NoHooks(), {"input_ids": torch.zeros(2, 4), "labels": torch.zeros(2, 4)})
 
 
 def test_default_loss_ignores_padding_labels():
-    from lightning_nd.pipelined import pipeline_loss
+    from lightning_nd.strategy.pipeline_engine import pipeline_loss
 
     logits = torch.randn(2, 3, 5)
     target = torch.tensor([[1, 2, -100], [0, -100, 4]])

@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from examples.models.gpt import GPT, GPTConfig
-from lightning_nd.plans import pattern_to_regex, resolve_tp_plan
-from lightning_nd.structure import read_model_facts
+from lightning_nd.layout.tp_plan import pattern_to_regex, resolve_tp_plan
+from lightning_nd.layout.structure import read_model_facts
 from tests.models import build
 
 LLAMA_LAYER_PLAN = {

@@ -11,7 +11,7 @@ from lightning.pytorch.loops.progress import _ProcessedTracker
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from lightning_nd import NDParallel
-from lightning_nd.data_position import DataPosition, SkippingLoader, resume_loader
+from lightning_nd.strategy.data_position import DataPosition, SkippingLoader, resume_loader
 
 
 def _trainer(epoch: int, batches: int, num_training_batches: float = 8) -> SimpleNamespace:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_nd.dims import divisors
+from lightning_nd.layout.dims import divisors
 
-from lightning_nd.structure import (
+from lightning_nd.layout.structure import (
     ModelFacts,
     find_blocks,
     get_submodule,

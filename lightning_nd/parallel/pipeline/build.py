@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_nd.dims import ParallelDims
-from lightning_nd.parallel.pipeline import StageModule, is_stand_in
-from lightning_nd.parallel.split import StageLayout, split_stages, stage_ranks
+from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.parallel.pipeline.stage import StageModule, is_stand_in
+from lightning_nd.layout.pipeline_split import StageLayout, split_stages, stage_ranks
 
 
 @dataclass

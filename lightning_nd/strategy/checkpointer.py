@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 from lightning_nd.checkpoint.full import load_full
 from lightning_nd.checkpoint.names import Names, group_names, model_state, optimizer_state
 from lightning_nd.checkpoint.sharded import gather, load_sharded, save_sharded
-from lightning_nd.data_position import DataPosition, resume_loader
+from lightning_nd.strategy.data_position import DataPosition, resume_loader
 
 log = logging.getLogger("lightning_nd")
 

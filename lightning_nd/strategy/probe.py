@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_nd.materialize import check_initialisable
+from lightning_nd.runtime.materialize import check_initialisable
 
 log = logging.getLogger("lightning_nd")
 

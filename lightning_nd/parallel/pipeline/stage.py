@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_nd.parallel.split import StageLayout
-from lightning_nd.structure import get_submodule, parent_name
+from lightning_nd.layout.pipeline_split import StageLayout
+from lightning_nd.layout.structure import get_submodule, parent_name
 
 class _Slot:
     """What a stage hands between its wrapper and the stand-ins and hooks inside the copied model."""

@@ -24,18 +24,18 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_nd.checkpointing import ShardedCheckpoints
-from lightning_nd.checks import already_parallel, check_sequence_lengths, model_to_check
-from lightning_nd.parallel.context import shard_batch
-from lightning_nd.clip import clip_grad_norm_, align_grads_to_params
-from lightning_nd.dims import ParallelDims
-from lightning_nd.materialize import materialize
-from lightning_nd.mesh import NDMesh, build_mesh
-from lightning_nd.parallel.data import accumulate_without_sync, fsdp_root
-from lightning_nd.config import ParallelConfig, check_config, check_model
-from lightning_nd.parallelize import ParallelizeReport, parallelize
-from lightning_nd.failures import FailureHandling, check_timeouts
-from lightning_nd.pipelined import PipelineSteps
+from lightning_nd.strategy.checkpointer import ShardedCheckpoints
+from lightning_nd.strategy.probe import already_parallel, check_sequence_lengths, model_to_check
+from lightning_nd.parallel.context.sharding import shard_batch
+from lightning_nd.runtime.clip import clip_grad_norm_, align_grads_to_params
+from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.runtime.materialize import materialize
+from lightning_nd.runtime.mesh import NDMesh, build_mesh
+from lightning_nd.parallel.fsdp import accumulate_without_sync, fsdp_root
+from lightning_nd.layout.options import ParallelConfig, check_config, check_model
+from lightning_nd.parallel.compose import ParallelizeReport, parallelize
+from lightning_nd.strategy.failure_monitor import FailureHandling, check_timeouts
+from lightning_nd.strategy.pipeline_engine import PipelineSteps
 
 log = logging.getLogger("lightning_nd")
 
@@ -179,7 +179,7 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         # Only ranks on different batch coordinates get different samples: tp ranks share a batch.
-        return {"num_replicas": self.device_mesh.size("dp"), "rank": self.device_mesh.local_rank("dp")}
+        return {"num_replicas": self.device_mesh.size("batch"), "rank": self.device_mesh.local_rank("batch")}
 
     # ---- model setup -----------------------------------------------------------------------------
 
@@ -232,7 +232,7 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
     def _sync_metrics_over_batch_ranks(self) -> None:
         from torchmetrics import Metric
 
-        group = self.device_mesh.group("dp")
+        group = self.device_mesh.group("batch")
         for module in self.lightning_module.modules():
             if isinstance(module, Metric) and module.process_group is None:
                 module.process_group = group
@@ -244,7 +244,7 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
         # A logged value is the same on tp ranks: reduce over the ranks that saw different tokens only.
         if isinstance(tensor, DTensor):  # a loss-parallel loss: replicated over tp
             tensor = tensor.full_tensor()
-        return super().reduce(tensor, group=group if group is not None else self.device_mesh.group("dp_cp"),
+        return super().reduce(tensor, group=group if group is not None else self.device_mesh.group("loss"),
                               reduce_op=reduce_op)
 
     @override

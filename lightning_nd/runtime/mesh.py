@@ -1,14 +1,8 @@
-"""Build the N-D `DeviceMesh` for a `ParallelDims` and name the sub-meshes every technique uses.
+"""Build the N-D `DeviceMesh` for a `ParallelDims`, with one named sub-mesh per mesh role.
 
-Named sub-meshes (all slices of one world mesh, so ``mesh["tp"]``, ``mesh["dp_shard_cp"]`` work):
-
-- ``pp, dp_replicate, dp_shard, cp, tp``: the five mesh dims, outermost first.
-- ``dp``: ``dp_replicate x dp_shard``, the ranks that see different samples (sampler, metrics).
-- ``dp_shard_cp``: ``dp_shard x cp``, the ranks FSDP shards parameters over.
-- ``dp_cp``: ``dp_replicate x dp_shard x cp``, the ranks a token-mean loss is averaged over.
-- ``hsdp``: the 2-D ``(dp_replicate, dp_shard_cp)`` mesh HSDP replicates and shards over.
-- ``ep``: ranks borrowed from ``dp_shard x cp`` that hold different experts (only when ``ep > 1``).
-- ``expert_dp``: the ranks that hold the same experts and see different tokens (``ep > 1``).
+The roles (``pp, dp_replicate, dp_shard, cp, tp``, ``batch``, ``fsdp``, ``loss``, ``hsdp``, and under ep
+``ep`` and ``expert_dp``) are defined in `layout/roles.py`, which gives the same groups without a process
+group. Every sub-mesh is a slice of one world mesh, so ``mesh["tp"]``, ``mesh["fsdp"]`` work.
 
 Flattening is private API in torch 2.13 (``DeviceMesh._flatten``/``_unflatten``); this is the one place
 that uses it, and it keeps the flattened meshes itself (slicing them from the root is deprecated).
@@ -18,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from lightning_nd.dims import MESH_DIMS, ParallelDims
+from lightning_nd.layout.dims import MESH_DIMS, ParallelDims
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -82,9 +76,9 @@ def build_mesh(dims: ParallelDims, device_type: str) -> NDMesh:
 
     named = {name: world[name] for name in world_names}
     flatten = {
-        "dp": ("dp_replicate", *shard_parts),
-        "dp_shard_cp": (*shard_parts, "cp"),
-        "dp_cp": ("dp_replicate", *shard_parts, "cp"),
+        "batch": ("dp_replicate", *shard_parts),
+        "fsdp": (*shard_parts, "cp"),
+        "loss": ("dp_replicate", *shard_parts, "cp"),
     }
     if dims.ep > 1:
         flatten = {"dp_shard": shard_parts, **flatten, "ep": ("dp_shard_in_ep", "cp"),
@@ -92,7 +86,5 @@ def build_mesh(dims: ParallelDims, device_type: str) -> NDMesh:
     for flat_name, parts in flatten.items():
         named[flat_name] = world[parts]._flatten(flat_name)
     # HSDP wants one 2-D (replicate, shard) mesh.
-    named["hsdp"] = named["dp_cp"]._unflatten(
-        0, (dims.dp_replicate, dims.dp_shard * dims.cp), ("dp_replicate", "dp_shard_cp")
-    )
+    named["hsdp"] = named["loss"]._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp), ("dp_replicate", "fsdp"))
     return NDMesh(world, named)

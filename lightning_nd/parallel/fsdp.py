@@ -1,7 +1,7 @@
 """Data parallelism with FSDP2: ``apply_fsdp(root, blocks, mesh, *, zero_stage, ...)``.
 
 One FSDP unit per repeated block plus one for the root (everything left: embeddings, final norm,
-head). A 1-D mesh shards (FSDP); a 2-D ``(dp_replicate, dp_shard_cp)`` mesh replicates over the
+head). A 1-D mesh shards (FSDP); a 2-D ``(dp_replicate, fsdp)`` mesh replicates over the
 first dim and shards over the second (HSDP).
 
 ``zero_stage`` in the terms the field uses, mapped onto FSDP2:

@@ -21,10 +21,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from lightning_nd.dims import closest_name
-from lightning_nd.parallel.forward_only import forward_only
-from lightning_nd.parallel.pipeline import pack_inputs
-from lightning_nd.parallel.split import LOOPED, SCHEDULES, SINGLE_STAGE, V_SHAPED
+from lightning_nd.layout.dims import closest_name
+from lightning_nd.parallel.pipeline.forward_only import forward_only
+from lightning_nd.parallel.pipeline.stage import pack_inputs
+from lightning_nd.layout.pipeline_split import LOOPED, SCHEDULES, SINGLE_STAGE, V_SHAPED
 
 TORCH_NAMES = {
     "gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",

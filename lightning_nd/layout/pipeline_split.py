@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_nd.structure import get_submodule
+from lightning_nd.layout.structure import get_submodule
 
 SINGLE_STAGE = ("gpipe", "1f1b")
 LOOPED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")

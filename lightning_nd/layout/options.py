@@ -13,10 +13,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_nd.dims import ParallelDims, closest_name, divisors
-from lightning_nd.parallel.schedule import check_schedule
-from lightning_nd.plans import TPPlan, resolve_tp_plan
-from lightning_nd.structure import find_blocks, read_model_facts
+from lightning_nd.layout.dims import ParallelDims, closest_name, divisors
+from lightning_nd.parallel.pipeline.schedule import check_schedule
+from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
+from lightning_nd.layout.structure import find_blocks, read_model_facts
 
 log = logging.getLogger("lightning_nd")
 
@@ -183,7 +183,7 @@ def check_model(
     if dims.cp > 1:
         _check_context_parallel(module, dims.cp)
     if dims.pp > 1:
-        from lightning_nd.stages import plan_stages
+        from lightning_nd.parallel.pipeline.build import plan_stages
 
         plan_stages(module, blocks, dims, config)
     if dims.ep > 1:

@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from lightning_nd.config import ParallelConfig, check_config, check_model
-from lightning_nd.dims import ParallelDims
-from lightning_nd.mesh import NDMesh
+from lightning_nd.layout.options import ParallelConfig, check_config, check_model
+from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.runtime.mesh import NDMesh
 from lightning_nd.parallel.activation import apply_ac, apply_compile
-from lightning_nd.parallel.cp_region import accepts_positions, inject_positions
-from lightning_nd.parallel.data import apply_fsdp, fsdp_root
+from lightning_nd.parallel.context.region import accepts_positions, inject_positions
+from lightning_nd.parallel.fsdp import apply_fsdp, fsdp_root
 from lightning_nd.parallel.expert import apply_ep, expert_modules, expert_parameters
 from lightning_nd.parallel.tensor import apply_tp
-from lightning_nd.parallel.pipeline import PipelineStages, StageModule
-from lightning_nd.plans import TPPlan
-from lightning_nd.stages import StagePlan, build_stages, plan_stages, stage_blocks, stage_tp_entries
+from lightning_nd.parallel.pipeline.stage import PipelineStages, StageModule
+from lightning_nd.layout.tp_plan import TPPlan
+from lightning_nd.parallel.pipeline.build import StagePlan, build_stages, plan_stages, stage_blocks, stage_tp_entries
 
 log = logging.getLogger("lightning_nd")
 
@@ -112,7 +112,7 @@ def _apply(
     if dims.dp_enabled or dims.fsdp_enabled:
         hsdp = dims.dp_replicate > 1
         apply_fsdp(
-            module, block_modules, mesh["hsdp"] if hsdp else mesh["dp_shard_cp"],
+            module, block_modules, mesh["hsdp"] if hsdp else mesh["fsdp"],
             zero_stage=config.zero_stage, param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype,
             cpu_offload=config.cpu_offload, forward_methods=forward_methods, root_unit=root_unit,
             **_expert_sharding(module, mesh, dims),

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_nd.clip import align_grads_to_params
-from lightning_nd.parallel.cp_region import context_parallel_region
-from lightning_nd.parallel.schedule import PipelineRunner
-from lightning_nd.parallelize import ParallelizeReport
+from lightning_nd.runtime.clip import align_grads_to_params
+from lightning_nd.parallel.context.region import context_parallel_region
+from lightning_nd.parallel.pipeline.schedule import PipelineRunner
+from lightning_nd.parallel.compose import ParallelizeReport
 
 TARGET_KEYS = ("labels", "targets", "target", "y")
 HF_LOSS = ("def pipeline_loss(self, logits, labels): return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),"

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-from lightning_nd.watchdog import RankWatchdog
+from lightning_nd.runtime.watchdog import RankWatchdog
 
 # What a rank sees when a peer dies under it (gloo, NCCL, the store): wait for the watchdog to name the peer.
 COMMUNICATION_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "nccl error",
