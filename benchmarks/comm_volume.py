@@ -173,7 +173,7 @@ def measure(layout: dict) -> dict[str, tuple[float, float]]:
             continue
         ranks = tuple(sorted(mesh.ranks(mesh_name)))
         if len(ranks) > 1:
-            minimum = analytic(dim, trainer.strategy.config.zero_stage, dims, fsdp_param_bytes, expert_bytes)
+            minimum = analytic(dim, trainer.strategy.layout.options["zero_stage"], dims, fsdp_param_bytes, expert_bytes)
             rows[dim] = (probe.mode.by_group.get(ranks, 0.0), minimum)
     if int(os.environ.get("RANK", 0)) == 0 and os.environ.get("COMM_DETAIL"):
         print(layout, {k: int(v) for k, v in probe.mode.by_kind.items()})

@@ -18,7 +18,7 @@ class LayoutCard(Callback):
         dims = getattr(strategy, "dims", None)
         if dims is None:
             return
-        applied = strategy.report.applied if getattr(strategy, "report", None) else []
+        applied = strategy.report.lines() if getattr(strategy, "report", None) else []
         card = layout_markdown({k: v for k, v in dims.as_dict().items() if k != "world_size"}, applied,
                                dims.rank_table())
         for logger in trainer.loggers:

@@ -1,24 +1,17 @@
-"""`ParallelConfig` (how to parallelize, beyond the sizes of the dims) and every check of a config,
-alone, against the dims, and against a model. All run before any process group or weight moves.
+"""`ParallelConfig`: how to parallelize, beyond the sizes of the dims, as the user gave it, checked alone; and
+`resolve_options`, the same with every default filled for these dims and this precision (what the Layout
+records and the composer reads). The config object itself is never changed.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-import torch
-from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from lightning_nd.layout.dims import ParallelDims, closest_name, divisors
-from lightning_nd.parallel.pipeline.schedule import check_schedule
-from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
-from lightning_nd.layout.structure import find_blocks, read_model_facts
-
-log = logging.getLogger("lightning_nd")
+from lightning_nd.layout.dims import closest_name
 
 ZERO_STAGES = (1, 2, 3)
 AC_MODES = ("none", "full", "selective")
@@ -59,10 +52,6 @@ class ParallelConfig:
     cp_shard_keys: Sequence[str] | None = None
     """Under cp, the dict-batch entries split along the sequence (dim 1); default: every tensor whose dim 1
     is the sequence length (the length of the first integer [batch, seq] tensor)."""
-    param_dtype: torch.dtype | None = None
-    """FSDP compute dtype for parameters (set from `bf16-mixed` by the strategy)."""
-    reduce_dtype: torch.dtype | None = None
-    """FSDP gradient-reduction dtype."""
 
     def __post_init__(self) -> None:
         if self.zero_stage is not None and (self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool)):
@@ -96,10 +85,8 @@ class ParallelConfig:
     def _check_block_classes(self) -> None:
         if self.block_classes is None:
             return
-        if isinstance(self.block_classes, (str, type)):
-            self.block_classes = [self.block_classes]
-        self.block_classes = list(self.block_classes)
-        if not self.block_classes or not all(isinstance(c, (str, type)) for c in self.block_classes):
+        classes = [self.block_classes] if isinstance(self.block_classes, (str, type)) else list(self.block_classes)
+        if not classes or not all(isinstance(c, (str, type)) for c in classes):
             raise TypeError(f"`block_classes={self.block_classes!r}` must be a non-empty list of classes or class"
                             " names. HINT: `block_classes=[DecoderLayer]` or `block_classes=['DecoderLayer']`.")
 
@@ -116,135 +103,47 @@ class ParallelConfig:
                              f" HINT: did you mean {closest_name(self.compile, backends)!r}? Or `compile=True` (inductor).")
 
 
-def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> None:
-    """Options that need a dim that is off or combine badly with another; -1 (not yet known) passes."""
-    if sizes["pp"] > 1:
-        _check_pipeline_config(sizes["pp"], config)
-    elif sizes["pp"] == 1 and (config.pp_microbatches or config.pp_stages_per_rank or config.pp_layers_per_stage
-                               or config.pp_split or config.pp_schedule != "1f1b"):
-        log.warning("The `pp_*` options are ignored: pp=1, so the model is not pipelined.")
-    if config.zero_stage is None and sizes["pp"] != -1:
-        config.zero_stage = 2 if sizes["pp"] > 1 else 3
-    if sizes["ep"] > 1 and config.sequence_parallel:
-        raise ValueError(f"`NDParallel(ep={sizes['ep']}, sequence_parallel=True)`: the MoE layers would receive"
-                         " sequence-sharded activations, which expert dispatch does not take in this release."
-                         " HINT: sequence_parallel=False with ep (tp still splits attention).")
-    if sizes["ep"] > 1 and config.cpu_offload:
-        raise ValueError(f"`NDParallel(ep={sizes['ep']}, cpu_offload=True)`: expert weights stay outside FSDP, so its"
-                         " offloading would not move them. HINT: cpu_offload=False with ep.")
-    if sizes["ep"] > 1 and config.compile:
-        raise ValueError(f"`NDParallel(compile=..., ep={sizes['ep']})`: expert dispatch inside compiled blocks is not"
-                         " supported in this release. HINT: compile=False with ep, or ep=1.")
-    if config.compile and sizes["cp"] > 1:
-        raise ValueError(f"`NDParallel(compile=..., cp={sizes['cp']})`: ring attention inside compiled blocks is not"
-                         " supported in this release. HINT: compile=False with cp, or cp=1.")
-    if config.compile and sizes["tp"] > 1:
-        raise ValueError(
-            f"`NDParallel(compile=..., tp={sizes['tp']})`: compiled blocks with tensor parallelism gave wrong gradients"
-            " in our parity test (torch 2.13, gloo), so this release refuses the combination."
-            " HINT: compile with tp=1 (FSDP/HSDP layouts), or keep tp and set compile=False."
-        )
-    for option in ("sequence_parallel", "loss_parallel"):
-        if getattr(config, option) and sizes["tp"] == 1:
-            raise ValueError(
-                f"`NDParallel({option}=True)` splits work over tp, but tp=1. HINT: set tp > 1 or {option}=False."
-            )
-    if config.tp_plan and sizes["tp"] == 1:
-        log.warning("`tp_plan` is ignored: tp=1, so no layer is split.")
+def block_class_list(config: ParallelConfig) -> list[type | str] | None:
+    """``block_classes`` as a list (one class or name may be given alone)."""
+    if config.block_classes is None:
+        return None
+    return [config.block_classes] if isinstance(config.block_classes, (str, type)) else list(config.block_classes)
 
 
-def _check_pipeline_config(pp: int, config: ParallelConfig) -> None:
-    config.pp_stages_per_rank, config.pp_microbatches = check_schedule(
-        config.pp_schedule, pp, config.pp_stages_per_rank, config.pp_microbatches)
-    if config.compile:
-        raise ValueError(f"`NDParallel(compile=..., pp={pp})`: compiled blocks inside pipeline stages are not supported"
-                         " in this release (the zero-bubble schedules refuse them, and the stage hooks are untested"
-                         " under compile). HINT: compile=False with pp, or pp=1.")
-    if config.zero_stage == 1:
-        raise ValueError(f"`NDParallel(zero_stage=1, pp={pp})`: the pipeline reduces gradients at the end of every"
-                         " batch, so gradients cannot stay unreduced across an accumulation window."
-                         " HINT: zero_stage=2 (the default under pp) or 3.")
+PRECISION_DTYPES = {"bf16-mixed": ("bfloat16", "float32"), "16-mixed": ("float16", "float32")}
 
 
-def check_model(
-    module: nn.Module, dims: ParallelDims, config: ParallelConfig
-) -> tuple[list[tuple[str, nn.Module]], TPPlan | None]:
-    """Everything about the model that can be wrong for these dims; returns its blocks and TP plan."""
-    blocks = find_blocks(module, config.block_classes)
-    facts = read_model_facts(module, blocks)
-    if config.block_classes and not blocks:
-        raise ValueError(
-            f"`block_classes={list(config.block_classes)}` matches no module of `{type(module).__name__}`."
-            f" HINT: use one of the classes it contains, e.g. {_repeated_class_names(module)}."
-        )
-    if dims.pp > 1 and facts.num_hidden_layers is not None and dims.pp > facts.num_hidden_layers:
-        raise ValueError(f"`NDParallel(pp={dims.pp})` exceeds the model's {facts.num_hidden_layers} layers."
-                         f" HINT: choose pp <= {facts.num_hidden_layers}.")
-    if dims.cp > 1:
-        _check_context_parallel(module, dims.cp)
-    if dims.pp > 1:
-        from lightning_nd.parallel.pipeline.build import plan_stages
+def resolve_options(sizes: dict[str, int], config: ParallelConfig, precision: str | None = None) -> dict[str, Any]:
+    """Every option with its default for these dims filled in, JSON-able: what the composer applies."""
+    from lightning_nd.parallel.pipeline.schedule import check_schedule
 
-        plan_stages(module, blocks, dims, config)
-    if dims.ep > 1:
-        _check_experts(module, dims.ep)
-    if (dims.dp_enabled or dims.fsdp_enabled) and not blocks:
-        log.warning("No repeated blocks found: FSDP shards the whole model as one unit (more peak memory)."
-                    " Pass `NDParallel(block_classes=[...])` to shard block by block.")
-    if config.sequence_parallel and not blocks:
-        raise ValueError("`NDParallel(sequence_parallel=True)` needs the model's repeated blocks to bound the"
-                         " sequence-parallel region, and none were found. HINT: pass `NDParallel(block_classes=[YourBlock])`.")
-    if not dims.tp_enabled:
-        return blocks, None
-    plan = resolve_tp_plan(module, config.tp_plan, tp=dims.tp, facts=facts, sequence_parallel=config.sequence_parallel)
-    if config.loss_parallel and "colwise_gather_output" not in plan.entries.values():
-        raise ValueError("`NDParallel(loss_parallel=True)` needs a vocabulary-sharded output head, and the plan has"
-                         " none (a head tied to the embedding stays whole). HINT: set loss_parallel=False, or put the"
-                         " head in `tp_plan` as 'colwise_gather_output'.")
-    return blocks, plan
+    stages_per_rank, microbatches = (check_schedule(config.pp_schedule, sizes["pp"], config.pp_stages_per_rank,
+                                                    config.pp_microbatches) if sizes["pp"] > 1 else (1, 1))
+    param_dtype, reduce_dtype = PRECISION_DTYPES.get(str(precision), (None, None))
+    compile_backend = config.compile if isinstance(config.compile, str) else ("inductor" if config.compile else None)
+    return {
+        **jsonable(config),
+        "zero_stage": config.zero_stage if config.zero_stage is not None else (2 if sizes["pp"] > 1 else 3),
+        "pp_stages_per_rank": stages_per_rank, "pp_microbatches": microbatches,
+        "compile": compile_backend, "precision": precision,
+        # FSDP gathers parameters in param_dtype (half the traffic under bf16-mixed) and reduces in reduce_dtype.
+        "param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
+    }
 
 
-def _check_experts(module: nn.Module, ep: int) -> None:
-    from lightning_nd.parallel.expert import is_experts, unsupported_experts
+def jsonable(config: ParallelConfig) -> dict[str, Any]:
+    """The options as given, in JSON: classes and torch styles by name."""
+    def name(value: object) -> object:
+        return value if isinstance(value, (str, int, float, bool, type(None))) else (
+            value.__name__ if isinstance(value, type) else type(value).__name__)
 
-    experts = [(name, m) for name, m in module.named_modules() if is_experts(m)]
-    for name, m in experts:
-        if extra := unsupported_experts(m):
-            raise ValueError(f"`NDParallel(ep={ep})`: experts module `{name}` has parameters expert parallelism does"
-                             f" not carry ({', '.join(extra)}): only stacked `gate_up_proj`/`down_proj` SwiGLU experts"
-                             " are supported. HINT: use ep=1 for this model.")
-    counts = {m.gate_up_proj.shape[0] for _, m in experts}
-    if not counts:
-        raise ValueError(f"`NDParallel(ep={ep})` found no experts module (stacked `gate_up_proj`/`down_proj` weights,"
-                         " as `lightning_nd.nn.moe.MoE` and Hugging Face MoE models have). HINT: use ep=1.")
-    for count in sorted(counts):
-        if count % ep:
-            raise ValueError(f"`NDParallel(ep={ep})` does not divide an experts module's {count} experts."
-                             f" HINT: choose ep from {divisors(count)}.")
-
-
-def _check_context_parallel(module: nn.Module, cp: int) -> None:
-    """Hugging Face attention settings ring attention cannot honour: another kernel, windowed attention."""
-    for name, submodule in module.named_modules():
-        config = getattr(submodule, "config", None)
-        implementation = getattr(config, "_attn_implementation", None)
-        if implementation not in (None, "sdpa"):
-            raise ValueError(
-                f"`NDParallel(cp={cp})` routes scaled-dot-product attention to ring attention, and"
-                f" `{name or 'model'}` uses attn_implementation={implementation!r}. HINT: build the model with"
-                " `attn_implementation=\"sdpa\"`, or use cp=1."
-            )
-        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
-        if window:
-            raise ValueError(
-                f"`NDParallel(cp={cp})`: `{name or 'model'}` attends within a window of {window} tokens"
-                " (sliding-window or chunked attention), which ring attention does not implement. HINT: use cp=1"
-                " for this model."
-            )
-
-
-def _repeated_class_names(module: nn.Module) -> list[str]:
-    counts: dict[str, int] = {}
-    for child in module.modules():
-        counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
-    return sorted(name for name, count in counts.items() if count > 1)[:5]
+    values: dict[str, Any] = {}
+    for key, value in vars(config).items():
+        if isinstance(value, Mapping):
+            value = {str(k): name(v) for k, v in value.items()}
+        elif isinstance(value, (list, tuple)):
+            value = [name(v) for v in value]
+        elif isinstance(value, type):
+            value = [value.__name__]
+        values[key] = name(value) if not isinstance(value, (dict, list)) else value
+    return values

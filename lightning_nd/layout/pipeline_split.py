@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_nd.layout.structure import get_submodule
+from lightning_nd.layout.structure import get_submodule, model_child, owns_parameters
 
 SINGLE_STAGE = ("gpipe", "1f1b")
 LOOPED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
@@ -23,31 +23,31 @@ V_SHAPED = ("zbv", "dualpipev")
 SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageLayout:
     """Which units each pipeline stage holds, in order, and where that split came from."""
 
-    pre: list[str]
-    blocks: list[str]
-    post: list[str]
-    stages: list[list[str]]
+    pre: tuple[str, ...]
+    blocks: tuple[str, ...]
+    post: tuple[str, ...]
+    stages: tuple[tuple[str, ...], ...]
     source: str
 
     def describe(self) -> str:
         return "; ".join(f"stage {i}: {_span(units, self.blocks)}" for i, units in enumerate(self.stages))
 
 
-def _span(units: list[str], blocks: list[str]) -> str:
+def _span(units: Sequence[str], blocks: Sequence[str]) -> str:
     own = [u for u in units if u in blocks]
     before, after = units[:units.index(own[0])], units[units.index(own[-1]) + 1:]
     return " + ".join([*before, f"{own[0]}..{own[-1]}" if len(own) > 1 else own[0], *after])
 
 
-def stage_ranks(pp: int, stages_per_rank: int, schedule: str) -> list[list[int]]:
+def stage_ranks(pp: int, stages_per_rank: int, schedule: str) -> tuple[tuple[int, ...], ...]:
     """The stage indices each pp rank runs: looped (r, r+pp, ...) or V-shaped (r, 2pp-1-r)."""
     if schedule in V_SHAPED:
-        return [[rank, 2 * pp - 1 - rank] for rank in range(pp)]
-    return [[rank + k * pp for k in range(stages_per_rank)] for rank in range(pp)]
+        return tuple((rank, 2 * pp - 1 - rank) for rank in range(pp))
+    return tuple(tuple(rank + k * pp for k in range(stages_per_rank)) for rank in range(pp))
 
 
 def pipeline_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> tuple[list[str], list[str], list[str], str]:
@@ -134,9 +134,9 @@ def split_stages(
     stages, start = [], 0
     for index, count in enumerate(counts):
         units = block_names[start:start + count]
-        stages.append((pre if index == 0 else []) + units + (post if index == num_stages - 1 else []))
+        stages.append(tuple((pre if index == 0 else []) + units + (post if index == num_stages - 1 else [])))
         start += count
-    return StageLayout(pre=pre, blocks=block_names, post=post, stages=stages, source=source)
+    return StageLayout(pre=tuple(pre), blocks=tuple(block_names), post=tuple(post), stages=tuple(stages), source=source)
 
 
 def _numel(module: nn.Module) -> int:
@@ -207,3 +207,17 @@ def _check_ties(model: nn.Module, pre: list[str], post: list[str]) -> None:
                     " puts them on the first and last stages. HINT: untie them (e.g. `tie_word_embeddings=False`),"
                     " or use pp=1."
                 )
+
+
+def pipeline_model(module: nn.Module) -> tuple[str, nn.Module]:
+    """The attribute holding the whole model to pipeline, and the model."""
+    found = model_child(module)
+    if found is None:
+        owners = [f"`{name}`" for name, child in module.named_children() if owns_parameters(child)]
+        itself = " and on the module itself" if owns_parameters(module, recurse=False) else ""
+        raise ValueError(
+            f"Pipeline parallelism splits the model held by one attribute of `{type(module).__name__}`; parameters"
+            f" sit in {', '.join(owners) or 'none'}{itself}."
+            " HINT: keep the whole network in one attribute (e.g. `self.model = MyTransformer(...)`)."
+        )
+    return found

@@ -79,6 +79,19 @@ def get_submodule(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name) if name else model
 
 
+def owns_parameters(module: nn.Module, recurse: bool = True) -> bool:
+    return any(True for _ in module.parameters(recurse=recurse))
+
+
+def model_child(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The one child that holds every parameter (``self.model`` of a LightningModule) with its attribute name;
+    None when ``module`` owns parameters itself or they sit in several children."""
+    owners = [(name, child) for name, child in module.named_children() if owns_parameters(child)]
+    if owns_parameters(module, recurse=False) or len(owners) != 1:
+        return None
+    return owners[0]
+
+
 @dataclass
 class ModelFacts:
     """Sizes the parallel dims must divide, read from an HF-style ``config`` or from module attributes."""

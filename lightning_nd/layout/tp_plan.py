@@ -52,8 +52,10 @@ NAME_PATTERNS = {
 class TPPlan:
     """A resolved plan: concrete module name -> style name (or `ParallelStyle`), plus where it came from."""
 
-    entries: dict[str, str]
+    entries: dict[str, object]
     source: str
+    sources: dict[str, str]
+    """Per module: ``explicit``, ``declared``, ``pattern`` or ``sequence_parallel`` (a residual norm under SP)."""
 
 
 
@@ -75,6 +77,12 @@ def expand(model: nn.Module, plan: Mapping[str, object]) -> dict[str, object]:
             )
         resolved.update(dict.fromkeys(matched, style))
     return resolved
+
+
+def custom_styles(model: nn.Module, explicit: Mapping[str, object] | None) -> dict[str, object]:
+    """The torch `ParallelStyle` objects of an explicit plan, by concrete module name (the Layout names them only)."""
+    objects = {pattern: style for pattern, style in (explicit or {}).items() if not isinstance(style, str)}
+    return expand(model, objects) if objects else {}
 
 
 def declared_plan(model: nn.Module) -> dict[str, str]:
@@ -124,11 +132,11 @@ def resolve_tp_plan(
 ) -> TPPlan:
     """Pick the plan source, expand it to concrete modules, add norms for SP, and check it against tp."""
     if explicit:
-        entries, source = expand(model, explicit), "the plan passed to `NDParallel(tp_plan=...)`"
+        entries, source, kind = expand(model, explicit), "the plan passed to `NDParallel(tp_plan=...)`", "explicit"
     elif declared := declared_plan(model):
-        entries, source = expand(model, declared), "the plan the model declares (`_tp_plan`)"
+        entries, source, kind = expand(model, declared), "the plan the model declares (`_tp_plan`)", "declared"
     else:
-        entries, source = pattern_plan(model), "name patterns"
+        entries, source, kind = pattern_plan(model), "name patterns", "pattern"
     for name, style in entries.items():
         if isinstance(style, str) and style not in STYLES:
             fix = "" if explicit else " The model declares it; override the model's plan with `NDParallel(tp_plan=...)`."
@@ -136,12 +144,15 @@ def resolve_tp_plan(
     if not any(not isinstance(style, str) or style in SHARDING_STYLES for style in entries.values()):
         raise ValueError(_no_plan_message(model, tp))
     entries = _drop_tied(model, entries)
+    sources = dict.fromkeys(entries, kind)
     if sequence_parallel:
-        entries.update(dict.fromkeys(_residual_norms(model), "sequence_parallel"))
+        norms = [name for name in _residual_norms(model) if name not in entries]
+        entries.update(dict.fromkeys(norms, "sequence_parallel"))
+        sources.update(dict.fromkeys(norms, "sequence_parallel"))
     else:
         entries = {name: style for name, style in entries.items() if style != "sequence_parallel"}
     check_plan(model, entries, tp, facts)
-    return TPPlan(entries, source)
+    return TPPlan(entries, source, {name: sources[name] for name in entries})
 
 
 def _drop_tied(model: nn.Module, entries: dict[str, object]) -> dict[str, object]:

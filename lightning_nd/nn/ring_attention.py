@@ -18,6 +18,8 @@ sends asynchronously (NCCL; gloo's transport threads on CPU).
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,8 +30,9 @@ class _Hop:
     """One ring hop in flight: its requests and buffers, shared by the start and the finish of the hop
     (forward: start sends K/V on, finish waits; backward: finish sends the gradient back, start waits)."""
 
-    def __init__(self, group: ProcessGroup) -> None:
-        self.group = group
+    def __init__(self, group: ProcessGroup, report: Callable[[str, dict], None] | None = None) -> None:
+        self.group, self.report = group, report
+        self.peers: tuple[int, int] = (0, 0)
         self.requests: list = []
         self.sending: torch.Tensor | None = None
         self.received: torch.Tensor | None = None
@@ -74,11 +77,22 @@ def _post(hop: _Hop, tensor: torch.Tensor, step: int) -> None:
         dist.P2POp(dist.isend, hop.sending, send_to, hop.group),
         dist.P2POp(dist.irecv, hop.received, recv_from, hop.group),
     ])
+    hop.peers = (send_to, recv_from)
+    _tell(hop, "issued")
+
+
+def _tell(hop: _Hop, state: str) -> None:
+    """Report the hop's send and receive to whoever listens (the flight recorder does not record p2p on gloo)."""
+    if hop.report is not None:
+        size = hop.sending.numel() * hop.sending.element_size()
+        for op, peer in zip(("send", "recv"), hop.peers):
+            hop.report("p2p", {"op": op, "peer": peer, "bytes": size, "state": state, "time_s": time.perf_counter()})
 
 
 def _wait(hop: _Hop) -> torch.Tensor:
     for request in hop.requests:
         request.wait()
+    _tell(hop, "completed")
     received, hop.requests, hop.sending, hop.received = hop.received, [], None, None
     return received
 
@@ -140,11 +154,13 @@ def ring_attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    report: Callable[[str, dict], None] | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries to the keys of every rank in ``group``, passing K/V around a ring.
 
     ``q`` [B, H, S_local, D], ``k``/``v`` [B, Hkv, S_local, D] (grouped-query when Hkv < H), ``positions``
     [S_local]: the global sequence position of each local token (the same on every rank for its rows).
+    ``report(kind, fields)``, when given, hears of each hop's send and receive, issued and completed.
     """
     scale = _checked_scale(q, k, v, positions, scale)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -155,7 +171,7 @@ def ring_attention(
     for step in range(size):
         # The next hop travels while this block is computed: one stacked tensor per hop, kept in the
         # graph even when the block is fully masked. Backward overlaps the same way, in reverse.
-        hop = _Hop(group) if step + 1 < size else None
+        hop = _Hop(group, report) if step + 1 < size else None
         placeholder = _StartHop.apply(kv, hop) if hop else None
         source = (rank - step) % size
         out, lse = _merge(out, lse, *_block(grouped_q, kv, positions, every_position[source], causal, scale))

@@ -33,6 +33,9 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
+from lightning_nd.layout.structure import model_child
+
+
 def apply_fsdp(
     root: nn.Module,
     blocks: Sequence[nn.Module],
@@ -86,10 +89,8 @@ def fsdp_root(root: nn.Module) -> nn.Module:
     the root's parameters when it returns, and backward gathers them a second time (measured: the
     root's parameters moved twice per step at zero_stage=2).
     """
-    if any(True for _ in root.parameters(recurse=False)):
-        return root
-    owners = [child for child in root.children() if any(True for _ in child.parameters())]
-    return owners[0] if len(owners) == 1 else root
+    child = model_child(root)
+    return child[1] if child is not None else root
 
 
 def _shard_placement(param: nn.Parameter) -> Shard | None:

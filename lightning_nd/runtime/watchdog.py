@@ -26,13 +26,17 @@ _runs = itertools.count()  # every rank starts its watchdogs in the same order: 
 
 class RankWatchdog:
     def __init__(self, store, rank: int, world_size: int, dead_after: float, interval: float = 1.0,
-                 hint: Callable[[], str] = lambda: "") -> None:
+                 hint: Callable[[], str] = lambda: "", on_verdict: Callable[[int, str], None] | None = None,
+                 verdict_budget: float = 10.0) -> None:
+        """``on_verdict(rank, reason)`` runs on this watchdog's thread before it ends the process for a peer's
+        death, for at most ``verdict_budget`` seconds (listeners, loggers' flush)."""
         import torch.distributed as dist
 
         # Its own connection: a client serialises its requests, and the main thread may block in one (a store
         # barrier, NCCL set-up) for longer than the heartbeat timeout.
         self.store = dist.PrefixStore(f"lightning_nd/watchdog/{next(_runs)}/", store.clone())
         self.rank, self.dead_after, self.interval, self.hint = rank, dead_after, interval, hint
+        self.on_verdict, self.verdict_budget = on_verdict, verdict_budget
         self.peer = (rank + 1) % world_size
         self._stop = threading.Event()
         self._lock, self._announced = threading.Lock(), False
@@ -117,5 +121,15 @@ class RankWatchdog:
                     continue
             if rank != self.rank:
                 self.announce(rank, reason)
+                self._deliver(rank, reason)
                 self.linger()
                 os._exit(1)
+
+    def _deliver(self, rank: int, reason: str) -> None:
+        """Hand the verdict to ``on_verdict`` and wait for it, at most ``verdict_budget`` seconds."""
+        if self.on_verdict is None:
+            return
+        delivery = threading.Thread(target=self.on_verdict, args=(rank, reason), name="lightning-nd-watchdog-verdict",
+                                    daemon=True)
+        delivery.start()
+        delivery.join(self.verdict_budget)

@@ -1,18 +1,22 @@
-"""Mixin for `NDParallel`: two-phase process-group timeouts and the dead-rank watchdog.
+"""`FailureMonitor`: two-phase process-group timeouts and the dead-rank watchdog, for `NDParallel`.
 
 Start-up, the first optimizer step (compilation, first allocations) and checkpoint save/load run under
-``init_timeout``; after the first step every process group switches to the short ``timeout``, so a
-hung collective fails fast. The watchdog (`watchdog.py`) stops every rank within ``heartbeat_timeout``
-of one rank dying, naming it and the checkpoint to resume from.
+``init_timeout``; after the first step, once every rank has finished it (a barrier under the long timeout,
+so a slower rank still in its first step is not judged by the short one), every process group switches
+to the short ``timeout``, so a hung collective fails fast. The watchdog (`runtime/watchdog.py`) stops every
+rank within ``heartbeat_timeout`` of one rank dying, naming it and the checkpoint to resume from; the
+verdict reaches the strategy's event listeners before the process exits (`events.py`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import threading
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
+from lightning_nd.runtime.timeouts import set_timeout
 from lightning_nd.runtime.watchdog import RankWatchdog
 
 # What a rank sees when a peer dies under it (gloo, NCCL, the store): wait for the watchdog to name the peer.
@@ -20,90 +24,72 @@ COMMUNICATION_ERRORS = ("connection closed", "connection reset", "broken pipe", 
                         "distnetworkerror", "distbackenderror")
 
 
-def check_timeouts(timeout: Any, init_timeout: Any, heartbeat_timeout: Any) -> tuple[timedelta, timedelta, timedelta | None]:
-    """The three as ``timedelta`` (numbers are seconds, as a Hydra config gives them); refused when not positive."""
-    checked = []
-    for name, value in (("timeout", timeout), ("init_timeout", init_timeout), ("heartbeat_timeout", heartbeat_timeout)):
-        if value is None and name == "heartbeat_timeout":
-            checked.append(None)
-            continue
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = timedelta(seconds=value)
-        if not isinstance(value, timedelta) or value.total_seconds() < (2 if name == "heartbeat_timeout" else 1):
-            raise ValueError(f"`NDParallel({name}={value!r})` must be a `datetime.timedelta` or seconds, at least"
-                             f" {2 if name == 'heartbeat_timeout' else 1} s. HINT: e.g. `{name}=timedelta(minutes=5)`"
-                             f"{' or None to turn the watchdog off' if name == 'heartbeat_timeout' else ''}.")
-        checked.append(value)
-    return checked[0], checked[1], checked[2]
+class FailureMonitor:
+    def __init__(self, step_timeout: timedelta, init_timeout: timedelta, heartbeat_timeout: timedelta | None,
+                 barrier: Callable[[], None], resume_hint: Callable[[], str],
+                 on_verdict: Callable[[int, str, str], None]) -> None:
+        self.step_timeout, self.init_timeout, self.heartbeat_timeout = step_timeout, init_timeout, heartbeat_timeout
+        self._barrier, self._resume_hint, self._on_verdict = barrier, resume_hint, on_verdict
+        self._watchdog: RankWatchdog | None = None
+        self._stepped = self._failed = False
 
-
-def set_timeout(timeout: timedelta) -> None:
-    """Every process group of this process (the world and the mesh's) waits at most ``timeout``."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
-
-    for group in list(_world.pg_map):
-        if group is not dist.GroupMember.NON_GROUP_MEMBER:
-            _set_pg_timeout(timeout, group)
-
-
-class FailureHandling:
-    _watchdog: RankWatchdog | None = None
-    _stepped = False
-    _failed = False
-
-    def _start_failure_handling(self) -> None:
+    def start(self) -> None:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
 
         self._stepped = self._failed = False
-        set_timeout(self._init_timeout)  # a later fit in this process starts in the long phase again
-        if self._heartbeat_timeout is None or dist.get_world_size() == 1:
+        set_timeout(self.init_timeout)  # a later fit in this process starts in the long phase again
+        if self.heartbeat_timeout is None or dist.get_world_size() == 1:
             return
         self._watchdog = RankWatchdog(_get_default_store(), dist.get_rank(), dist.get_world_size(),
-                                      self._heartbeat_timeout.total_seconds(), hint=self._resume_hint)
+                                      self.heartbeat_timeout.total_seconds(), hint=self._resume_hint,
+                                      on_verdict=lambda culprit, reason: self._on_verdict(
+                                          culprit, reason, threading.current_thread().name))
         self._watchdog.start()
 
-    def _resume_hint(self) -> str:
-        last = getattr(self, "last_checkpoint", None)
-        return f" HINT: resume with `Trainer.fit(..., ckpt_path={str(last)!r})`." if last else ""
-
     @contextmanager
-    def _long_timeout(self) -> Generator[None, None, None]:
-        set_timeout(self._init_timeout)
+    def long_timeout(self) -> Generator[None, None, None]:
+        set_timeout(self.init_timeout)
         try:
             yield
         finally:
-            set_timeout(self._step_timeout if self._stepped else self._init_timeout)
+            set_timeout(self.step_timeout if self._stepped else self.init_timeout)
 
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        result = super().optimizer_step(*args, **kwargs)
+    def after_optimizer_step(self) -> None:
         if not self._stepped:
+            self._barrier()  # every rank is past its first step before any judges the others by the short timeout
             self._stepped = True
-            set_timeout(self._step_timeout)
-        return result
+            set_timeout(self.step_timeout)
 
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
         watchdog = self._watchdog
-        if watchdog is not None:
-            text = f"{type(exception).__name__}: {exception}"
-            found = None
-            if any(words in text.lower() for words in COMMUNICATION_ERRORS):
-                # Probably a peer's death seen first as a broken connection: let its watcher name it.
-                found = watchdog.wait_for_verdict(watchdog.dead_after + 3 * watchdog.interval)
-            if found is not None and found[0] != watchdog.rank:
-                watchdog.announce(*found)
-            else:
-                watchdog.report_failure(text.splitlines()[0][:300])
-            watchdog.halt()  # this rank is done with this run, even if the process carries on (a retry)
-            watchdog.linger()
-        super().on_exception(exception)
+        text = f"{type(exception).__name__}: {exception}"
+        if watchdog is None:
+            self._on_verdict(_own_rank(), text.splitlines()[0][:300], threading.current_thread().name)
+            return
+        found = None
+        if any(words in text.lower() for words in COMMUNICATION_ERRORS):
+            # Probably a peer's death seen first as a broken connection: let its watcher name it.
+            found = watchdog.wait_for_verdict(watchdog.dead_after + 3 * watchdog.interval)
+        if found is not None and found[0] != watchdog.rank:
+            watchdog.announce(*found)
+            self._on_verdict(found[0], found[1], threading.current_thread().name)
+        else:
+            watchdog.report_failure(text.splitlines()[0][:300])
+            self._on_verdict(watchdog.rank, f"failed: {text.splitlines()[0][:300]}", threading.current_thread().name)
+        watchdog.halt()  # this rank is done with this run, even if the process carries on (a retry)
+        watchdog.linger()
 
     def teardown(self) -> None:
         if self._watchdog is not None:
             if not self._failed:
-                self.barrier()  # watched while waiting: no rank leaves (perhaps with the store) before all are here
+                self._barrier()  # watched while waiting: no rank leaves (perhaps with the store) before all are here
                 self._watchdog.stop()
             self._watchdog = None
-        super().teardown()
+
+
+def _own_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0

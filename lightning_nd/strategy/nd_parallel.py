@@ -1,6 +1,6 @@
-"""`NDParallel`: the Lightning glue. Environment, mesh, calling the composer, step hooks, clipping.
-
-No parallelism logic lives here: see `parallelize.py` and `parallel/`.
+"""`NDParallel`: the Lightning glue. Each hook reads top to bottom and calls the collaborators it owns:
+the plan (`layout/plan.py`, made once at ``connect``), the composer (`parallel/compose.py`), the pipeline
+engine, the checkpointer, the failure monitor and the event bus (`events.py`).
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
+import time
 import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
@@ -24,25 +25,33 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_nd.strategy.checkpointer import ShardedCheckpoints
-from lightning_nd.strategy.probe import already_parallel, check_sequence_lengths, model_to_check
+from lightning_nd.layout.dims import ParallelDims, closest_name
+from lightning_nd.layout.options import ParallelConfig
+from lightning_nd.layout.plan import plan_layout
+from lightning_nd.layout.record import Layout
+from lightning_nd.layout.tp_plan import custom_styles
+from lightning_nd.layout.validate import check_config
+from lightning_nd.parallel.compose import ParallelizeReport, parallelize
 from lightning_nd.parallel.context.sharding import shard_batch
-from lightning_nd.runtime.clip import clip_grad_norm_, align_grads_to_params
-from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.parallel.fsdp import accumulate_without_sync, fsdp_root
+from lightning_nd.runtime.clip import align_grads_to_params, clip_grad_norm_
 from lightning_nd.runtime.materialize import materialize
 from lightning_nd.runtime.mesh import NDMesh, build_mesh
-from lightning_nd.parallel.fsdp import accumulate_without_sync, fsdp_root
-from lightning_nd.layout.options import ParallelConfig, check_config, check_model
-from lightning_nd.parallel.compose import ParallelizeReport, parallelize
-from lightning_nd.strategy.failure_monitor import FailureHandling, check_timeouts
-from lightning_nd.strategy.pipeline_engine import PipelineSteps
+from lightning_nd.runtime.timeouts import check_timeouts
+from lightning_nd.strategy import lifecycle
+from lightning_nd.strategy.checkpointer import Checkpointer
+from lightning_nd.strategy.events import CheckpointLoaded, CheckpointSaved, EventBus
+from lightning_nd.strategy.failure_monitor import FailureMonitor
+from lightning_nd.strategy.pipeline_engine import PipelineEngine
+from lightning_nd.strategy.probe import already_parallel, check_sequence_lengths, model_to_check
+from lightning_nd.strategy.step_events import StepEvents
 
 log = logging.getLogger("lightning_nd")
 
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
 
-class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParallelStrategy):
+class NDParallel(ModelParallelStrategy):
     """N-D parallel training of an ordinary LightningModule.
 
     Args:
@@ -50,17 +59,17 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
             ``dp_shard=-1`` fills the world size.
         zero_stage, tp_plan, sequence_parallel, loss_parallel, block_classes, activation_checkpointing,
             compile, cpu_offload, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_layers_per_stage,
-            pp_split, cp_shard_keys: how to parallelize (see `ParallelConfig`; pp steps: `pipelined.py`; cp:
-            `parallel/cp_region.py`).
+            pp_split, cp_shard_keys: how to parallelize (see `ParallelConfig`; pp steps: `pipeline_engine.py`;
+            cp: `parallel/context/region.py`).
         init_on_meta: build the layers created in ``configure_model`` on the meta device, then
             materialise only each rank's shard with every module's ``reset_parameters()``.
         timeout: process-group timeout after the first optimizer step: a collective that waits longer fails.
         init_timeout: process-group timeout for start-up, the first step and checkpoint save/load.
         heartbeat_timeout: a rank silent this long is dead; every other rank then exits 1 naming it
-            (`watchdog.py`). None: no watchdog (a death is noticed after ``timeout``).
-        Checkpoints (``ModelCheckpoint``, ``Trainer(ckpt_path=...)``): sharded, atomic, loadable under any
-            layout (`checkpointing.py`).
+            (`runtime/watchdog.py`). None: no watchdog (a death is noticed after ``timeout``).
         process_group_backend: ``"gloo"`` or ``"nccl"``; chosen from the device when None.
+
+    After ``connect``, ``strategy.layout`` is the run's `Layout`; ``strategy.config`` stays what was passed.
     """
 
     strategy_name = "nd"
@@ -97,7 +106,6 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
         timeout, init_timeout, heartbeat_timeout = check_timeouts(timeout, init_timeout, heartbeat_timeout)
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
                          timeout=init_timeout)
-        self._step_timeout, self._init_timeout, self._heartbeat_timeout = timeout, init_timeout, heartbeat_timeout
         self._sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
         ParallelDims.check_sizes(self._sizes)
         self.config = ParallelConfig(
@@ -112,7 +120,14 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
         self._cp_positions: Tensor | None = None
         self._dims: ParallelDims | None = None
         self._nd_mesh: NDMesh | None = None
+        self._layout: Layout | None = None
         self.report: ParallelizeReport | None = None
+        self.events = EventBus(self)
+        self.steps = StepEvents(self.events, torch.device("cpu"))
+        self.checkpointer = Checkpointer(self)
+        self.failures = FailureMonitor(timeout, init_timeout, heartbeat_timeout, barrier=self.barrier,
+                                       resume_hint=self._resume_hint, on_verdict=self._deliver_verdict)
+        self.pipeline: PipelineEngine | None = None
 
     @classmethod
     def from_config(cls, options: Mapping[str, Any]) -> NDParallel:
@@ -120,17 +135,15 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
         valid = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
         for key in options:
             if key not in valid:
-                closest = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.0)
-                raise ValueError(
-                    f"`NDParallel` has no option `{key}`. HINT: did you mean `{closest[0]}`? Options: {', '.join(valid)}."
-                )
+                raise ValueError(f"`NDParallel` has no option `{key}`. HINT: did you mean"
+                                 f" `{closest_name(key, valid)}`? Options: {', '.join(valid)}.")
         return cls(**options)
 
     @classmethod
     def register_strategies(cls, registry: Any) -> None:
-        registry.register(cls.strategy_name, cls, description="N-D parallel: FSDP2/HSDP x TP (lightning-nd)")
+        registry.register(cls.strategy_name, cls, description="N-D parallel: FSDP2/HSDP x TP x PP x CP x EP (lightning-nd)")
 
-    # ---- dims, mesh and validation -------------------------------------------------------------
+    # ---- what the run is ------------------------------------------------------------------------
 
     @property
     def dims(self) -> ParallelDims:
@@ -139,38 +152,54 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
         return self._dims
 
     @property
+    def layout(self) -> Layout:
+        if self._layout is None:
+            raise RuntimeError("`NDParallel.layout` is made when fit/validate/test/predict starts (at `connect`, or"
+                               " at `setup` for a `configure_model` that needs the device mesh).")
+        return self._layout
+
+    @property
+    def layout_or_none(self) -> Layout | None:
+        return self._layout
+
+    @property
     @override
     def device_mesh(self) -> NDMesh:
         if self._nd_mesh is None:
             raise RuntimeError("The device mesh exists once the processes have started (in `configure_model` and later).")
         return self._nd_mesh
 
+    @property
+    def pipeline_timings(self) -> dict[str, float]:
+        """Last step on this rank: ``step_s``, ``compute_s`` (forward/backward), ``idle_s``, ``idle_fraction``."""
+        return self.pipeline.timings if self.pipeline is not None else {}
+
     @override
     def _configure_launcher(self) -> None:
         # The Trainer knows devices x nodes here, before any process is launched: validate now.
         self._dims = ParallelDims(**self._sizes, world_size=self.num_nodes * self.num_processes)
         check_config(self._dims.as_dict(), self.config)
-        self._dims.check_topology(self.num_processes)
         super()._configure_launcher()
 
     @override
     def connect(self, model: LightningModule) -> None:
         super().connect(model)
         if self.report is not None and self.report.module is model:
-            return  # validate/test/predict after fit: checked and parallelized already
-        if (probe := model_to_check(model)) is not None:
-            check_model(probe, self.dims, self.config)
+            return  # validate/test/predict after fit: planned and parallelized already
+        probe = model_to_check(model)
+        self._layout = self._plan(probe) if probe is not None else None
+
+    def _plan(self, module: torch.nn.Module) -> Layout:
+        return plan_layout(module, self.dims, self.config, precision=getattr(self.precision_plugin, "precision", None),
+                           local_world_size=self.num_processes)
 
     @override
     def setup_environment(self) -> None:
-        self._setup_distributed()
-        if self.global_rank != 0:  # one copy of each "Applied ..." line, not one per rank
-            log.setLevel(logging.WARNING)
-        elif not log.hasHandlers():
-            log.addHandler(logging.StreamHandler())
-            log.setLevel(logging.INFO)
+        lifecycle.start_processes(self)
         self._nd_mesh = build_mesh(self.dims, self.root_device.type)
-        self._start_failure_handling()
+        lifecycle.groups_created(self)
+        self.failures.start()
+        self.steps = StepEvents(self.events, self.root_device)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._nd_mesh
         rank_zero_info(f"lightning-nd mesh {self.dims.as_dict()}\n{self.dims.rank_table()}")
@@ -192,8 +221,7 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        assert self.model is not None
-        assert self.accelerator is not None
+        assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         if self.report is not None and self.report.module is self.model:
@@ -201,21 +229,26 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
         elif already_parallel(self.model):
             rank_zero_info("lightning-nd: `configure_model` parallelized the model itself; the composer is skipped.")
         else:
+            if self._layout is None:  # `configure_model` needed the mesh: plan the real (meta-device) model now
+                self._layout = self._plan(self.model)
+            lifecycle.layout_ready(self, trainer)
             # FSDP2 warns when a wrapped module returns a view; the root unit returns logits that are
             # views of the head's output on every step. Only the root unit's warning is silenced.
             root_class = type(fsdp_root(self.model)).__name__
             warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP{root_class}\) returned a view tensor")
-            self._configure_mixed_precision()
-            self.report = parallelize(self.model, self.dims, self.device_mesh, self.config, forward_methods=STEP_METHODS)
+            self.report = parallelize(self.model, self.device_mesh, self.layout, forward_methods=STEP_METHODS,
+                                      styles=custom_styles(self.model, self.config.tp_plan))
         # With CPU offload FSDP keeps the shards in host memory and moves them itself.
         device = torch.device("cpu") if self.config.cpu_offload else self.root_device
         # Ranks that hold the same shard must draw the same numbers: one seed for all, from rank 0.
         materialize(self.model, device, seed=self.broadcast(torch.initial_seed() % 2**31))
         if not self.config.cpu_offload:
             self.model_to_device()
-        if self.report is not None and self.report.stages and self._runner_report is not self.report:
-            self._build_runner(self.report)
-        self._sync_metrics_over_batch_ranks()
+        if self.report is not None and self.report.stages and (self.pipeline is None or self.pipeline.report is not self.report):
+            self.pipeline = PipelineEngine(self, self.report, self.layout, self.device_mesh.group("pp"),
+                                           self.root_device, self.steps.report("pp"))
+        self.steps.watch_routing(self.model)
+        lifecycle.sync_metrics_over_batch_ranks(self)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -223,32 +256,13 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, device)
-
-    def _configure_mixed_precision(self) -> None:
-        if getattr(self.precision_plugin, "precision", None) == "bf16-mixed":
-            # FSDP gathers bf16 parameters (half the traffic) and reduces gradients in fp32.
-            self.config.param_dtype, self.config.reduce_dtype = torch.bfloat16, torch.float32
-
-    def _sync_metrics_over_batch_ranks(self) -> None:
-        from torchmetrics import Metric
-
-        group = self.device_mesh.group("batch")
-        for module in self.lightning_module.modules():
-            if isinstance(module, Metric) and module.process_group is None:
-                module.process_group = group
+        self.steps.start_waiting()
 
     # ---- step hooks ------------------------------------------------------------------------------
 
     @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
-        # A logged value is the same on tp ranks: reduce over the ranks that saw different tokens only.
-        if isinstance(tensor, DTensor):  # a loss-parallel loss: replicated over tp
-            tensor = tensor.full_tensor()
-        return super().reduce(tensor, group=group if group is not None else self.device_mesh.group("loss"),
-                              reduce_op=reduce_op)
-
-    @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        self.steps.batch_arrived()
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.dims.cp > 1:
             batch, self._cp_positions = shard_batch(batch, self.dims.cp, self.device_mesh.local_rank("cp"),
@@ -257,24 +271,74 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
             check_sequence_lengths(batch, self.dims.tp)
         return batch
 
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self.checkpointer.before_training_step()
+        # Under pp the runner reports each microbatch's phases itself.
+        with self.steps.phase("forward") if self.pipeline is None else nullcontext(), lifecycle.step_context(self):
+            result = (self.pipeline.train(self.lightning_module, args[0]) if self.pipeline is not None
+                      else super().training_step(*args, **kwargs))
+        self.steps.step_done(self.pipeline_timings)
+        return result
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with lifecycle.step_context(self):
+            if self.pipeline is not None:
+                return self.pipeline.evaluate(self.lightning_module, args[0], "val")
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with lifecycle.step_context(self):
+            if self.pipeline is not None:
+                return self.pipeline.evaluate(self.lightning_module, args[0], "test")
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with lifecycle.step_context(self):
+            if self.pipeline is not None:
+                return self.pipeline.predict(self.lightning_module, args[0])
+            return super().predict_step(*args, **kwargs)
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         assert self.model is not None
-        with accumulate_without_sync(self.model, self.config.zero_stage):
+        with accumulate_without_sync(self.model, self.layout.options["zero_stage"] if self._layout else 3):
             yield None
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self._runner is not None:
-            return self._pipeline_backward(closure_loss)
-        with self._step_context(forward=False):
+        if self.pipeline is not None:
+            return self.pipeline.backward(self.lightning_module, closure_loss)
+        with self.steps.phase("backward"), lifecycle.step_context(self, forward=False):
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         # Gradients whose layout differs from their parameter's (Partial under SP, a full copy for a
         # sharded embedding) are aligned now: clipping, hooks and the optimizer see the true shard.
         assert self.model is not None
         align_grads_to_params(self.model.parameters())
         return loss
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.steps.phase("optimizer"):
+            result = super().optimizer_step(*args, **kwargs)
+        if self.pipeline is not None:
+            self.pipeline.window_closed()
+        self.failures.after_optimizer_step()
+        self.steps.optimizer_done()
+        return result
+
+    @override
+    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
+        # A logged value is the same on tp ranks: reduce over the ranks that saw different tokens only.
+        if isinstance(tensor, DTensor):  # a loss-parallel loss: replicated over tp
+            tensor = tensor.full_tensor()
+        with self.steps.collective("reduce", "loss" if group is None else "group"):
+            return super().reduce(tensor, group=group if group is not None else self.device_mesh.group("loss"),
+                                  reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -287,7 +351,57 @@ class NDParallel(ShardedCheckpoints, FailureHandling, PipelineSteps, ModelParall
         return bool(flag == self.world_size) if all else bool(flag)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, pp=self.dims.pp)
+        with self.steps.collective("clip_grad_norm", "world"):
+            clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, pp=self.dims.pp)
+
+    # ---- checkpoints and failures ----------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return self.checkpointer.model_state()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return self.checkpointer.optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("`NDParallel.save_checkpoint(..., storage_options=...)` is not supported: it writes with"
+                            " torch.distributed.checkpoint, not a `CheckpointIO` plugin.")
+        start = time.perf_counter()
+        step = checkpoint.get("global_step")
+        path = self.checkpointer.save(checkpoint, filepath)
+        self.events.emit(CheckpointSaved(str(path), step, time.perf_counter() - start))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        start = time.perf_counter()
+        meta, path, resharded = self.checkpointer.load(checkpoint_path, weights_only)
+        self.events.emit(CheckpointLoaded(str(path), resharded, time.perf_counter() - start))
+        return meta
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        return self.checkpointer.resumed_loader(super().process_dataloader(dataloader))
+
+    def _resume_hint(self) -> str:
+        last = self.checkpointer.last_checkpoint
+        return f" HINT: resume with `Trainer.fit(..., ckpt_path={str(last)!r})`." if last else ""
+
+    def _deliver_verdict(self, culprit: int, reason: str, thread: str) -> None:
+        lifecycle.deliver_verdict(self, culprit, reason, thread)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        lifecycle.out_of_memory(self, exception)
+        self.failures.on_exception(exception)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self.failures.teardown()
+        super().teardown()
 
 
 NDParallel.register_strategies(StrategyRegistry)

@@ -1,5 +1,4 @@
-"""Lightning step methods: run by the pipeline schedule under pp, always inside the step context (loss
-parallel, the context-parallel region).
+"""`PipelineEngine`: how `NDParallel` runs Lightning's steps under pp, through the pipeline schedule.
 
 Under pp the strategy does not call the module's ``training_step``/``validation_step``: a stage
 cannot run the whole model. It asks the module two small questions instead, both optional:
@@ -20,17 +19,18 @@ The mean loss over microbatches reaches every rank and is logged as ``train_loss
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
-from lightning_nd.runtime.clip import align_grads_to_params
-from lightning_nd.parallel.context.region import context_parallel_region
+from lightning_nd.layout.record import Layout
 from lightning_nd.parallel.pipeline.schedule import PipelineRunner
 from lightning_nd.parallel.compose import ParallelizeReport
+from lightning_nd.runtime.clip import align_grads_to_params
 
 TARGET_KEYS = ("labels", "targets", "target", "y")
 HF_LOSS = ("def pipeline_loss(self, logits, labels): return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),"
@@ -78,72 +78,31 @@ def pipeline_loss(module: LightningModule, output: Tensor, target: Tensor) -> Te
     )
 
 
-class PipelineSteps:
-    """Mixin for `NDParallel`: Lightning's step methods, run by the pipeline when there is one, all
-    inside the step context (loss parallel, the context-parallel region)."""
+class PipelineEngine:
+    """A rank's pipeline: the schedule runner and the gradients it hands back to Lightning's backward."""
 
-    _runner: PipelineRunner | None = None
-    _runner_report: ParallelizeReport | None = None
-    _grads: list[Tensor | None] = []
-    _window_open = False
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
-            if self._runner is not None:
-                return self._pipeline_train(args[0])
-            return super().training_step(*args, **kwargs)
-
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
-            if self._runner is not None:
-                return self._pipeline_eval(args[0], "val")
-            return super().validation_step(*args, **kwargs)
-
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
-            if self._runner is not None:
-                return self._pipeline_eval(args[0], "test")
-            return super().test_step(*args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._step_context():
-            if self._runner is not None:
-                return self._pipeline_predict(args[0])
-            return super().predict_step(*args, **kwargs)
-
-    def _step_context(self, forward: bool = True) -> ExitStack:
-        """What a step (``forward``) and its backward run inside: loss parallel, and the context-parallel region."""
-        stack = ExitStack()
-        if self.config.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            stack.enter_context(loss_parallel())
-        if self._cp_positions is not None:
-            stack.enter_context(context_parallel_region(self.device_mesh.group("cp"), self._cp_positions,
-                                                        expect_attention=forward))
-        return stack
-
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        result = super().optimizer_step(*args, **kwargs)
-        self._window_open = False  # the next training step starts a new accumulation window
-        return result
-
-    def _build_runner(self, report: ParallelizeReport) -> None:
-        self._runner_report = report
-        self._runner = PipelineRunner(
-            report.stages, report.stage_plan.ranks, self.config.pp_schedule, self.config.pp_microbatches,
-            self.device_mesh.group("pp"), self.root_device,
-        )
+    def __init__(self, strategy: Any, report: ParallelizeReport, layout: Layout, group: Any, device: torch.device,
+                 events: Callable[[str, dict[str, Any]], None] | None) -> None:
+        """``report``: what the composer built (this rank's stages); ``events``: the strategy's listener for
+        microbatch phases and point-to-point operations (None when nobody listens)."""
+        assert layout.pipeline is not None
+        self.strategy, self.report = strategy, report
+        self.runner = PipelineRunner(report.stages, layout.pipeline.ranks, layout.options["pp_schedule"],
+                                     layout.options["pp_microbatches"], group, device, events)
+        self._grads: list[Tensor | None] = []
+        self._window_open = False
 
     @property
-    def pipeline_timings(self) -> dict[str, float]:
-        """Last step on this rank: ``step_s``, ``compute_s`` (forward/backward), ``idle_s``, ``idle_fraction``."""
-        return dict(self._runner.timings) if self._runner is not None else {}
+    def timings(self) -> dict[str, float]:
+        return dict(self.runner.timings)
 
-    def _pipeline_train(self, batch: Any) -> Tensor:
+    def window_closed(self) -> None:
+        """The optimizer stepped: the next training step starts a new accumulation window."""
+        self._window_open = False
+
+    def train(self, module: LightningModule, batch: Any) -> Tensor:
         """Forward and backward of the whole batch. Lightning zeroes gradients between the training step
-        and backward, so the gradients are set aside here and put back in `_pipeline_backward`."""
-        module = self.lightning_module
+        and backward, so the gradients are set aside here and put back in `backward`."""
         if not module.automatic_optimization:
             raise ValueError(
                 f"`{type(module).__name__}.automatic_optimization = False`: under pipeline parallelism the strategy"
@@ -157,38 +116,38 @@ class PipelineSteps:
             for param in params:
                 param.grad = None
         inputs, target = split_batch(module, batch)
-        with self.precision_plugin.train_step_context():
-            loss = self._runner.train_step(inputs, target, lambda out, tgt: pipeline_loss(module, out, tgt),
-                                           accumulate=accumulate)
+        with self.strategy.precision_plugin.train_step_context():
+            loss = self.runner.train_step(inputs, target, lambda out, tgt: pipeline_loss(module, out, tgt),
+                                          accumulate=accumulate)
         self._grads = [param.grad for param in params]
         for param in params:
             param.grad = None
         module.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
-    def _pipeline_eval(self, batch: Any, stage: str) -> Tensor:
-        module = self.lightning_module
+    def evaluate(self, module: LightningModule, batch: Any, stage: str) -> Tensor:
         inputs, target = split_batch(module, batch)
-        with self.precision_plugin.val_step_context():
-            loss = self._runner.eval_step(inputs, target, lambda out, tgt: pipeline_loss(module, out, tgt))
+        context = (self.strategy.precision_plugin.val_step_context if stage == "val"
+                   else self.strategy.precision_plugin.test_step_context)
+        with context():
+            loss = self.runner.eval_step(inputs, target, lambda out, tgt: pipeline_loss(module, out, tgt))
         module.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
-    def _pipeline_predict(self, batch: Any) -> Tensor:
-        module = self.lightning_module
+    def predict(self, module: LightningModule, batch: Any) -> Tensor:
         inputs, _ = split_batch(module, batch, need_target=False)
-        with self.precision_plugin.predict_step_context():
-            return self._runner.predict_step(inputs)
+        with self.strategy.precision_plugin.predict_step_context():
+            return self.runner.predict_step(inputs)
 
-    def _pipeline_backward(self, loss: Tensor) -> Tensor:
+    def backward(self, module: LightningModule, loss: Tensor) -> Tensor:
         """The schedule ran backward already; its gradients come back, Lightning's hooks still run."""
-        module = self.lightning_module
         for param, grad in zip(module.parameters(), self._grads):
             param.grad = grad
         self._grads = []
         align_grads_to_params(module.parameters())
-        self.pre_backward(loss)
-        loss = self.precision_plugin.pre_backward(loss, module)
-        loss = self.precision_plugin.post_backward(loss, module)
-        self.post_backward(loss)
+        strategy = self.strategy
+        strategy.pre_backward(loss)
+        loss = strategy.precision_plugin.pre_backward(loss, module)
+        loss = strategy.precision_plugin.post_backward(loss, module)
+        strategy.post_backward(loss)
         return loss

@@ -10,35 +10,32 @@ import logging
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_nd.parallel.context.sharding import sequence_length
 from lightning_nd.runtime.materialize import check_initialisable
 
 log = logging.getLogger("lightning_nd")
 
 
 def check_sequence_lengths(batch: Any, tp: int) -> None:
-    """Sequence parallel splits dim 1 of every activation over tp: token tensors must divide by it."""
-    def check(tensor: Tensor) -> None:
-        if tensor.ndim >= 2 and not tensor.is_floating_point() and tensor.shape[1] % tp:
-            raise ValueError(
-                f"`NDParallel(sequence_parallel=True, tp={tp})` splits the sequence over tp, but the batch has a"
-                f" tensor of shape {tuple(tensor.shape)} whose sequence length {tensor.shape[1]} does not divide by"
-                f" {tp}. HINT: pad or crop sequences to a multiple of {tp}, or set sequence_parallel=False."
-            )
-
-    apply_to_collection(batch, Tensor, check)
+    """Sequence parallel splits dim 1 of every activation over tp: the batch's sequence length must divide by it."""
+    length = sequence_length(batch)
+    if length is not None and length % tp:
+        raise ValueError(
+            f"`NDParallel(sequence_parallel=True, tp={tp})` splits the sequence over tp, but the batch's sequence"
+            f" length {length} does not divide by {tp}. HINT: pad or crop sequences to a multiple of"
+            f" {tp}, or set sequence_parallel=False."
+        )
 
 
 def model_to_check(model: LightningModule) -> torch.nn.Module | None:
-    """The module whose structure `check_model` validates before any process group exists.
+    """The module `plan_layout` plans before any process group exists.
 
     A model built in `configure_model` does not exist yet: build it on a meta-device copy. If that
-    hook needs the running job (it reads `self.device_mesh`), None: the composer checks in `setup`.
+    hook needs the running job (it reads `self.device_mesh`), None: the strategy plans in `setup`.
     """
     if any(True for _ in model.parameters()) or not is_overridden("configure_model", model):
         return model
@@ -47,8 +44,8 @@ def model_to_check(model: LightningModule) -> torch.nn.Module | None:
         probe = copy.deepcopy(model, memo={id(model._trainer): model._trainer} if model._trainer else None)
         with torch.device("meta"):
             probe.configure_model()
-    except Exception as error:  # the hook needs the process group; `setup` checks the real model
-        log.debug("configure_model could not run before the processes start (%s); checking in setup", error)
+    except Exception as error:  # the hook needs the process group; `setup` plans the real model
+        log.debug("configure_model could not run before the processes start (%s); planning in setup", error)
         return None
     if not any(True for _ in probe.parameters()):
         return None

@@ -8,6 +8,7 @@ starting 4 Python processes costs more than training a tiny model for 5 steps.
 from __future__ import annotations
 
 import os
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from examples.data import SyntheticTokens, TokenDataModule
 from examples.lit import CausalLM, logits_of
-from lightning_nd import NDParallel
+from lightning_nd import Layout, NDParallel
 from lightning_nd.parallel.pipeline.stage import PipelineStages
 from tests.models import VOCAB, build
 
@@ -43,6 +44,47 @@ class LossRecorder(Callback):
         self.losses.append(trainer.strategy.reduce(loss, reduce_op="mean").item())
 
 
+class ShardBytes(Callback):
+    """After setup, before any step: every parameter's local bytes (``to_local()``) and FSDP's padded storage
+    on this rank, under whole-model names, beside what the strategy's Layout planned for this rank."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        padded = {}
+        for module in pl_module.modules():
+            group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                data = fsdp_param._sharded_param_data
+                padded[id(fsdp_param.sharded_param)] = data.numel() * data.element_size()
+        layout = trainer.strategy.layout
+        plan = layout.pipeline
+        self.measured = {}
+        for name, param in pl_module.named_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            whole = name if plan is None else f"{plan.attribute}.{PipelineStages.original_name(name[len(plan.attribute) + 1:])}"
+            size = local.numel() * local.element_size()
+            self.measured[whole] = (size, padded.get(id(param), size))
+        mine = layout.rank(trainer.global_rank)
+        self.planned = {shard.name: (shard.bytes, shard.padded_bytes) for shard in mine.params}
+        self.roundtrip = Layout.from_json(layout.to_json()) == layout
+
+
+def assert_layout_matches_shards(per_rank: list, layout: str) -> None:
+    """On every rank, the Layout's bytes per parameter equal the shard measured after parallelize (exactly,
+    unpadded and padded), and the Layout survived a JSON round trip."""
+    for rank, result in enumerate(per_rank):
+        holdings = result[layout]["parallel"]["holdings"]
+        assert holdings["roundtrip"], f"rank {rank}: the Layout changed through JSON"
+        assert holdings["planned"] == holdings["measured"], f"rank {rank}: planned != measured"
+        assert holdings["measured"], f"rank {rank}: no parameters measured"
+
+
+def techniques(parallel: dict) -> dict[str, dict]:
+    """The composer's records of one run, by technique."""
+    return {record["technique"]: record for record in parallel["applied"]}
+
+
 def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
     if tensor is None:
         return None
@@ -52,10 +94,11 @@ def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
 def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None, accumulate: int, world: int,
                     batch: int, validate: bool) -> dict[str, Any]:
     model = build(model_name)
-    recorder = LossRecorder()
+    recorder, shard_bytes = LossRecorder(), ShardBytes()
     trainer = Trainer(
         strategy=NDParallel(**layout), accelerator="cpu", devices=world, max_steps=STEPS, precision="32-true",
-        gradient_clip_val=clip, accumulate_grad_batches=accumulate, callbacks=[recorder], logger=False, enable_checkpointing=False,
+        gradient_clip_val=clip, accumulate_grad_batches=accumulate, callbacks=[recorder, shard_bytes], logger=False,
+        enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )
     dp = trainer.strategy.dims.batch_size_multiplier
@@ -66,8 +109,10 @@ def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None,
     named = [(PipelineStages.original_name(name), p) for name, p in module.model.named_parameters()]
     result = {"losses": recorder.losses, "params": {name: _full(p) for name, p in named},
               "grads": {name: _full(p.grad) for name, p in named}, "global_batch": batch * dp * accumulate,
-              "applied": trainer.strategy.report.applied if trainer.strategy.report else [],
-              "timings": trainer.strategy.pipeline_timings}
+              "applied": [asdict(t) for t in trainer.strategy.report.applied] if trainer.strategy.report else [],
+              "timings": trainer.strategy.pipeline_timings,
+              "holdings": {"measured": shard_bytes.measured, "planned": shard_bytes.planned,
+                           "roundtrip": shard_bytes.roundtrip}}
     if validate:
         val = DataLoader(SyntheticTokens(VOCAB, SEQ_LEN, VAL_BATCHES * batch * dp * accumulate, seed=1), batch_size=batch)
         trainer.limit_val_batches = 1.0  # off while fitting (no validation inside the 5 steps)
@@ -188,11 +233,13 @@ def assert_state_matches(per_rank: list, layout: str) -> None:
 
 
 def assert_training_matches(per_rank: list, layout: str, applied: str, clip: float | None = None) -> None:
-    """A layout trained like one process: the line naming ``applied`` was logged; loss per optimizer step
-    (micro-steps averaged), gradients and parameters match; every rank's validation loss matches; with
-    ``clip``, clipping really acted (the one-process gradient norm exceeded it)."""
+    """A layout trained like one process: the technique ``applied`` was applied (to some parameters); each
+    rank holds what its Layout says; loss per optimizer step (micro-steps averaged), gradients and
+    parameters match; every rank's validation loss matches; with ``clip``, clipping really acted (the
+    one-process gradient norm exceeded it)."""
     parallel, reference = per_rank[0][layout]["parallel"], per_rank[0][layout]["reference"]
-    assert any(applied in line for line in parallel["applied"]), parallel["applied"]
+    assert applied in techniques(parallel), parallel["applied"]
+    assert_layout_matches_shards(per_rank, layout)
     steps = torch.tensor(parallel["losses"]).view(STEPS, -1).mean(dim=1)
     torch.testing.assert_close(steps, torch.tensor(reference["losses"]), rtol=1e-6, atol=2e-6)
     assert_state_matches(per_rank, layout)

@@ -31,4 +31,4 @@ def runs(tmp_path_factory):
 def test_context_parallel_matches_one_process(runs, launch_name, layout):
     per_rank = runs(launch_name)
     assert len(per_rank[0][layout]["parallel"]["losses"]) == STEPS
-    assert_training_matches(per_rank, layout, "context parallel")
+    assert_training_matches(per_rank, layout, "context_parallel")

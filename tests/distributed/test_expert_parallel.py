@@ -64,4 +64,4 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("launch_name, layout", CASES)
 def test_training_under_expert_parallelism_matches_one_process(runs, launch_name, layout):
-    assert_training_matches(runs(launch_name), layout, "expert parallel", CLIP.get(layout))
+    assert_training_matches(runs(launch_name), layout, "expert_parallel", CLIP.get(layout))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed.parity import assert_layout_matches_shards, techniques
 from tests.launcher import launch
 
 LAYOUTS = {
@@ -24,7 +25,8 @@ def per_rank(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_packed_projection_matches_one_process(per_rank, layout):
     parallel, reference = per_rank[0][layout]["parallel"], per_rank[0][layout]["reference"]
-    assert "from name patterns" in parallel["applied"][0]
+    assert techniques(parallel)["tensor_parallel"]["details"]["source"] == "name patterns"
+    assert_layout_matches_shards(per_rank, layout)
     torch.testing.assert_close(torch.tensor(parallel["losses"]), torch.tensor(reference["losses"]), rtol=1e-6, atol=2e-6)
     for name, expected in reference["grads"].items():
         torch.testing.assert_close(parallel["grads"][name], expected, rtol=1e-4, atol=2e-6, msg=lambda m: f"grad {name}: {m}")

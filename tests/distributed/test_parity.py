@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.parity import ACCUMULATE, STEPS
+from tests.distributed.parity import ACCUMULATE, STEPS, assert_layout_matches_shards, techniques
 from tests.launcher import launch
 
 WORLD = 4
@@ -95,18 +95,30 @@ def test_every_rank_holds_the_same_model(runs, model_name, layout):
 def test_each_layout_applied_what_it_asked_for(runs, model_name):
     """The parity above is only meaningful if the techniques really ran."""
     per_rank = runs(model_name)
-    applied = {name: " | ".join(r["parallel"]["applied"]) for name, r in per_rank[0].items()}
-    assert "FSDP (shard=4) with zero_stage=3" in applied["fsdp4"]
-    assert "HSDP (replicate=2 x shard=2)" in applied["hsdp_2x2_clip"]
-    assert "replicate=4" in applied["ddp4"]
-    assert "zero_stage=1" in applied["zero1_accum"] and "zero_stage=2" in applied["zero2_accum"]
-    assert "tensor parallel (tp=4, sequence_parallel=True" in applied["tp4_sp_clip"]
-    assert "FSDP" not in applied["tp4"] and "HSDP" not in applied["tp4"]
-    assert "full activation checkpointing" in applied["fsdp4_ac_full"]
-    assert "selective activation checkpointing" in applied["fsdp2_tp2_ac_selective"]
+    applied = {name: techniques(r["parallel"]) for name, r in per_rank[0].items()}
+    details = lambda name, technique: applied[name][technique]["details"]  # noqa: E731
+    assert details("fsdp4", "fsdp") | {"units": None} == {"replicate": 1, "shard": 4, "zero_stage": 3, "units": None}
+    assert (details("hsdp_2x2_clip", "hsdp")["replicate"], details("hsdp_2x2_clip", "hsdp")["shard"]) == (2, 2)
+    assert (details("ddp4", "hsdp")["replicate"], details("ddp4", "hsdp")["shard"]) == (4, 1)
+    assert details("zero1_accum", "fsdp")["zero_stage"] == 1 and details("zero2_accum", "fsdp")["zero_stage"] == 2
+    assert details("tp4_sp_clip", "tensor_parallel")["tp"] == 4
+    assert details("tp4_sp_clip", "tensor_parallel")["sequence_parallel"] is True
+    assert "fsdp" not in applied["tp4"] and "hsdp" not in applied["tp4"]
+    assert details("fsdp4_ac_full", "activation_checkpointing")["mode"] == "full"
+    assert details("fsdp2_tp2_ac_selective", "activation_checkpointing")["mode"] == "selective"
     if model_name not in NOT_FOR:
-        assert "loss_parallel=True" in applied["fsdp2_tp2_sp_loss_parallel"]
-    assert "Compiled 2 blocks with torch.compile(backend='aot_eager')" in applied["fsdp4_compile"]
+        assert details("fsdp2_tp2_sp_loss_parallel", "tensor_parallel")["loss_parallel"] is True
+    compiled = applied["fsdp4_compile"]["compile"]
+    assert compiled["details"]["backend"] == "aot_eager" and len(compiled["modules"]) == 2
+    for name, records in applied.items():  # every technique touched parameters (context parallel splits none)
+        assert all(r["parameters"] > 0 for r in records.values()), (name, records)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_each_rank_holds_what_its_layout_says(runs, model_name):
+    """The Layout's per-rank parameter bytes (unpadded and FSDP-padded) equal the shards after parallelize."""
+    for layout in layouts_for(model_name):
+        assert_layout_matches_shards(runs(model_name), layout)
 
 
 @pytest.mark.parametrize("model_name", MODELS)

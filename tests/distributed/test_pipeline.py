@@ -43,7 +43,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("launch_name, layout", CASES)
 def test_pipeline_matches_one_process(runs, launch_name, layout):
-    assert_training_matches(runs(launch_name), layout, "pipeline stages", CLIP.get(layout))
+    assert_training_matches(runs(launch_name), layout, "pipeline_split", CLIP.get(layout))
 
 
 @pytest.mark.parametrize("launch_name, layout", CASES)

@@ -20,9 +20,9 @@ def test_balanced_split_gives_lighter_end_stages_when_they_carry_embeddings():
 
 
 def test_stage_to_rank_mappings():
-    assert stage_ranks(2, 1, "1f1b") == [[0], [1]]
-    assert stage_ranks(4, 2, "interleaved_1f1b") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert stage_ranks(2, 2, "zbv") == [[0, 3], [1, 2]]
+    assert stage_ranks(2, 1, "1f1b") == ((0,), (1,))
+    assert stage_ranks(4, 2, "interleaved_1f1b") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert stage_ranks(2, 2, "zbv") == ((0, 3), (1, 2))
 
 
 def test_schedule_defaults_and_bubble():
@@ -36,17 +36,17 @@ def test_schedule_defaults_and_bubble():
 def test_split_sources():
     llama = build("llama8")
     layout = split_stages(llama, find_blocks(llama), 4)
-    assert layout.pre == ["embed_tokens"] and layout.post == ["norm", "lm_head"]
+    assert layout.pre == ("embed_tokens",) and layout.post == ("norm", "lm_head")
     assert "registration order" in layout.source
     assert [len([u for u in units if u.startswith("layers.")]) for units in layout.stages] == [2, 2, 2, 2]
-    assert split_stages(llama, find_blocks(llama), 2, layers_per_stage=[3, 5]).stages[0] == [
-        "embed_tokens", "layers.0", "layers.1", "layers.2"]
-    assert split_stages(llama, find_blocks(llama), 2, split_points=["layers.6"]).stages[1] == [
-        "layers.6", "layers.7", "norm", "lm_head"]
+    assert split_stages(llama, find_blocks(llama), 2, layers_per_stage=[3, 5]).stages[0] == (
+        "embed_tokens", "layers.0", "layers.1", "layers.2")
+    assert split_stages(llama, find_blocks(llama), 2, split_points=["layers.6"]).stages[1] == (
+        "layers.6", "layers.7", "norm", "lm_head")
     hf = build("hf_llama")
     declared = split_stages(hf, find_blocks(hf), 2)
     assert "_pp_plan" in declared.source
-    assert declared.pre == ["model.embed_tokens"] and declared.post == ["model.norm", "lm_head"]
+    assert declared.pre == ("model.embed_tokens",) and declared.post == ("model.norm", "lm_head")
 
 
 @pytest.mark.parametrize("model_name, num_stages", [("llama8", 2), ("llama8", 4), ("llama8", 8), ("hf_llama", 2)])

@@ -91,6 +91,7 @@ def test_timeouts_are_checked_before_any_process_group(knob, value, message):
 
 def test_timeouts_accept_seconds_and_no_watchdog():
     strategy = NDParallel(timeout=30, init_timeout=600.0, heartbeat_timeout=None)
-    assert (strategy._step_timeout, strategy._init_timeout, strategy._heartbeat_timeout) == (
+    failures = strategy.failures
+    assert (failures.step_timeout, failures.init_timeout, failures.heartbeat_timeout) == (
         timedelta(seconds=30), timedelta(minutes=10), None)
     assert strategy._timeout == timedelta(minutes=10)  # the process group starts with the long one

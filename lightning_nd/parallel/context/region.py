@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -28,6 +28,7 @@ from lightning_nd.nn.ring_attention import ring_attention
 class _Region:
     group: ProcessGroup
     positions: torch.Tensor
+    report: Callable[[str, dict], None] | None = None
     routed: int = 0
 
 
@@ -36,14 +37,14 @@ _outside: list = []  # what F.scaled_dot_product_attention was before the outerm
 
 
 @contextmanager
-def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, expect_attention: bool = False
-                            ) -> Iterator[None]:
+def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, expect_attention: bool = False,
+                            report: Callable[[str, dict], None] | None = None) -> Iterator[None]:
     """Route SDPA to ring attention and expose ``positions`` (this rank's global token positions).
 
     With ``expect_attention`` (a forward step), a region in which no attention was routed raises: the
     model attended only within this rank's shard (eager/flash attention, or SDPA imported by name).
     """
-    region = _Region(group, positions)
+    region = _Region(group, positions, report)
     if not _active:
         _outside.append(F.scaled_dot_product_attention)
         F.scaled_dot_product_attention = _routed_sdpa
@@ -85,7 +86,7 @@ def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
                          " the model's attention dropout to 0 (e.g. `attention_dropout=0.0`), or use cp=1.")
     region.routed += 1
     return ring_attention(query, key, value, region.positions.to(query.device), region.group, causal=is_causal,
-                          scale=scale)
+                          scale=scale, report=region.report)
 
 
 def inject_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -18,7 +20,16 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int
 HEADER = 9  # dtype, ndim, up to 7 sizes
 
 
-def _send(tensor: torch.Tensor, dst: int) -> None:
+Report = Callable[[str, dict[str, Any]], None]
+
+
+def _noted(report: Report | None, op: str, peer: int, tensor: torch.Tensor, state: str) -> None:
+    if report is not None:
+        report("p2p", {"op": op, "peer": peer, "bytes": tensor.numel() * tensor.element_size(), "state": state,
+                       "time_s": time.perf_counter(), "direction": "eval"})
+
+
+def _send(tensor: torch.Tensor, dst: int, report: Report | None = None) -> None:
     if tensor.dtype not in DTYPES or tensor.ndim > HEADER - 2:
         raise TypeError(f"A pipeline stage handed on a {tensor.dtype} tensor of {tensor.ndim} dims; stages may pass"
                         f" tensors of {', '.join(map(str, DTYPES))} with up to {HEADER - 2} dims."
@@ -27,15 +38,19 @@ def _send(tensor: torch.Tensor, dst: int) -> None:
     header[0], header[1] = DTYPES.index(tensor.dtype), tensor.ndim
     header[2:2 + tensor.ndim] = torch.tensor(tensor.shape)
     dist.send(header, dst)
+    _noted(report, "send", dst, tensor, "issued")
     dist.send(tensor.contiguous(), dst)
+    _noted(report, "send", dst, tensor, "completed")
 
 
-def _recv(src: int, device: torch.device) -> torch.Tensor:
+def _recv(src: int, device: torch.device, report: Report | None = None) -> torch.Tensor:
     header = torch.empty(HEADER, dtype=torch.long, device=device)
     dist.recv(header, src)
     shape = header[2:2 + int(header[1])].tolist()
     tensor = torch.empty(shape, dtype=DTYPES[int(header[0])], device=device)
+    _noted(report, "recv", src, tensor, "issued")
     dist.recv(tensor, src)
+    _noted(report, "recv", src, tensor, "completed")
     return tensor
 
 
@@ -53,6 +68,7 @@ def forward_only(
     microbatches: int,
     device: torch.device,
     finish: Callable[[torch.Tensor, int], None],
+    report: Report | None = None,
 ) -> None:
     """Run ``inputs`` through every stage. ``modules``: this rank's stages by index; ``owners``: the
     global rank of each stage. ``finish(output, microbatch)`` is called with each last-stage output."""
@@ -63,9 +79,9 @@ def forward_only(
             if owner != rank:
                 continue
             if stage > 0 and owners[stage - 1] != rank:
-                carried = _recv(owners[stage - 1], device)
+                carried = _recv(owners[stage - 1], device, report)
             carried = modules[stage](*([] if stage == 0 else [carried]), **kwargs)
             if stage == last:
                 finish(carried, index)
             elif owners[stage + 1] != rank:
-                _send(carried, owners[stage + 1])
+                _send(carried, owners[stage + 1], report)

@@ -84,7 +84,10 @@ class PipelineRunner:
         microbatches: int,
         group: dist.ProcessGroup,
         device: torch.device,
+        report: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> None:
+        """``report(kind, fields)``, when given, hears of every microbatch phase (kind ``phase``) and every
+        point-to-point operation the schedule issues and completes (kind ``p2p``)."""
         pp_rank = dist.get_group_rank(group, dist.get_rank())
         self.num_stages = sum(len(stages) for stages in stage_ranks)
         self.modules = dict(zip(stage_ranks[pp_rank], stage_modules))
@@ -99,6 +102,8 @@ class PipelineRunner:
         self._scale = 1.0
         self._shapes: list[tuple] | None = None
         self._compute = 0.0
+        self._report = report
+        self._pending: list[dict[str, Any]] = []
         self.timings: dict[str, float] = {}
 
     def _build(self, shapes: list[tuple]) -> None:
@@ -107,25 +112,59 @@ class PipelineRunner:
                   for index, module in self.modules.items()]
         for stage in stages:
             for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                setattr(stage, method, self._timed(getattr(stage, method)))
+                setattr(stage, method, self._timed(getattr(stage, method), method, stage.stage_index))
+            if self._report is not None:
+                for method in ("get_fwd_recv_ops", "get_bwd_recv_ops", "get_fwd_send_ops", "get_bwd_send_ops"):
+                    setattr(stage, method, self._issued(getattr(stage, method), method, stage.stage_index))
         cls = get_schedule_class(TORCH_NAMES[self.schedule_name])
         self.schedule = cls(stages[0] if self.schedule_name in SINGLE_STAGE else stages,
                             n_microbatches=self.microbatches, loss_fn=self._loss_fn, scale_grads=False)
 
-    def _timed(self, fn: Callable) -> Callable:
+    def _timed(self, fn: Callable, method: str, stage: int) -> Callable:
         """Time inside a stage's forward/backward; on CUDA synchronised, so it is device time, not launches."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        phase = method.removesuffix("_one_chunk")
+        direction = "fwd" if phase == "forward" else "bwd"
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
+        def timed(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            if self._report is not None and phase != "backward_weight":
+                self._complete(lambda op: op["direction"] == direction and op["chunk"] == chunk
+                               and op["op"] == "recv" and op["stage"] == stage)
             sync()
             start = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                return fn(chunk, *args, **kwargs)
             finally:
                 sync()
-                self._compute += time.perf_counter() - start
+                duration = time.perf_counter() - start
+                self._compute += duration
+                if self._report is not None:
+                    self._report("phase", {"phase": phase, "start_s": start, "duration_s": duration,
+                                           "microbatch": chunk, "stage": stage})
 
         return timed
+
+    def _issued(self, fn: Callable, method: str, stage: int) -> Callable:
+        """Hear of the point-to-point operations the schedule is about to issue for a stage."""
+        _, direction, kind, _ = method.split("_")
+
+        def issued(chunk: int) -> list:
+            ops = fn(chunk)
+            for op in ops:
+                record = {"op": kind, "peer": op.peer, "bytes": op.tensor.numel() * op.tensor.element_size(),
+                          "direction": direction, "chunk": chunk, "stage": stage}
+                self._pending.append(record)
+                self._report("p2p", {**record, "state": "issued", "time_s": time.perf_counter()})
+            return ops
+
+        return issued
+
+    def _complete(self, done: Callable[[dict[str, Any]], bool]) -> None:
+        """Mark pending operations complete: receives before the chunk that uses them runs, the rest at step end."""
+        finished = [op for op in self._pending if done(op)]
+        self._pending = [op for op in self._pending if not done(op)]
+        for op in finished:
+            self._report("p2p", {**op, "state": "completed", "time_s": time.perf_counter()})
 
     def _loss_fn(self, output: torch.Tensor, target: Any) -> torch.Tensor:
         return self._loss(output, target) * self._scale
@@ -155,6 +194,8 @@ class PipelineRunner:
         self.schedule.step(target=target if self.has_last else None, losses=losses if self.has_last else None,
                            return_outputs=False, **kwargs)
         wall = time.perf_counter() - start
+        if self._report is not None:
+            self._complete(lambda op: True)  # the schedule waited on every operation before returning
         idle = max(wall - self._compute, 0.0)
         self.timings = {"step_s": wall, "compute_s": self._compute, "idle_s": idle,
                         "idle_fraction": idle / wall if wall > 0 else 0.0}
@@ -169,7 +210,7 @@ class PipelineRunner:
         chunks = min(self.microbatches, size)
         parts = torch.tensor_split(target, chunks) if target is not None else [None] * chunks
         forward_only(self.modules, self.owners, kwargs, chunks, self.device,
-                     lambda output, index: finish(output, parts[index]))
+                     lambda output, index: finish(output, parts[index]), self._report)
 
     def eval_step(self, inputs: Any, target: Any, loss: Callable) -> torch.Tensor:
         """The per-sample mean loss of the batch (microbatch losses weighted by size), on every rank."""

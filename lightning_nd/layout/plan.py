@@ -1,0 +1,145 @@
+"""`plan_layout(module, dims, config) -> Layout`: the one place a run's plan is made.
+
+Pure: no process group, no Lightning, and it works on a meta-device model, so the strategy (at
+``connect``), the dry run (``python -m lightning_nd.plan``) and offline tools all get the same record.
+Every check runs here, in the order the composer will apply the techniques.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.layout.holdings import rank_holdings
+from lightning_nd.layout.options import ParallelConfig, block_class_list, jsonable, resolve_options
+from lightning_nd.layout.pipeline_split import pipeline_model, split_stages, stage_ranks
+from lightning_nd.layout.record import ExpertsPlacement, Layout, StagePlan, Technique, TPEntry
+from lightning_nd.layout.roles import role_groups, role_names
+from lightning_nd.layout.structure import find_blocks, get_submodule, model_child, read_model_facts
+from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
+from lightning_nd.layout.validate import check_config, check_model, warn
+
+
+def plan_layout(
+    module: nn.Module,
+    dims: ParallelDims,
+    config: ParallelConfig,
+    *,
+    precision: str | None = None,
+    local_world_size: int | None = None,
+) -> Layout:
+    """Check ``config`` and ``module`` against ``dims`` and record what every rank will hold.
+
+    ``module``: the LightningModule (or any ``nn.Module``) as the composer will see it; ``precision``: the
+    Trainer's (``bf16-mixed`` sets FSDP's dtypes, ``bf16-true`` the parameters'); ``local_world_size``:
+    processes per node, for the warning when a tp/cp/ep group spans nodes.
+    """
+    notes: list[str] = []
+    for message in check_config(dims.as_dict(), config):
+        warn(notes, message)
+    notes += dims.check_topology(local_world_size)
+    options = resolve_options(dims.as_dict(), config, precision)
+    blocks = find_blocks(module, block_class_list(config))
+    facts = read_model_facts(module, blocks)
+    check_model(module, dims, config, blocks, facts, notes)
+    block_names = tuple(name for name, _ in blocks)
+    plan = None
+    if dims.tp > 1:
+        plan = resolve_tp_plan(module, config.tp_plan, tp=dims.tp, facts=facts,
+                               sequence_parallel=config.sequence_parallel)
+        if config.loss_parallel and "colwise_gather_output" not in plan.entries.values():
+            raise ValueError("`NDParallel(loss_parallel=True)` needs a vocabulary-sharded output head, and the plan"
+                             " has none (a head tied to the embedding stays whole). HINT: set loss_parallel=False, or"
+                             " put the head in `tp_plan` as 'colwise_gather_output'.")
+    pipeline = _plan_stages(module, blocks, dims, config, options) if dims.pp > 1 else None
+    experts = _experts(module, dims)
+    if dims.cp > 1 and not _accepts_positions(module):
+        warn(notes, f"`{type(_model(module)).__name__}.forward` takes no `position_ids`: under cp it sees only its"
+                    " shard of each sequence, so positions it computes itself (rotary, learned) would be wrong. Give"
+                    " it a `position_ids` argument (0..seq-1 when None), as Hugging Face models have.")
+    tp_entries = plan.entries if plan is not None else {}
+    return Layout(
+        dims={name: value for name, value in dims.as_dict().items()},
+        options_given=jsonable(config), options=options, blocks=block_names,
+        tp=tuple(TPEntry(name, style if isinstance(style, str) else f"custom:{type(style).__name__}",
+                         plan.sources[name]) for name, style in tp_entries.items()),
+        tp_source=plan.source if plan is not None else None,
+        pipeline=pipeline, experts=experts,
+        roles={role: role_groups(dims, role) for role in role_names(dims)},
+        techniques=_techniques(module, dims, options, blocks, plan, pipeline, experts),
+        ranks=rank_holdings(module, dims, blocks=block_names, tp_entries=tp_entries, pipeline=pipeline,
+                            experts={e.module for e in experts}, precision=precision),
+        warnings=tuple(notes),
+    )
+
+
+def _model(module: nn.Module) -> nn.Module:
+    child = model_child(module)
+    return child[1] if child is not None else module
+
+
+def _accepts_positions(module: nn.Module) -> bool:
+    """Whether the model's forward takes ``position_ids`` (the cp region hands it the global positions)."""
+    from lightning_nd.parallel.context.region import accepts_positions
+
+    return accepts_positions(_model(module))
+
+
+def _plan_stages(module: nn.Module, blocks: list[tuple[str, nn.Module]], dims: ParallelDims, config: ParallelConfig,
+                 options: dict) -> StagePlan:
+    attribute, model = pipeline_model(module)
+    prefix = attribute + "."
+    model_blocks = [(name[len(prefix):], block) for name, block in blocks if name.startswith(prefix)]
+    split = split_stages(model, model_blocks, dims.pp * options["pp_stages_per_rank"],
+                         layers_per_stage=config.pp_layers_per_stage, split_points=config.pp_split)
+    return StagePlan(attribute, split, stage_ranks(dims.pp, options["pp_stages_per_rank"], config.pp_schedule))
+
+
+def _experts(module: nn.Module, dims: ParallelDims) -> tuple[ExpertsPlacement, ...]:
+    if dims.ep == 1:
+        return ()
+    from lightning_nd.parallel.expert import is_experts
+
+    expert_dp = dims.dp_replicate * dims.dp_shard * dims.cp // dims.ep
+    return tuple(ExpertsPlacement(name, m.gate_up_proj.shape[0], m.gate_up_proj.shape[0] // dims.ep,
+                                  "expert_dp" if expert_dp > 1 else None)
+                 for name, m in module.named_modules() if name and is_experts(m))
+
+
+def _numel(module: nn.Module, names: list[str] | tuple[str, ...]) -> int:
+    return sum(p.numel() for name in names for p in get_submodule(module, name).parameters())
+
+
+def _techniques(module: nn.Module, dims: ParallelDims, options: dict, blocks: list, plan: TPPlan | None,
+                pipeline: StagePlan | None, experts: tuple[ExpertsPlacement, ...]) -> tuple[Technique, ...]:
+    """The composer's steps, in its order: pipeline split, EP, CP, TP, AC, compile, FSDP/HSDP."""
+    names = [name for name, _ in blocks]
+    total = sum(p.numel() for p in module.parameters())
+    steps = []
+    if pipeline is not None:
+        steps.append(Technique("pipeline_split", "pp", tuple(pipeline.units()), total, {
+            "stages": pipeline.num_stages, "source": pipeline.split.source, "split": pipeline.split.describe(),
+            "schedule": options["pp_schedule"], "microbatches": options["pp_microbatches"]}))
+    if experts:
+        modules = tuple(e.module for e in experts)
+        steps.append(Technique("expert_parallel", "ep", modules, _numel(module, modules), {"ep": dims.ep}))
+    if dims.cp > 1:
+        positions = f": `{type(_model(module)).__name__}` gets global `position_ids`" if _accepts_positions(module) else ""
+        steps.append(Technique("context_parallel", "cp", (), 0, {"cp": dims.cp, "positions": positions}))
+    if plan is not None:
+        modules = tuple(plan.entries)
+        steps.append(Technique("tensor_parallel", "tp", modules, _numel(module, modules), {
+            "tp": dims.tp, "sequence_parallel": options["sequence_parallel"],
+            "loss_parallel": options["loss_parallel"], "source": plan.source}))
+    if options["activation_checkpointing"] != "none":
+        steps.append(Technique("activation_checkpointing", None, tuple(names), _numel(module, names),
+                               {"mode": options["activation_checkpointing"]}))
+    if options["compile"]:
+        steps.append(Technique("compile", None, tuple(names), _numel(module, names), {"backend": options["compile"]}))
+    if dims.dp_enabled or dims.fsdp_enabled:
+        hsdp = dims.dp_replicate > 1
+        units = "each stage's blocks and the stage" if pipeline is not None else f"{len(names)} blocks and the root"
+        steps.append(Technique("hsdp" if hsdp else "fsdp", "hsdp" if hsdp else "fsdp", tuple(names), total, {
+            "replicate": dims.dp_replicate, "shard": dims.dp_shard * dims.cp, "zero_stage": options["zero_stage"],
+            "units": units}))
+    return tuple(steps)

@@ -1,0 +1,145 @@
+"""Every check of the options against the dims and against a model, before any process group or weight
+moves. Each raises with the facts and a HINT; warnings are logged and returned for the Layout.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from torch import nn
+
+from lightning_nd.layout.dims import ParallelDims, divisors
+from lightning_nd.layout.options import ParallelConfig, block_class_list
+from lightning_nd.layout.structure import ModelFacts
+
+log = logging.getLogger("lightning_nd")
+
+
+def warn(notes: list[str], message: str) -> None:
+    """Log a warning and keep it for the Layout (the dry run prints what the real run would warn)."""
+    log.warning(message)
+    notes.append(message)
+
+
+def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> list[str]:
+    """Options that need a dim that is off or combine badly with another; -1 (not yet known) passes.
+    Returns the warnings (options that have no effect), unlogged: the plan logs them once."""
+    notes: list[str] = []
+    if sizes["pp"] > 1:
+        _check_pipeline_config(sizes["pp"], config)
+    elif sizes["pp"] == 1 and (config.pp_microbatches or config.pp_stages_per_rank or config.pp_layers_per_stage
+                               or config.pp_split or config.pp_schedule != "1f1b"):
+        notes.append("The `pp_*` options are ignored: pp=1, so the model is not pipelined.")
+    if sizes["ep"] > 1 and config.sequence_parallel:
+        raise ValueError(f"`NDParallel(ep={sizes['ep']}, sequence_parallel=True)`: the MoE layers would receive"
+                         " sequence-sharded activations, which expert dispatch does not take in this release."
+                         " HINT: sequence_parallel=False with ep (tp still splits attention).")
+    if sizes["ep"] > 1 and config.cpu_offload:
+        raise ValueError(f"`NDParallel(ep={sizes['ep']}, cpu_offload=True)`: expert weights stay outside FSDP, so its"
+                         " offloading would not move them. HINT: cpu_offload=False with ep.")
+    if sizes["ep"] > 1 and config.compile:
+        raise ValueError(f"`NDParallel(compile=..., ep={sizes['ep']})`: expert dispatch inside compiled blocks is not"
+                         " supported in this release. HINT: compile=False with ep, or ep=1.")
+    if config.compile and sizes["cp"] > 1:
+        raise ValueError(f"`NDParallel(compile=..., cp={sizes['cp']})`: ring attention inside compiled blocks is not"
+                         " supported in this release. HINT: compile=False with cp, or cp=1.")
+    if config.compile and sizes["tp"] > 1:
+        raise ValueError(
+            f"`NDParallel(compile=..., tp={sizes['tp']})`: compiled blocks with tensor parallelism gave wrong gradients"
+            " in our parity test (torch 2.13, gloo), so this release refuses the combination."
+            " HINT: compile with tp=1 (FSDP/HSDP layouts), or keep tp and set compile=False."
+        )
+    for option in ("sequence_parallel", "loss_parallel"):
+        if getattr(config, option) and sizes["tp"] == 1:
+            raise ValueError(
+                f"`NDParallel({option}=True)` splits work over tp, but tp=1. HINT: set tp > 1 or {option}=False."
+            )
+    if config.tp_plan and sizes["tp"] == 1:
+        notes.append("`tp_plan` is ignored: tp=1, so no layer is split.")
+    return notes
+
+
+def _check_pipeline_config(pp: int, config: ParallelConfig) -> None:
+    from lightning_nd.parallel.pipeline.schedule import check_schedule
+
+    check_schedule(config.pp_schedule, pp, config.pp_stages_per_rank, config.pp_microbatches)
+    if config.compile:
+        raise ValueError(f"`NDParallel(compile=..., pp={pp})`: compiled blocks inside pipeline stages are not supported"
+                         " in this release (the zero-bubble schedules refuse them, and the stage hooks are untested"
+                         " under compile). HINT: compile=False with pp, or pp=1.")
+    if config.zero_stage == 1:
+        raise ValueError(f"`NDParallel(zero_stage=1, pp={pp})`: the pipeline reduces gradients at the end of every"
+                         " batch, so gradients cannot stay unreduced across an accumulation window."
+                         " HINT: zero_stage=2 (the default under pp) or 3.")
+
+
+def check_model(module: nn.Module, dims: ParallelDims, config: ParallelConfig, blocks: list[tuple[str, nn.Module]],
+                facts: ModelFacts, notes: list[str]) -> None:
+    """Everything about the model alone that can be wrong for these dims (the TP plan and the stage split are
+    checked where they are made, in `tp_plan.py` and `pipeline_split.py`)."""
+    classes = block_class_list(config)
+    if classes and not blocks:
+        raise ValueError(
+            f"`block_classes={classes}` matches no module of `{type(module).__name__}`."
+            f" HINT: use one of the classes it contains, e.g. {_repeated_class_names(module)}."
+        )
+    if dims.pp > 1 and facts.num_hidden_layers is not None and dims.pp > facts.num_hidden_layers:
+        raise ValueError(f"`NDParallel(pp={dims.pp})` exceeds the model's {facts.num_hidden_layers} layers."
+                         f" HINT: choose pp <= {facts.num_hidden_layers}.")
+    if dims.cp > 1:
+        _check_context_parallel(module, dims.cp)
+    if dims.ep > 1:
+        _check_experts(module, dims.ep)
+    if (dims.dp_enabled or dims.fsdp_enabled) and not blocks:
+        warn(notes, "No repeated blocks found: FSDP shards the whole model as one unit (more peak memory)."
+                    " Pass `NDParallel(block_classes=[...])` to shard block by block.")
+    if config.sequence_parallel and not blocks:
+        raise ValueError("`NDParallel(sequence_parallel=True)` needs the model's repeated blocks to bound the"
+                         " sequence-parallel region, and none were found. HINT: pass `NDParallel(block_classes=[YourBlock])`.")
+
+
+def _check_experts(module: nn.Module, ep: int) -> None:
+    from lightning_nd.parallel.expert import is_experts, unsupported_experts
+
+    experts = [(name, m) for name, m in module.named_modules() if is_experts(m)]
+    for name, m in experts:
+        if extra := unsupported_experts(m):
+            raise ValueError(f"`NDParallel(ep={ep})`: experts module `{name}` has parameters expert parallelism does"
+                             f" not carry ({', '.join(extra)}): only stacked `gate_up_proj`/`down_proj` SwiGLU experts"
+                             " are supported. HINT: use ep=1 for this model.")
+    counts = {m.gate_up_proj.shape[0] for _, m in experts}
+    if not counts:
+        raise ValueError(f"`NDParallel(ep={ep})` found no experts module (stacked `gate_up_proj`/`down_proj` weights,"
+                         " as `lightning_nd.nn.moe.MoE` and Hugging Face MoE models have). HINT: use ep=1.")
+    for count in sorted(counts):
+        if count % ep:
+            raise ValueError(f"`NDParallel(ep={ep})` does not divide an experts module's {count} experts."
+                             f" HINT: choose ep from {divisors(count)}.")
+
+
+def _check_context_parallel(module: nn.Module, cp: int) -> None:
+    """Hugging Face attention settings ring attention cannot honour: another kernel, windowed attention."""
+    for name, submodule in module.named_modules():
+        config = getattr(submodule, "config", None)
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation not in (None, "sdpa"):
+            raise ValueError(
+                f"`NDParallel(cp={cp})` routes scaled-dot-product attention to ring attention, and"
+                f" `{name or 'model'}` uses attn_implementation={implementation!r}. HINT: build the model with"
+                " `attn_implementation=\"sdpa\"`, or use cp=1."
+            )
+        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+        if window:
+            raise ValueError(
+                f"`NDParallel(cp={cp})`: `{name or 'model'}` attends within a window of {window} tokens"
+                " (sliding-window or chunked attention), which ring attention does not implement. HINT: use cp=1"
+                " for this model."
+            )
+
+
+def _repeated_class_names(module: nn.Module) -> list[str]:
+    counts: dict[str, int] = {}
+    for child in module.modules():
+        counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
+    return sorted(name for name, count in counts.items() if count > 1)[:5]

@@ -1,0 +1,188 @@
+"""Typed events from inside an `NDParallel` run, for diagnostics to subscribe to (nothing private needed).
+
+A listener is any object with a method named by an event's ``hook`` (e.g. ``on_nd_layout_ready(strategy,
+event)``): the Trainer's callbacks that have one are subscribed when fit starts, anything else with
+``strategy.events.subscribe(listener)``. Events nobody listens to are never built (`EventBus.wants` is a
+dict lookup), so an unobserved run pays nothing measurable (``benchmarks/overhead.py``, row "events").
+
+Who delivers what, and when:
+- `BeforeProcessGroup`: in every rank's process, before ``init_process_group`` (set NCCL / flight-recorder
+  variables there); `ProcessGroupsCreated` and `LayoutReady` right after the mesh is built.
+- `StepPhase` (data_wait, forward, backward, optimizer; per microbatch under pp), `StageTiming`,
+  `PointToPoint` (issued / completed, by our code and by the pipeline schedule), `CollectiveWait` (the
+  strategy's own collectives: loss and metric reductions, barriers, the clipping norm), `RoutingCounts`
+  (each MoE layer after each training step), `CheckpointSaved` / `CheckpointLoaded`: on the main thread.
+- `OutOfMemory`, then `FailureVerdict`: before the process exits. A rank's own failure is delivered on the
+  main thread; a peer's death on the watchdog thread, which then waits at most ``VERDICT_BUDGET_S`` for
+  the listeners (and the loggers' flush) before it ends the process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from lightning_nd.layout.record import Layout
+
+log = logging.getLogger("lightning_nd")
+
+VERDICT_BUDGET_S = 10.0
+
+
+@dataclass(frozen=True)
+class Event:
+    hook: ClassVar[str] = ""
+
+
+@dataclass(frozen=True)
+class BeforeProcessGroup(Event):
+    hook: ClassVar[str] = "on_nd_before_process_group"
+    rank: int
+    world_size: int
+    backend: str
+    root_dir: str
+    """The Trainer's ``default_root_dir``: the same on every rank (loggers' versioned dirs are not yet known)."""
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    name: str
+    """The process group's name (as in flight-recorder dumps)."""
+    desc: str
+    role: str
+    """A mesh role (`layout/roles.py`) or ``world``."""
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ProcessGroupsCreated(Event):
+    hook: ClassVar[str] = "on_nd_process_groups_created"
+    groups: tuple[GroupInfo, ...]
+
+
+@dataclass(frozen=True)
+class LayoutReady(Event):
+    hook: ClassVar[str] = "on_nd_layout_ready"
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class StepPhase(Event):
+    hook: ClassVar[str] = "on_nd_step_phase"
+    step: int
+    phase: str
+    """data_wait, forward, backward, optimizer; under pp forward/backward/backward_weight per microbatch."""
+    start_s: float
+    """``time.perf_counter()`` when the phase began."""
+    duration_s: float
+    microbatch: int | None = None
+    stage: int | None = None
+
+
+@dataclass(frozen=True)
+class StageTiming(Event):
+    hook: ClassVar[str] = "on_nd_stage_timing"
+    step: int
+    step_s: float
+    compute_s: float
+    idle_s: float
+
+
+@dataclass(frozen=True)
+class PointToPoint(Event):
+    hook: ClassVar[str] = "on_nd_point_to_point"
+    op: str
+    """send or recv."""
+    peer: int
+    """Global rank of the other side."""
+    role: str
+    """pp (the pipeline) or cp (ring attention)."""
+    state: str
+    """issued or completed."""
+    bytes: int
+    time_s: float
+    tag: str = ""
+
+
+@dataclass(frozen=True)
+class CollectiveWait(Event):
+    hook: ClassVar[str] = "on_nd_collective_wait"
+    op: str
+    role: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RoutingCounts(Event):
+    hook: ClassVar[str] = "on_nd_routing_counts"
+    step: int
+    layer: str
+    tokens_per_expert: tuple[int, ...]
+    dropped: int
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(Event):
+    hook: ClassVar[str] = "on_nd_checkpoint_saved"
+    path: str
+    step: int | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CheckpointLoaded(Event):
+    hook: ClassVar[str] = "on_nd_checkpoint_loaded"
+    path: str
+    resharded: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class OutOfMemory(Event):
+    hook: ClassVar[str] = "on_nd_out_of_memory"
+    rank: int
+    message: str
+    phase: str | None
+
+
+@dataclass(frozen=True)
+class FailureVerdict(Event):
+    hook: ClassVar[str] = "on_nd_failure_verdict"
+    culprit: int
+    """The rank that failed or died."""
+    reason: str
+    rank: int
+    """The rank delivering it."""
+    thread: str
+
+
+ALL_EVENTS = (BeforeProcessGroup, ProcessGroupsCreated, LayoutReady, StepPhase, StageTiming, PointToPoint,
+              CollectiveWait, RoutingCounts, CheckpointSaved, CheckpointLoaded, OutOfMemory, FailureVerdict)
+
+
+@dataclass
+class EventBus:
+    """Listeners by hook name; `emit` calls each, a listener's exception is logged and does not stop the run."""
+
+    strategy: Any = None
+    _listeners: dict[str, list[Any]] = field(default_factory=dict)
+    _subscribed: list[Any] = field(default_factory=list)
+
+    def subscribe(self, listener: Any) -> None:
+        if any(listener is known for known in self._subscribed):
+            return
+        self._subscribed.append(listener)
+        for event in ALL_EVENTS:
+            if callable(getattr(listener, event.hook, None)):
+                self._listeners.setdefault(event.hook, []).append(listener)
+
+    def wants(self, event_type: type[Event]) -> bool:
+        return event_type.hook in self._listeners
+
+    def emit(self, event: Event) -> None:
+        for listener in self._listeners.get(event.hook, ()):
+            try:
+                getattr(listener, event.hook)(self.strategy, event)
+            except Exception:  # a diagnostic must never take the training run down with it
+                log.exception("lightning-nd: listener %s failed on %s", type(listener).__name__, type(event).__name__)

@@ -1,0 +1,110 @@
+"""What `NDParallel` reports from inside a step: phase times, the pipeline's point-to-point operations and
+timings, its own collectives' waits and MoE routing counts. Nothing is measured when nobody listens.
+
+Phase times are host wall-clock (``time.perf_counter``); on CUDA the forward/backward/optimizer phases are
+closed after a device synchronise, so they are device time, at the cost of the overlap between steps
+(only while someone listens). ``data_wait`` is the time from the end of the previous optimizer step (or
+the start of fit) to the moment the batch reaches the strategy: the loader's fetch and Lightning's hooks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_nd.strategy.events import (
+    CollectiveWait,
+    EventBus,
+    PointToPoint,
+    RoutingCounts,
+    StageTiming,
+    StepPhase,
+)
+
+
+class StepEvents:
+    def __init__(self, bus: EventBus, device: torch.device) -> None:
+        self.bus, self.device = bus, device
+        self.step = 0
+        self._idle_since: float | None = None
+        self._routers: list[tuple[str, nn.Module]] = []
+
+    def watch_routing(self, module: nn.Module) -> None:
+        """The MoE experts modules whose ``last_counts`` (tokens per expert of the last forward) are reported."""
+        self._routers = [(name, m) for name, m in module.named_modules() if hasattr(m, "last_counts")]
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def batch_arrived(self) -> None:
+        if self._idle_since is not None and self.bus.wants(StepPhase):
+            now = time.perf_counter()
+            self.bus.emit(StepPhase(self.step, "data_wait", self._idle_since, now - self._idle_since))
+        self._idle_since = None
+
+    def start_waiting(self) -> None:
+        """The step (or fit's start) is over: what follows until the next batch is data wait."""
+        self._idle_since = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str) -> Generator[None, None, None]:
+        if not self.bus.wants(StepPhase):
+            yield
+            return
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.bus.emit(StepPhase(self.step, name, start, time.perf_counter() - start))
+
+    @contextmanager
+    def collective(self, op: str, role: str) -> Generator[None, None, None]:
+        """Time the strategy's own collective (a reduction, a barrier): the wait for the slowest rank."""
+        if not self.bus.wants(CollectiveWait):
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.bus.emit(CollectiveWait(op, role, time.perf_counter() - start))
+
+    def report(self, role: str):
+        """A ``report(kind, fields)`` callback for the pipeline runner and ring attention; None if nobody listens."""
+        if not (self.bus.wants(StepPhase) or self.bus.wants(PointToPoint)):
+            return None
+
+        def report(kind: str, fields: dict[str, Any]) -> None:
+            if kind == "phase" and self.bus.wants(StepPhase):
+                self.bus.emit(StepPhase(self.step, fields["phase"], fields["start_s"], fields["duration_s"],
+                                        microbatch=fields["microbatch"], stage=fields["stage"]))
+            elif kind == "p2p" and self.bus.wants(PointToPoint):
+                tag = f"{fields.get('direction', '')}{'/' + str(fields['chunk']) if 'chunk' in fields else ''}"
+                self.bus.emit(PointToPoint(fields["op"], fields["peer"], role, fields["state"], fields["bytes"],
+                                           fields["time_s"], tag))
+
+        return report
+
+    def step_done(self, pipeline_timings: dict[str, float]) -> None:
+        """After a training step's forward/backward: pipeline timings and routing counts."""
+        if pipeline_timings and self.bus.wants(StageTiming):
+            self.bus.emit(StageTiming(self.step, pipeline_timings["step_s"], pipeline_timings["compute_s"],
+                                      pipeline_timings["idle_s"]))
+        if self._routers and self.bus.wants(RoutingCounts):
+            for name, module in self._routers:
+                counts = module.last_counts
+                if counts is not None:
+                    self.bus.emit(RoutingCounts(self.step, name, tuple(int(c) for c in counts.tolist()),
+                                                int(module.last_dropped)))
+
+    def optimizer_done(self) -> None:
+        self.step += 1
+        self.start_waiting()
