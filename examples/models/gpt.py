@@ -54,8 +54,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig | None = None) -> None:
         super().__init__()
+        config = config or GPTConfig()
         self.tok = nn.Embedding(config.vocab_size, config.n_embd)
         self.pos = nn.Embedding(config.block_size, config.n_embd)
         self.blocks = nn.Sequential(*(Block(config) for _ in range(config.n_layer)))

@@ -101,8 +101,9 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig | None = None) -> None:
         super().__init__()
+        config = config or LlamaConfig()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))

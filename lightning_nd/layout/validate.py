@@ -12,6 +12,7 @@ from torch import nn
 from lightning_nd.layout.dims import ParallelDims, divisors
 from lightning_nd.layout.options import ParallelConfig, block_class_list
 from lightning_nd.layout.structure import ModelFacts
+from lightning_nd.parallel.context.sharding import sequence_length
 
 log = logging.getLogger("lightning_nd")
 
@@ -143,3 +144,14 @@ def _repeated_class_names(module: nn.Module) -> list[str]:
     for child in module.modules():
         counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
     return sorted(name for name, count in counts.items() if count > 1)[:5]
+
+
+def check_sequence_lengths(batch: object, tp: int) -> None:
+    """Sequence parallel splits dim 1 of every activation over tp: the batch's sequence length must divide by it."""
+    length = sequence_length(batch)
+    if length is not None and length % tp:
+        raise ValueError(
+            f"`NDParallel(sequence_parallel=True, tp={tp})` splits the sequence over tp, but the batch's sequence"
+            f" length {length} does not divide by {tp}. HINT: pad or crop sequences to a multiple of"
+            f" {tp}, or set sequence_parallel=False."
+        )

@@ -30,7 +30,7 @@ from lightning_nd.layout.options import ParallelConfig
 from lightning_nd.layout.plan import plan_layout
 from lightning_nd.layout.record import Layout
 from lightning_nd.layout.tp_plan import custom_styles
-from lightning_nd.layout.validate import check_config
+from lightning_nd.layout.validate import check_config, check_sequence_lengths
 from lightning_nd.parallel.compose import ParallelizeReport, parallelize
 from lightning_nd.parallel.context.sharding import shard_batch
 from lightning_nd.parallel.fsdp import accumulate_without_sync, fsdp_root
@@ -43,7 +43,7 @@ from lightning_nd.strategy.checkpointer import Checkpointer
 from lightning_nd.strategy.events import CheckpointLoaded, CheckpointSaved, EventBus
 from lightning_nd.strategy.failure_monitor import FailureMonitor
 from lightning_nd.strategy.pipeline_engine import PipelineEngine
-from lightning_nd.strategy.probe import already_parallel, check_sequence_lengths, model_to_check
+from lightning_nd.strategy.probe import already_parallel, model_to_check
 from lightning_nd.strategy.step_events import StepEvents
 
 log = logging.getLogger("lightning_nd")

@@ -14,21 +14,9 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.distributed.tensor import DTensor
 
-from lightning_nd.parallel.context.sharding import sequence_length
 from lightning_nd.runtime.materialize import check_initialisable
 
 log = logging.getLogger("lightning_nd")
-
-
-def check_sequence_lengths(batch: Any, tp: int) -> None:
-    """Sequence parallel splits dim 1 of every activation over tp: the batch's sequence length must divide by it."""
-    length = sequence_length(batch)
-    if length is not None and length % tp:
-        raise ValueError(
-            f"`NDParallel(sequence_parallel=True, tp={tp})` splits the sequence over tp, but the batch's sequence"
-            f" length {length} does not divide by {tp}. HINT: pad or crop sequences to a multiple of"
-            f" {tp}, or set sequence_parallel=False."
-        )
 
 
 def model_to_check(model: LightningModule) -> torch.nn.Module | None:

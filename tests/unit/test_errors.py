@@ -17,6 +17,7 @@ from torch import nn
 
 from examples.lit import CausalLM
 from lightning_nd import NDParallel, ParallelDims
+from lightning_nd.plan.__main__ import plan_for
 from tests.models import build
 
 
@@ -188,6 +189,33 @@ def test_bad_configuration_raises_with_the_facts_and_a_hint(make, error, facts):
     for fact in [*facts, "HINT"]:
         assert fact in message, f"{fact!r} missing from: {message}"
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("make", [case[1] for case in CASES], ids=[case[0] for case in CASES])
+def test_the_dry_run_raises_the_same_error(make, monkeypatch):
+    """`python -m lightning_nd.plan` runs the same checks in the same order: the same type, the same message."""
+    with pytest.raises(Exception) as through_trainer:
+        make()
+    module = __import__(__name__, fromlist=["_trainer"])
+    monkeypatch.setattr(module, "_trainer", lambda devices, strategy: _Planned(devices, strategy))
+    monkeypatch.setattr(module, "_connect", lambda devices, strategy, model: plan_for(strategy, devices, CausalLM(model=model)))
+    with pytest.raises(Exception) as through_dry_run:
+        make()
+    assert type(through_dry_run.value) is type(through_trainer.value)
+    assert str(through_dry_run.value) == str(through_trainer.value)
+
+
+class _Planned:
+    """What the dry run does where a case builds a Trainer: check the dims against the devices; `connect`
+    then plans the module."""
+
+    def __init__(self, devices: int, strategy: NDParallel) -> None:
+        plan_for(strategy, devices, None)
+        self.strategy = self
+        self._devices, self._nd = devices, strategy
+
+    def connect(self, module: nn.Module) -> None:
+        plan_for(self._nd, self._devices, module)
 
 
 def test_the_same_setups_with_good_values_connect():

@@ -61,6 +61,18 @@ def check_schedule(schedule: str, pp: int, stages_per_rank: int | None, microbat
     return stages_per_rank, microbatches
 
 
+def check_microbatches(inputs: dict[str, Any], microbatches: int) -> None:
+    """Every input's batch dim must split into ``microbatches`` equal microbatches."""
+    sizes = {tuple(v.shape)[:1] for v in inputs.values() if isinstance(v, torch.Tensor)}
+    for (size,) in sizes:
+        if size % microbatches:
+            raise ValueError(
+                f"The batch has {size} samples per rank, which pp_microbatches={microbatches} does not divide."
+                f" HINT: use a batch size that is a multiple of {microbatches}, or set pp_microbatches to one"
+                " of its divisors (and `drop_last=True` for a short last training batch)."
+            )
+
+
 def theoretical_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
     """Idle fraction of a step: (p-1)/(m+p-1); with v stages per rank (p-1)/(v*m+p-1)."""
     v = 1 if schedule in SINGLE_STAGE else stages_per_rank
@@ -169,21 +181,11 @@ class PipelineRunner:
     def _loss_fn(self, output: torch.Tensor, target: Any) -> torch.Tensor:
         return self._loss(output, target) * self._scale
 
-    def check_batch(self, inputs: dict[str, Any]) -> None:
-        sizes = {tuple(v.shape)[:1] for v in inputs.values() if isinstance(v, torch.Tensor)}
-        for (size,) in sizes:
-            if size % self.microbatches:
-                raise ValueError(
-                    f"The batch has {size} samples per rank, which pp_microbatches={self.microbatches} does not divide."
-                    f" HINT: use a batch size that is a multiple of {self.microbatches}, or set pp_microbatches to one"
-                    " of its divisors (and `drop_last=True` for a short last training batch)."
-                )
-
     def train_step(self, inputs: Any, target: Any, loss: Callable, accumulate: int = 1) -> torch.Tensor:
         """Forward and backward over every microbatch; gradients as for one batch whose loss is the
         microbatch mean divided by ``accumulate``. Returns the (unscaled) mean loss on every rank."""
         kwargs = pack_inputs(inputs)
-        self.check_batch(kwargs)
+        check_microbatches(kwargs, self.microbatches)
         shapes = [(k, tuple(v.shape), v.dtype) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         if shapes != self._shapes:
             self._build(shapes)

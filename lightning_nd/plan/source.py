@@ -1,0 +1,80 @@
+"""Where the dry run gets its model: ``MODULE:FACTORY`` or a Hugging Face config, built on the meta device.
+
+A factory may return an ``nn.Module`` or a LightningModule; a LightningModule that builds its model in
+``configure_model`` is probed later as `NDParallel` probes it (a meta-device copy). A plain ``nn.Module`` is held
+by a container under ``model``, as a LightningModule holds it (``self.model``), so names, the pipeline
+split and every error read as in a real run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Holder(nn.Module):
+    """Stands in for the LightningModule: the model under ``model``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+
+def is_lightning_module(module: nn.Module) -> bool:
+    """Without importing Lightning (plain models plan without it)."""
+    return any(cls.__name__ == "LightningModule" for cls in type(module).__mro__)
+
+
+def load_factory(spec: str) -> Any:
+    """``package.module:callable`` (the current directory is importable, as for ``python -m``)."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"`--model {spec}` must name MODULE:FACTORY. HINT: e.g. `--model examples.models.llama:build`.")
+    if "" not in sys.path:
+        sys.path.insert(0, "")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"`--model {spec}`: {error}. HINT: MODULE must be importable from this directory and"
+                         " FACTORY a callable in it.") from error
+    if not callable(factory):
+        raise ValueError(f"`--model {spec}`: `{attribute}` is not callable. HINT: name a function or class.")
+    return factory
+
+
+def hf_config(path: str | None, model_type: str | None, kwargs: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    if path is not None:
+        values = json.loads(Path(path).read_text())
+        values.update(kwargs)
+        model_type = values.pop("model_type", model_type)
+        if model_type is None:
+            raise ValueError(f"`--hf-config {path}` has no `model_type`. HINT: add --hf-model-type llama (or the family).")
+        return AutoConfig.for_model(model_type, **values)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def build_model(spec: str | None, hf_path: str | None, hf_model_type: str | None, hf_kwargs: dict[str, Any]) -> nn.Module:
+    """The module the strategy would plan, with every parameter on the meta device."""
+    if spec is None:
+        from transformers import AutoModelForCausalLM
+
+        config = hf_config(hf_path, hf_model_type, hf_kwargs)
+        config._attn_implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+        with torch.device("meta"):
+            return Holder(AutoModelForCausalLM.from_config(config))
+    factory = load_factory(spec)
+    with torch.device("meta"):
+        built = factory()
+    if not isinstance(built, nn.Module):
+        raise ValueError(f"`--model {spec}` returned {type(built).__name__}, not an nn.Module or a LightningModule.")
+    if is_lightning_module(built):
+        return built  # probed like `NDParallel.connect` probes it (`plan_for`)
+    return Holder(built)
