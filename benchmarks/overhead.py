@@ -1,5 +1,7 @@
 """Step time of NDParallel in Lightning vs the same layout hand-written (plain torch loop, and Lightning's
-ModelParallelStrategy with a hand-written `configure_model`), interleaved, on 4 CPU processes.
+ModelParallelStrategy with a hand-written `configure_model`), interleaved, on 4 CPU processes; and NDParallel
+with a callback listening to every strategy event (`strategy/events.py`) vs none ("events" column: the cost
+of being observed; the NDParallel column is the unobserved run, whose events are never built).
 
     python benchmarks/overhead.py                      # CPU, gloo
     python benchmarks/overhead.py --accelerator=cuda   # 4 GPUs, nccl (gpu_check.sh)
@@ -66,11 +68,24 @@ def parallelize_by_hand(model, dp_mesh, tp_mesh) -> None:
 ACCELERATOR = "cuda" if "--accelerator=cuda" in sys.argv else "cpu"
 
 
-def lightning_run(strategy, module: Bench, data) -> list[float]:
+class EveryEvent:
+    """A listener on every event that keeps nothing: what subscribing costs the strategy."""
+
+    def __init__(self) -> None:
+        from lightning_nd.strategy.events import ALL_EVENTS
+
+        for event in ALL_EVENTS:
+            setattr(self, event.hook, lambda strategy, event: None)
+
+
+def lightning_run(strategy, module: Bench, data, listen: bool = False) -> list[float]:
+    from lightning.pytorch import Callback
+
     timer = StepTimer(WARMUP)
+    listener = type("Listener", (EveryEvent, Callback), {})() if listen else None
     trainer = Trainer(strategy=strategy, accelerator=ACCELERATOR, devices=WORLD_SIZE, max_steps=len(data), logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[timer], use_distributed_sampler=False)
+                      callbacks=[timer, *([listener] if listener else [])], use_distributed_sampler=False)
     trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=None))
     return timer.step_times
 
@@ -145,11 +160,14 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     rows = []
     for name, (pp, dp_shard, tp) in LAYOUTS.items():
-        times: dict[str, list[float]] = {"NDParallel": [], "plain torch": [], "ModelParallelStrategy": []}
+        times: dict[str, list[float]] = {"NDParallel": [], "plain torch": [], "ModelParallelStrategy": [],
+                                         "events": []}
         data = batches((rank // tp) % dp_shard, STEPS + WARMUP)
         for _ in range(ROUNDS):
             strategy = NDParallel(pp=pp, dp_shard=dp_shard, tp=tp, pp_microbatches=MICROBATCHES if pp > 1 else None)
             times["NDParallel"] += lightning_run(strategy, Bench(build_model), data)
+            listened = NDParallel(pp=pp, dp_shard=dp_shard, tp=tp, pp_microbatches=MICROBATCHES if pp > 1 else None)
+            times["events"] += lightning_run(listened, Bench(build_model), data, listen=True)
             times["plain torch"] += torch_run(pp, dp_shard, tp, data)
             if pp > 1:  # Lightning's ModelParallelStrategy has no pipeline parallelism
                 continue
@@ -161,10 +179,12 @@ def main() -> None:
                             for variant, values in times.items()}))
         dist.barrier()
     if rank == 0:
-        print(f"\n{'layout':20} {'NDParallel':>11} {'plain torch':>12} {'MPS':>9} {'vs torch':>9} {'vs MPS':>8}")
+        print(f"\n{'layout':20} {'NDParallel':>11} {'plain torch':>12} {'MPS':>9} {'vs torch':>9} {'vs MPS':>8}"
+              f" {'events/none':>12}")
         for name, median in rows:
             nd, plain, mps = median["NDParallel"], median["plain torch"], median["ModelParallelStrategy"]
-            print(f"{name:20} {nd * 1e3:>9.1f}ms {plain * 1e3:>10.1f}ms {mps * 1e3:>7.1f}ms {nd / plain:>9.3f} {nd / mps:>8.3f}")
+            print(f"{name:20} {nd * 1e3:>9.1f}ms {plain * 1e3:>10.1f}ms {mps * 1e3:>7.1f}ms {nd / plain:>9.3f} {nd / mps:>8.3f}"
+                  f" {median['events'] / nd:>12.3f}")
         print("(MPS: Lightning's ModelParallelStrategy has no pipeline parallelism: nan)")
         worst = max(m["NDParallel"] / m["plain torch"] for _, m in rows)
         print(f"max overhead vs plain torch (target <= 1.03): {worst:.3f}")

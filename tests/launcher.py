@@ -1,7 +1,7 @@
 """Run a function on N real processes (gloo on CPU) and collect what each rank returns.
 
 Each rank is its own ``python -m tests.worker`` subprocess with the torchrun-style environment
-Lightning recognises, so a `Trainer(devices=N)` inside it never re-launches pytest (FIELD-NOTES.md).
+Lightning recognises, so a `Trainer(devices=N)` inside it never re-launches pytest (Lightning re-runs `sys.argv` in its child processes on CPU).
 """
 
 from __future__ import annotations

@@ -6,21 +6,21 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from diagnostics.analysis.layout import layout_markdown
+from lightning_nd.layout.describe import layout_markdown
 
 
 class LayoutCard(Callback):
-    """Text card ``lightning_nd/layout``: dims, applied techniques and rank coordinates (NDParallel runs)."""
+    """Text card ``lightning_nd/layout`` (NDParallel runs): what each dim splits, the mesh roles, the TP styles
+    and their sources, the pipeline stages, the experts, what was applied, what one rank holds, the warnings
+    and every rank's coordinates: the dry run's tables (`python -m lightning_nd.plan`)."""
 
     @rank_zero_only
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        strategy = trainer.strategy
-        dims = getattr(strategy, "dims", None)
-        if dims is None:
+        layout = getattr(trainer.strategy, "layout_or_none", None)
+        if layout is None:
             return
-        applied = strategy.report.lines() if getattr(strategy, "report", None) else []
-        card = layout_markdown({k: v for k, v in dims.as_dict().items() if k != "world_size"}, applied,
-                               dims.rank_table())
+        report = trainer.strategy.report
+        card = layout_markdown(layout, report.lines() if report is not None else None, trainer.strategy.dims.rank_table())
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("lightning_nd/layout", card, global_step=0)

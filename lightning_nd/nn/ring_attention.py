@@ -7,7 +7,7 @@ K and V are gathered once and each rank attends to all of them. Both are exact (
 and differentiable; causal masking uses the true positions, so any sharding (contiguous or
 head-tail "zigzag") is correct.
 
-Two rules keep the backward right (see FIELD-NOTES.md): every rotation stays in the autograd graph,
+Two rules keep the backward right (both measured on gloo): every rotation stays in the autograd graph,
 even when a block is fully masked (a skipped send would deadlock the backward ring), and K and V
 travel as one stacked tensor (two collectives whose backward order can differ give wrong gradients).
 Each hop is posted before the current block is computed and waited for after it, in forward and (the

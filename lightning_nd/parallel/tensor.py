@@ -109,7 +109,7 @@ def apply_tp(
     loss_parallel: bool,
     block_names: list[str],
 ) -> None:
-    """Shard every module named in ``entries`` (concrete module names, see `plans.py`).
+    """Shard every module named in ``entries`` (concrete module names, see `layout/tp_plan.py`).
 
     ``block_names`` are the repeated blocks; with sequence parallelism they bound the sharded region.
     """

@@ -8,6 +8,7 @@ Lightning asks the strategy for the model's and optimizers' state, then hands th
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from lightning_nd.checkpoint.full import load_full
 from lightning_nd.checkpoint.names import Names, group_names, model_state, optimizer_state
 from lightning_nd.checkpoint.sharded import gather, load_sharded, save_sharded
 from lightning_nd.strategy.data_position import DataPosition, resume_loader
+from lightning_nd.strategy.events import CheckpointLoaded, CheckpointSaved
 
 log = logging.getLogger("lightning_nd")
 
@@ -51,7 +53,8 @@ class Checkpointer:
             optimizer = optimizer._optimizer
         return optimizer_state(self.strategy.model, optimizer, self._names())
 
-    def save(self, checkpoint: dict[str, Any], filepath: Any) -> Path:
+    def save(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        start = time.perf_counter()
         path = Path(self.strategy.broadcast(str(filepath)))
         state = {"model": checkpoint.pop("state_dict")}
         optimizer_states = checkpoint.pop("optimizer_states", [])  # none when saving weights only
@@ -60,11 +63,11 @@ class Checkpointer:
         with self.strategy.failures.long_timeout():
             save_sharded(path, state, checkpoint, _collect_rng_states(), info | {"global_step": checkpoint.get("global_step")})
         self.last_checkpoint = path
-        return path
+        self.strategy.events.emit(CheckpointSaved(str(path), checkpoint.get("global_step"), time.perf_counter() - start))
 
-    def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> tuple[dict[str, Any], Path, bool]:
-        """Load model and optimizers in place; returns the rest of the checkpoint, its path, and whether it was
-        saved under another layout."""
+    def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load model and optimizers in place; returns the rest of the checkpoint for Lightning to restore."""
+        start = time.perf_counter()
         strategy = self.strategy
         path = Path(strategy.broadcast(str(checkpoint_path)))
         model, module, dims = strategy.model, strategy.lightning_module, strategy.dims
@@ -79,18 +82,19 @@ class Checkpointer:
         saved = meta.get("lightning_nd", {})
         same_layout = saved.get("layout") == dims.as_dict() and saved.get("world_size") == strategy.world_size
         resharded = saved.get("layout", dims.as_dict()) != dims.as_dict()
+        strategy.events.emit(CheckpointLoaded(str(path), resharded, time.perf_counter() - start))
         if resharded:
             log.info(f"lightning-nd: resharded `{path}` from {saved['layout']} on {saved['world_size']} ranks to"
                      f" {dims.as_dict()} on {strategy.world_size}")
         if module.trainer.state.fn != TrainerFn.FITTING:
-            return meta, path, resharded  # validate/test/predict: the weights are all they take
+            return meta  # validate/test/predict: the weights are all they take
         if rng is not None and same_layout:
             self._pending_rng = rng  # set as training resumes: starting the data loader draws from it first
         else:
             log.warning(f"lightning-nd: `{path}` has no random state for this layout ({dims.as_dict()} on"
                         f" {strategy.world_size} ranks); dropout and sampling continue from this run's seeds.")
         self._data_position = DataPosition.from_dict(saved["data"]) if "data" in saved else None
-        return meta, path, resharded
+        return meta
 
     def before_training_step(self) -> None:
         """A resumed run's random state is set now: starting the data loader drew from it first."""

@@ -14,7 +14,6 @@ import threading
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
 
 from lightning_nd.runtime.timeouts import set_timeout
 from lightning_nd.runtime.watchdog import RankWatchdog
@@ -22,7 +21,6 @@ from lightning_nd.runtime.watchdog import RankWatchdog
 # What a rank sees when a peer dies under it (gloo, NCCL, the store): wait for the watchdog to name the peer.
 COMMUNICATION_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "nccl error",
                         "distnetworkerror", "distbackenderror")
-
 
 class FailureMonitor:
     def __init__(self, step_timeout: timedelta, init_timeout: timedelta, heartbeat_timeout: timedelta | None,
@@ -87,7 +85,6 @@ class FailureMonitor:
                 self._barrier()  # watched while waiting: no rank leaves (perhaps with the store) before all are here
                 self._watchdog.stop()
             self._watchdog = None
-
 
 def _own_rank() -> int:
     import torch.distributed as dist

@@ -5,6 +5,7 @@ the layout made public, the step context, and what a failing rank says before it
 from __future__ import annotations
 
 import logging
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,9 @@ from typing import Any
 import torch
 
 from lightning_nd.layout.roles import role_names
+from lightning_nd.layout.tp_plan import custom_styles
+from lightning_nd.parallel.compose import ParallelizeReport, parallelize
+from lightning_nd.parallel.fsdp import fsdp_root
 from lightning_nd.parallel.context.region import context_parallel_region
 from lightning_nd.strategy.events import (
     BeforeProcessGroup,
@@ -25,6 +29,7 @@ from lightning_nd.strategy.events import (
 log = logging.getLogger("lightning_nd")
 
 LAYOUT_FILE = "layout.json"
+STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
@@ -70,6 +75,16 @@ def layout_ready(strategy: Any, trainer: Any) -> None:
         path = Path(trainer.log_dir) / LAYOUT_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(layout.to_json(indent=1))
+
+
+def parallelize_model(strategy: Any) -> ParallelizeReport:
+    """Apply the Layout to the LightningModule (the composer: `parallel/compose.py`)."""
+    # FSDP2 warns when a wrapped module returns a view; the root unit returns logits that are views of the
+    # head's output on every step. Only the root unit's warning is silenced.
+    root_class = type(fsdp_root(strategy.model)).__name__
+    warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP{root_class}\) returned a view tensor")
+    return parallelize(strategy.model, strategy.device_mesh, strategy.layout, forward_methods=STEP_METHODS,
+                       styles=custom_styles(strategy.model, strategy.config.tp_plan))
 
 
 def sync_metrics_over_batch_ranks(strategy: Any) -> None:

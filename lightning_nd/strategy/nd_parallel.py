@@ -1,15 +1,14 @@
 """`NDParallel`: the Lightning glue. Each hook reads top to bottom and calls the collaborators it owns:
 the plan (`layout/plan.py`, made once at ``connect``), the composer (`parallel/compose.py`), the pipeline
-engine, the checkpointer, the failure monitor and the event bus (`events.py`).
+engine, the checkpointer, the failure monitor and the event bus (`events.py`). This file: construction,
+the plan, the processes, the model's setup, checkpoints and failures; the hooks of each step (every one
+defined once): `step_hooks.py`.
 """
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
-import time
-import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -18,57 +17,40 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_nd.layout.dims import ParallelDims, closest_name
 from lightning_nd.layout.options import ParallelConfig
 from lightning_nd.layout.plan import plan_layout
 from lightning_nd.layout.record import Layout
-from lightning_nd.layout.tp_plan import custom_styles
-from lightning_nd.layout.validate import check_config, check_sequence_lengths
-from lightning_nd.parallel.compose import ParallelizeReport, parallelize
-from lightning_nd.parallel.context.sharding import shard_batch
-from lightning_nd.parallel.fsdp import accumulate_without_sync, fsdp_root
-from lightning_nd.runtime.clip import align_grads_to_params, clip_grad_norm_
+from lightning_nd.layout.validate import check_config
+from lightning_nd.parallel.compose import ParallelizeReport
 from lightning_nd.runtime.materialize import materialize
 from lightning_nd.runtime.mesh import NDMesh, build_mesh
 from lightning_nd.runtime.timeouts import check_timeouts
 from lightning_nd.strategy import lifecycle
 from lightning_nd.strategy.checkpointer import Checkpointer
-from lightning_nd.strategy.events import CheckpointLoaded, CheckpointSaved, EventBus
+from lightning_nd.strategy.events import EventBus
 from lightning_nd.strategy.failure_monitor import FailureMonitor
 from lightning_nd.strategy.pipeline_engine import PipelineEngine
 from lightning_nd.strategy.probe import already_parallel, model_to_check
 from lightning_nd.strategy.step_events import StepEvents
+from lightning_nd.strategy.step_hooks import StepHooks
 
 log = logging.getLogger("lightning_nd")
 
-STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
 
+class NDParallel(StepHooks):
+    """N-D parallel training of an ordinary LightningModule (every knob: the README's "Knobs").
 
-class NDParallel(ModelParallelStrategy):
-    """N-D parallel training of an ordinary LightningModule.
-
-    Args:
-        dp_replicate, dp_shard, cp, tp, pp, ep: sizes of the parallel dims (see `ParallelDims`);
-            ``dp_shard=-1`` fills the world size.
-        zero_stage, tp_plan, sequence_parallel, loss_parallel, block_classes, activation_checkpointing,
-            compile, cpu_offload, pp_schedule, pp_microbatches, pp_stages_per_rank, pp_layers_per_stage,
-            pp_split, cp_shard_keys: how to parallelize (see `ParallelConfig`; pp steps: `pipeline_engine.py`;
-            cp: `parallel/context/region.py`).
-        init_on_meta: build the layers created in ``configure_model`` on the meta device, then
-            materialise only each rank's shard with every module's ``reset_parameters()``.
-        timeout: process-group timeout after the first optimizer step: a collective that waits longer fails.
-        init_timeout: process-group timeout for start-up, the first step and checkpoint save/load.
-        heartbeat_timeout: a rank silent this long is dead; every other rank then exits 1 naming it
-            (`runtime/watchdog.py`). None: no watchdog (a death is noticed after ``timeout``).
-        process_group_backend: ``"gloo"`` or ``"nccl"``; chosen from the device when None.
-
+    ``dp_replicate, dp_shard, cp, tp, pp, ep``: the dim sizes (`ParallelDims`; ``dp_shard=-1`` fills the world);
+    the keywords after them: how to parallelize (`ParallelConfig`), ``init_on_meta`` (build `configure_model`'s
+    layers on meta, materialise each rank's shards), the three timeouts (`runtime/timeouts.py`,
+    `failure_monitor.py`) and ``process_group_backend`` (chosen from the device when None).
     After ``connect``, ``strategy.layout`` is the run's `Layout`; ``strategy.config`` stays what was passed.
     """
 
@@ -126,7 +108,8 @@ class NDParallel(ModelParallelStrategy):
         self.steps = StepEvents(self.events, torch.device("cpu"))
         self.checkpointer = Checkpointer(self)
         self.failures = FailureMonitor(timeout, init_timeout, heartbeat_timeout, barrier=self.barrier,
-                                       resume_hint=self._resume_hint, on_verdict=self._deliver_verdict)
+                                       resume_hint=self._resume_hint,
+                                       on_verdict=lambda *verdict: lifecycle.deliver_verdict(self, *verdict))
         self.pipeline: PipelineEngine | None = None
 
     @classmethod
@@ -232,12 +215,7 @@ class NDParallel(ModelParallelStrategy):
             if self._layout is None:  # `configure_model` needed the mesh: plan the real (meta-device) model now
                 self._layout = self._plan(self.model)
             lifecycle.layout_ready(self, trainer)
-            # FSDP2 warns when a wrapped module returns a view; the root unit returns logits that are
-            # views of the head's output on every step. Only the root unit's warning is silenced.
-            root_class = type(fsdp_root(self.model)).__name__
-            warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP{root_class}\) returned a view tensor")
-            self.report = parallelize(self.model, self.device_mesh, self.layout, forward_methods=STEP_METHODS,
-                                      styles=custom_styles(self.model, self.config.tp_plan))
+            self.report = lifecycle.parallelize_model(self)
         # With CPU offload FSDP keeps the shards in host memory and moves them itself.
         device = torch.device("cpu") if self.config.cpu_offload else self.root_device
         # Ranks that hold the same shard must draw the same numbers: one seed for all, from rank 0.
@@ -258,102 +236,6 @@ class NDParallel(ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, device)
         self.steps.start_waiting()
 
-    # ---- step hooks ------------------------------------------------------------------------------
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        self.steps.batch_arrived()
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        if self.dims.cp > 1:
-            batch, self._cp_positions = shard_batch(batch, self.dims.cp, self.device_mesh.local_rank("cp"),
-                                                    self.config.cp_shard_keys)
-        if self.config.sequence_parallel:
-            check_sequence_lengths(batch, self.dims.tp)
-        return batch
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.checkpointer.before_training_step()
-        # Under pp the runner reports each microbatch's phases itself.
-        with self.steps.phase("forward") if self.pipeline is None else nullcontext(), lifecycle.step_context(self):
-            result = (self.pipeline.train(self.lightning_module, args[0]) if self.pipeline is not None
-                      else super().training_step(*args, **kwargs))
-        self.steps.step_done(self.pipeline_timings)
-        return result
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with lifecycle.step_context(self):
-            if self.pipeline is not None:
-                return self.pipeline.evaluate(self.lightning_module, args[0], "val")
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with lifecycle.step_context(self):
-            if self.pipeline is not None:
-                return self.pipeline.evaluate(self.lightning_module, args[0], "test")
-            return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with lifecycle.step_context(self):
-            if self.pipeline is not None:
-                return self.pipeline.predict(self.lightning_module, args[0])
-            return super().predict_step(*args, **kwargs)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        assert self.model is not None
-        with accumulate_without_sync(self.model, self.layout.options["zero_stage"] if self._layout else 3):
-            yield None
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self.pipeline is not None:
-            return self.pipeline.backward(self.lightning_module, closure_loss)
-        with self.steps.phase("backward"), lifecycle.step_context(self, forward=False):
-            loss = super().backward(closure_loss, optimizer, *args, **kwargs)
-        # Gradients whose layout differs from their parameter's (Partial under SP, a full copy for a
-        # sharded embedding) are aligned now: clipping, hooks and the optimizer see the true shard.
-        assert self.model is not None
-        align_grads_to_params(self.model.parameters())
-        return loss
-
-    @override
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.steps.phase("optimizer"):
-            result = super().optimizer_step(*args, **kwargs)
-        if self.pipeline is not None:
-            self.pipeline.window_closed()
-        self.failures.after_optimizer_step()
-        self.steps.optimizer_done()
-        return result
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
-        # A logged value is the same on tp ranks: reduce over the ranks that saw different tokens only.
-        if isinstance(tensor, DTensor):  # a loss-parallel loss: replicated over tp
-            tensor = tensor.full_tensor()
-        with self.steps.collective("reduce", "loss" if group is None else "group"):
-            return super().reduce(tensor, group=group if group is not None else self.device_mesh.group("loss"),
-                                  reduce_op=reduce_op)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # A decision is counted over every rank (Lightning compares the sum with world_size),
-        # not over the batch ranks `reduce` uses by default.
-        import torch.distributed as dist
-
-        flag = torch.tensor(int(decision), device=self.root_device)
-        flag = self.reduce(flag, group=dist.group.WORLD, reduce_op="sum")
-        return bool(flag == self.world_size) if all else bool(flag)
-
-    def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        with self.steps.collective("clip_grad_norm", "world"):
-            clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, pp=self.dims.pp)
-
     # ---- checkpoints and failures ----------------------------------------------------------------
 
     @override
@@ -369,17 +251,11 @@ class NDParallel(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("`NDParallel.save_checkpoint(..., storage_options=...)` is not supported: it writes with"
                             " torch.distributed.checkpoint, not a `CheckpointIO` plugin.")
-        start = time.perf_counter()
-        step = checkpoint.get("global_step")
-        path = self.checkpointer.save(checkpoint, filepath)
-        self.events.emit(CheckpointSaved(str(path), step, time.perf_counter() - start))
+        self.checkpointer.save(checkpoint, filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        start = time.perf_counter()
-        meta, path, resharded = self.checkpointer.load(checkpoint_path, weights_only)
-        self.events.emit(CheckpointLoaded(str(path), resharded, time.perf_counter() - start))
-        return meta
+        return self.checkpointer.load(checkpoint_path, weights_only)
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
@@ -388,9 +264,6 @@ class NDParallel(ModelParallelStrategy):
     def _resume_hint(self) -> str:
         last = self.checkpointer.last_checkpoint
         return f" HINT: resume with `Trainer.fit(..., ckpt_path={str(last)!r})`." if last else ""
-
-    def _deliver_verdict(self, culprit: int, reason: str, thread: str) -> None:
-        lifecycle.deliver_verdict(self, culprit, reason, thread)
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule

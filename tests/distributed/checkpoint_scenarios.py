@@ -145,8 +145,13 @@ FAST_FAILURE = {"heartbeat_timeout": 3, "timeout": 30}  # seconds; the test allo
 
 
 def die_mid_step(ckpt_dir: str, stamp: str, rank: int, step: int) -> dict[str, Any]:
-    """4 ranks, a checkpoint every step; ``rank`` is SIGKILLed as step ``step + 1`` starts."""
-    return fit({"dp_shard": 4}, STEPS, ckpt_dir=ckpt_dir, every=1, callbacks=[DieAt(rank, step, stamp)], **FAST_FAILURE)
+    """4 ranks, a checkpoint every step; ``rank`` is SIGKILLed as step ``step + 1`` starts. Every rank's events go
+    to ``events-rank<r>.jsonl`` beside ``stamp``."""
+    from tests.distributed.events_scenario import EventLog
+
+    events = EventLog(str(Path(stamp).parent / f"events-rank{os.environ['RANK']}.jsonl"))
+    return fit({"dp_shard": 4}, STEPS, ckpt_dir=ckpt_dir, every=1, callbacks=[DieAt(rank, step, stamp), events],
+               **FAST_FAILURE)
 
 
 def die_mid_save(ckpt_dir: str, stamp: str, rank: int, step: int) -> dict[str, Any]:

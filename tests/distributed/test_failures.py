@@ -4,6 +4,7 @@ resumes the run with the same losses as an uninterrupted one."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -57,6 +58,11 @@ def test_sigkill_mid_step_stops_every_rank_naming_it(tmp_path):
     assert read_sharded(latest)["global_step"] == 3  # the last complete checkpoint loads (checksums too)
     log = (tmp_path / "out" / "rank0.log").read_text()
     assert "ckpt_path=" in log and "step=3.ckpt" in log  # the message says where to resume from
+    for rank in (0, 1, 3):  # the verdict reached each survivor's listeners before the process exited
+        events = [json.loads(line) for line in (tmp_path / f"events-rank{rank}.jsonl").read_text().splitlines()]
+        verdicts = [e for e in events if e["event"] == "FailureVerdict"]
+        assert verdicts and verdicts[0]["culprit"] == 2 and "died" in verdicts[0]["reason"], events[-3:]
+        assert [e["step"] for e in events if e["event"] == "CheckpointSaved"] == [1, 2, 3]
 
 
 @pytest.fixture(scope="module")

@@ -52,3 +52,5 @@ def test_named_groups_match_coordinates(reports, index):
             assert sorted(dims.coordinates(r)["ep"] for r in group) == list(range(dims.ep))
             assert all(dims.coordinates(r)["tp"] == dims.coordinates(rank)["tp"] for r in group)
             assert set(group) <= set(report["fsdp"])
+        for role in role_names(dims):  # the pure role arithmetic names the same groups, in the same order
+            assert report[role] == group_of(dims, role, rank), (rank, role)

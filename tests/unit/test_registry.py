@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,11 @@ import yaml
 from lightning.pytorch import Trainer
 
 import lightning_nd  # noqa: F401  (registers "nd")
+from examples.lit import CausalLM
 from lightning_nd import NDParallel
+from lightning_nd.layout.dims import DIM_NAMES, MESH_DIMS
+from lightning_nd.plan.__main__ import plan_for
+from tests.models import build
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "parallel"
 
@@ -26,6 +31,21 @@ def test_every_parallel_config_builds_a_valid_layout_on_4_devices(path):
     options = yaml.safe_load(path.read_text())
     if "parallel" in options:  # a `# @package _global_` file (single) also sets trainer options
         options = options["parallel"]
-    trainer = Trainer(accelerator="cpu", devices=4 if path.stem != "single" else 1,  # construction only, no spawn
+    devices = 1 if path.stem == "single" else 4
+    trainer = Trainer(accelerator="cpu", devices=devices,  # construction only, no spawn
                       strategy=NDParallel.from_config(options), logger=False, enable_progress_bar=False)
-    assert trainer.strategy.dims.world_size == (1 if path.stem == "single" else 4)
+    strategy = trainer.strategy
+    dims = strategy.dims.as_dict()
+    assert dims["world_size"] == devices
+    for key, value in options.items():
+        if key in DIM_NAMES and value != -1:
+            assert dims[key] == value, key
+        elif key not in DIM_NAMES:
+            assert getattr(strategy.config, key) == value, key
+    fills = [key for key, value in options.items() if value == -1]
+    assert all(dims[key] == devices // math.prod(v for k, v in dims.items() if k in MESH_DIMS and k != key)
+               for key in fills)
+    model = build("moe_llama" if options.get("ep", 1) > 1 else "llama" if options.get("tp", 1) != 1 else "llama8")
+    layout = plan_for(strategy, devices, CausalLM(model=model))  # the config plans on a model, as in a run
+    assert {key: layout.options[key] for key in options if key not in DIM_NAMES} == {
+        key: value for key, value in options.items() if key not in DIM_NAMES}

@@ -5,8 +5,11 @@ from __future__ import annotations
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from diagnostics.analysis.layout import layout_markdown
+from examples.lit import CausalLM
+from lightning_nd import ParallelConfig, ParallelDims, plan_layout
+from lightning_nd.layout.describe import layout_markdown
 from lightning_nd.parallel.tensor import PackedColwiseParallel, ShardingSequenceParallel, is_colwise, style_for
+from tests.models import build
 
 
 def test_colwise_styles_fan_out_heads():
@@ -35,6 +38,8 @@ def test_loss_parallel_head_keeps_vocabulary_shards():
 
 
 def test_layout_card_has_one_row_per_dim_and_the_applied_lines():
-    card = layout_markdown({"dp_replicate": 1, "dp_shard": 2, "tp": 2}, ["Applied FSDP (shard=2)"], "| rank |")
+    layout = plan_layout(CausalLM(model=build("llama")), ParallelDims(dp_shard=2, tp=2, world_size=4), ParallelConfig())
+    card = layout_markdown(layout, ["Applied FSDP (shard=2)"], "| rank |")
     assert "| `dp_shard` | 2 | the batch, with parameters/gradients/optimizer state sharded |" in card
-    assert "- Applied FSDP (shard=2)" in card and card.endswith("| rank |")
+    assert "- Applied FSDP (shard=2)" in card and card.endswith("| rank |\n")
+    assert "| `model.layers.*.mlp.down_proj` | rowwise | pattern | 2 |" in card

@@ -1,4 +1,4 @@
-"""The module each pipeline stage runs (where the model splits: `split.py`).
+"""The module each pipeline stage runs (where the model splits: `layout/pipeline_split.py`).
 
 A stage module is a copy of the model that keeps only its own units (the others never get copied,
 so a rank materialises only its stages' weights) and still runs the model's own ``forward``:
