@@ -1,7 +1,7 @@
 """Runs on every rank of a 4-rank launch: the strategy's events, heard by a Trainer callback, in real runs.
 
 Fits, in one process group: pp=2 x cp=2 (phases per microbatch, the schedule's and ring attention's
-point-to-point operations, stage timings, groups, layout), ep=2 x dp_shard=2 on the MoE Llama (routing
+point-to-point operations, stage timings, groups, layout), ep=2 x dp_shard=4 on the MoE Llama (routing
 counts), a slow first step on one rank under a 2 s step timeout (the switch to the short timeout waits for
 every rank), and last an out-of-memory error raised in every rank's forward (the OOM event and the verdict
 come before the error leaves `fit`; the process carries on).
@@ -80,15 +80,15 @@ def _fit(name: str, out_dir: str, layout: dict[str, Any], model: str = "llama", 
     return {"losses": recorder.losses, "events": path}
 
 
-def run_all(out_dir: str) -> dict[str, Any]:
+def run_all(folder: str) -> dict[str, Any]:
     results = {
-        "pp_cp": _fit("pp_cp", out_dir, {"pp": 2, "cp": 2, "dp_shard": 1}, ckpt=True),
-        "moe": _fit("moe", out_dir, {"ep": 2, "dp_shard": 2}, model="moe_llama"),
-        "slow_first_step": _fit("slow_first_step", out_dir, {"dp_shard": 4}, steps=3,
+        "pp_cp": _fit("pp_cp", folder, {"pp": 2, "cp": 2, "dp_shard": 1}, ckpt=True),
+        "moe": _fit("moe", folder, {"ep": 2, "dp_shard": 4}, model="moe_llama"),
+        "slow_first_step": _fit("slow_first_step", folder, {"dp_shard": 4}, steps=3,
                                 callbacks=(SlowFirstStep(rank=1, seconds=5.0),), timeout=2, heartbeat_timeout=None),
     }
     try:
-        _fit("oom", out_dir, {"dp_shard": 4}, steps=3, callbacks=(OutOfMemoryAt(),))
+        _fit("oom", folder, {"dp_shard": 4}, steps=3, callbacks=(OutOfMemoryAt(),))
     except torch.OutOfMemoryError as error:
-        results["oom"] = {"raised": str(error), "events": str(Path(out_dir) / f"oom-rank{dist.get_rank()}.jsonl")}
+        results["oom"] = {"raised": str(error), "events": str(Path(folder) / f"oom-rank{dist.get_rank()}.jsonl")}
     return results
