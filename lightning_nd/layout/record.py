@@ -153,13 +153,6 @@ class Layout:
     def rank(self, rank: int) -> RankHolding:
         return self.ranks[rank]
 
-    def tp_entries(self) -> dict[str, str]:
-        return {entry.module: entry.style for entry in self.tp}
-
-    def group_names(self) -> dict[str, str]:
-        """Process-group description -> mesh role, for offline tools reading flight-recorder dumps."""
-        return {f"mesh_{role}": role for role in self.roles}
-
     def to_dict(self) -> dict[str, Any]:
         values = asdict(self)
         values["version"] = FORMAT_VERSION
@@ -172,6 +165,9 @@ class Layout:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Layout:
+        if values.get("version", FORMAT_VERSION) > FORMAT_VERSION:
+            raise ValueError(f"This Layout was written in format {values['version']}; this lightning-nd reads up to"
+                             f" {FORMAT_VERSION}. HINT: upgrade lightning-nd.")
         pipeline = values["pipeline"]
         if pipeline is not None:
             split = pipeline["split"]

@@ -190,6 +190,13 @@ def check_plan(model: nn.Module, entries: Mapping[str, object], tp: int, facts: 
                 f"`NDParallel(tp={tp})` does not divide `{fact}={count}` (read from {facts.sources[fact]})."
                 f" HINT: choose tp from {divisors(count)}."
             )
+    from lightning_nd.parallel.tensor import head_counts, is_colwise
+
+    for name in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
+        for attr, value in head_counts(get_submodule(model, name)).items():
+            if value % tp:
+                raise ValueError(f"`NDParallel(tp={tp})` does not divide `{name or 'model'}.{attr}={value}`: its heads"
+                                 f" would be split mid-head. HINT: choose tp from {divisors(value)}.")
     for name, style in entries.items():
         module = get_submodule(model, name)
         size, what = _sharded_size(module, style)

@@ -67,9 +67,7 @@ class ExpertParallel(nn.Module):
         group = mesh.get_group()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.num_experts = experts.gate_up_proj.shape[0]
-        if self.num_experts % size:
-            raise ValueError(f"ep={size} does not divide the {self.num_experts} experts. HINT: choose ep from"
-                             f" {[d for d in range(1, self.num_experts + 1) if self.num_experts % d == 0]}.")
+        assert self.num_experts % size == 0, "the plan checks that ep divides every experts module"
         self.group, self.size, self.local = group, size, self.num_experts // size
         first = rank * self.local
         self.first = first

@@ -163,17 +163,16 @@ def is_colwise(style: object) -> bool:
     )
 
 
+def head_counts(module: nn.Module) -> dict[str, int]:
+    """The head-count attributes a module reshapes with (``n_heads``, ``num_key_value_heads``, ...)."""
+    values = {attr: getattr(module, attr, None) for attr in (*HEAD_ATTRS, *KV_HEAD_ATTRS)}
+    return {attr: value for attr, value in values.items() if isinstance(value, int) and not isinstance(value, bool)}
+
+
 def _divide_head_counts(name: str, module: nn.Module, tp: int) -> None:
-    """Modules that reshape with their head count must see the local count (heads / tp)."""
-    for attr in (*HEAD_ATTRS, *KV_HEAD_ATTRS):
-        value = getattr(module, attr, None)
-        if not isinstance(value, int) or isinstance(value, bool):
-            continue
-        if value % tp:
-            raise ValueError(
-                f"`{name}.{attr}={value}` does not divide by tp={tp}: its heads would be split mid-head."
-                f" HINT: choose tp dividing {value}."
-            )
+    """Modules that reshape with their head count must see the local count (heads / tp; the plan checked it)."""
+    for attr, value in head_counts(module).items():
+        assert value % tp == 0, f"{name}.{attr}={value} passed the plan's check against tp={tp}"
         setattr(module, attr, value // tp)
 
 

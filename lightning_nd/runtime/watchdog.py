@@ -28,8 +28,8 @@ class RankWatchdog:
     def __init__(self, store, rank: int, world_size: int, dead_after: float, interval: float = 1.0,
                  hint: Callable[[], str] = lambda: "", on_verdict: Callable[[int, str], None] | None = None,
                  verdict_budget: float = 10.0) -> None:
-        """``on_verdict(rank, reason)`` runs on this watchdog's thread before it ends the process for a peer's
-        death, for at most ``verdict_budget`` seconds (listeners, loggers' flush)."""
+        """``on_verdict(rank, reason)`` is delivered before this watchdog ends the process for a peer's death: on
+        a helper thread it waits for, at most ``verdict_budget`` seconds (listeners, loggers' flush)."""
         import torch.distributed as dist
 
         # Its own connection: a client serialises its requests, and the main thread may block in one (a store

@@ -17,6 +17,7 @@ from datetime import timedelta
 
 from lightning_nd.runtime.timeouts import set_timeout
 from lightning_nd.runtime.watchdog import RankWatchdog
+from lightning_nd.strategy.events import VERDICT_BUDGET_S
 
 # What a rank sees when a peer dies under it (gloo, NCCL, the store): wait for the watchdog to name the peer.
 COMMUNICATION_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "nccl error",
@@ -41,6 +42,7 @@ class FailureMonitor:
             return
         self._watchdog = RankWatchdog(_get_default_store(), dist.get_rank(), dist.get_world_size(),
                                       self.heartbeat_timeout.total_seconds(), hint=self._resume_hint,
+                                      verdict_budget=VERDICT_BUDGET_S,
                                       on_verdict=lambda culprit, reason: self._on_verdict(
                                           culprit, reason, threading.current_thread().name))
         self._watchdog.start()

@@ -1,7 +1,8 @@
 """Runs on every rank of a 4-rank launch: the strategy's events, heard by a Trainer callback, in real runs.
 
 Fits, in one process group: pp=2 x cp=2 (phases per microbatch, the schedule's and ring attention's
-point-to-point operations, stage timings, groups, layout), ep=2 x dp_shard=4 on the MoE Llama (routing
+point-to-point operations, stage timings, groups, layout, checkpoints saved), its checkpoint resumed under
+dp_shard=4 (loaded, resharded), ep=2 x dp_shard=4 on the MoE Llama (routing
 counts), a slow first step on one rank under a 2 s step timeout (the switch to the short timeout waits for
 every rank), and last an out-of-memory error raised in every rank's forward (the OOM event and the verdict
 come before the error leaves `fit`; the process carries on).
@@ -65,7 +66,7 @@ class OutOfMemoryAt(Callback):
 
 
 def _fit(name: str, out_dir: str, layout: dict[str, Any], model: str = "llama", steps: int = 2,
-         callbacks: tuple = (), ckpt: bool = False, **strategy: Any) -> dict[str, Any]:
+         callbacks: tuple = (), ckpt: bool = False, ckpt_path: str | None = None, **strategy: Any) -> dict[str, Any]:
     recorder = LossRecorder()
     path = str(Path(out_dir) / f"{name}-rank{dist.get_rank() if dist.is_initialized() else os.environ['RANK']}.jsonl")
     saving = [ModelCheckpoint(dirpath=str(Path(out_dir) / f"ckpt-{name}"), every_n_train_steps=1, save_top_k=-1,
@@ -76,13 +77,15 @@ def _fit(name: str, out_dir: str, layout: dict[str, Any], model: str = "llama", 
                       limit_val_batches=0, num_sanity_val_steps=0)
     batch_ranks = trainer.strategy.dims.batch_size_multiplier
     data = TokenDataModule(vocab_size=VOCAB, seq_len=16, num_samples=8 * steps, batch_size=8 // batch_ranks)
-    trainer.fit(CausalLM(model=build(model), lr=1e-3), datamodule=data)
+    trainer.fit(CausalLM(model=build(model), lr=1e-3), datamodule=data, ckpt_path=ckpt_path)
     return {"losses": recorder.losses, "events": path}
 
 
 def run_all(folder: str) -> dict[str, Any]:
     results = {
         "pp_cp": _fit("pp_cp", folder, {"pp": 2, "cp": 2, "dp_shard": 1}, ckpt=True),
+        "resumed": _fit("resumed", folder, {"dp_shard": 4}, steps=3,
+                        ckpt_path=str(Path(folder) / "ckpt-pp_cp" / "step=2.ckpt")),
         "moe": _fit("moe", folder, {"ep": 2, "dp_shard": 4}, model="moe_llama"),
         "slow_first_step": _fit("slow_first_step", folder, {"dp_shard": 4}, steps=3,
                                 callbacks=(SlowFirstStep(rank=1, seconds=5.0),), timeout=2, heartbeat_timeout=None),

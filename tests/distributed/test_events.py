@@ -38,7 +38,7 @@ def test_process_group_events_come_in_order_with_the_layouts_groups(runs):
         roles = events[2]["roles"]
         for role in ("pp", "cp", "batch", "loss"):
             mine = next(group for group in roles[role] if rank in group)
-            assert groups[role]["ranks"] == mine, role
+            assert groups[role]["ranks"] == mine and groups[role]["desc"] == f"mesh_{role}", role
         assert groups["world"]["ranks"] == list(range(WORLD))
         assert events[2]["techniques"] == ["pipeline_split", "context_parallel", "fsdp"]
 
@@ -68,6 +68,14 @@ def test_phases_timings_and_point_to_point_under_pp_and_cp(runs):
         assert _of(events, "CollectiveWait")
         saved = _of(events, "CheckpointSaved")
         assert [e["step"] for e in saved] == [1, 2] and all(Path(e["path"]).is_dir() for e in saved)
+
+
+def test_checkpoint_loaded_under_another_layout(runs):
+    for rank in range(WORLD):
+        events = _events(runs[rank]["resumed"]["events"])
+        loaded = _of(events, "CheckpointLoaded")
+        assert len(loaded) == 1 and loaded[0]["resharded"] is True and loaded[0]["path"].endswith("step=2.ckpt")
+        assert len(runs[rank]["resumed"]["losses"]) == 1  # steps 2 -> 3
 
 
 def test_routing_counts_per_moe_layer(runs):

@@ -14,6 +14,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util.tensor_util import make_ndarray
 
+from lightning_nd import Layout
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -66,6 +68,9 @@ def test_readme_main_job_trains_and_writes_tensorboard(tmp_path):
     card = layout_card(accumulator)
     assert "| `tp` | 2 |" in card and "| `dp_shard` | 2 |" in card
     assert "Applied tensor parallel (tp=2, sequence_parallel=True" in card and "Applied FSDP (shard=2)" in card
+    assert "| `model.layers.*.self_attn.q_proj` | colwise | pattern | 4 |" in card and "Rank 0 (" in card
+    layout = Layout.from_json((tmp_path / "tensorboard" / "layout.json").read_text())  # the run's plan, for offline tools
+    assert layout.dims["tp"] == 2 and [t.technique for t in layout.techniques] == ["tensor_parallel", "fsdp"]
 
 
 def test_hydra_sweep_runs_every_layout(tmp_path):

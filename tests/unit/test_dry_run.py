@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +10,6 @@ import torch
 from lightning_nd import Layout
 from lightning_nd.plan.__main__ import main
 
-REPO = Path(__file__).resolve().parents[2]
 LLAMA_70B = {"num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
              "intermediate_size": 28672, "vocab_size": 128256}
 
@@ -69,16 +65,16 @@ def test_topology_warning_names_the_cheaper_layout(capsys):
     assert "### Warnings" in out and "`tp=4` makes groups of 4 neighbouring ranks, which span 2 nodes" in out
 
 
-def test_a_70b_llama_at_64_devices(tmp_path):
+def test_a_70b_llama_at_64_devices(tmp_path, capsys):
     """The dry run of a 70B-shaped Llama config prints at 64 devices with no process group; each rank holds
     about 1/32 of the parameters (tp=8 x pp=4; dp_shard=2 then halves their storage)."""
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "llama", **LLAMA_70B}))
-    done = subprocess.run([sys.executable, "-m", "lightning_nd.plan", "--hf-config", str(config), "--devices", "64",
-                           "--layout", "tp=8,pp=4,dp_shard=2", "--gpus-per-node", "8", "--seq-len", "4096",
-                           "--micro-batch", "8", "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    layout = Layout.from_json(done.stdout)
+    code, out, err = _run(capsys, "--hf-config", str(config), "--devices", "64", "--layout", "tp=8,pp=4,dp_shard=2",
+                          "--gpus-per-node", "8", "--seq-len", "4096", "--micro-batch", "8", "--json")
+    assert code == 0, err
+    assert not torch.distributed.is_initialized()
+    layout = Layout.from_json(out)
     per_rank = [sum(torch.Size(p.local_shape).numel() for p in holding.params) for holding in layout.ranks]
     total = 70_553_706_496  # Llama-3-70B with untied embeddings
     assert min(per_rank) > total / 32 / 2 * 0.85 and max(per_rank) < total / 32 / 2 * 1.25  # dp_shard=2 halves

@@ -122,3 +122,25 @@ def test_star_matches_exactly_one_name_component(name, matches):
 
 def test_pattern_dots_are_literal():
     assert not pattern_to_regex("layers.*.q_proj").match("layers.0xq_proj")
+
+
+class _Heads(nn.Module):
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.n_heads = heads
+        self.q_proj, self.o_proj = nn.Linear(24, 24), nn.Linear(24, 24)
+
+
+class _TwoHeadCounts(nn.Module):
+    """Attention modules with different head counts: the second does not divide by 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Heads(4), _Heads(6)])
+
+
+def test_every_module_head_count_is_checked_when_planning():
+    from lightning_nd import ParallelConfig, ParallelDims, plan_layout
+
+    with pytest.raises(ValueError, match=r"`layers.1.n_heads=6`: its heads would be split mid-head. HINT: choose tp from \[1, 2, 3, 6\]"):
+        plan_layout(_TwoHeadCounts(), ParallelDims(tp=4, world_size=4), ParallelConfig())
