@@ -1,1 +1,1 @@
-"""Thin Lightning callbacks: collect, call one analysis, log on rank zero."""
+"""Thin Lightning callbacks: collect, call a pure analysis or renderer, log on rank zero."""

@@ -133,6 +133,16 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def dp_shard_in_ep(self) -> int:
+        """The inner part of dp_shard an ep group takes (with all of cp): ep // cp; 1 without ep."""
+        return self.ep // self.cp if self.ep > 1 else 1
+
+    @property
+    def expert_dp(self) -> int:
+        """How many ranks hold the same experts (and see different tokens): dp_replicate x dp_shard x cp / ep."""
+        return self.dp_replicate * self.dp_shard * self.cp // self.ep
+
+    @property
     def batch_size_multiplier(self) -> int:
         """How many ranks see different samples: the per-rank batch times this is the global batch."""
         return self.dp_replicate * self.dp_shard

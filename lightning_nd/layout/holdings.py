@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -36,7 +37,9 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, bo
     """(dim, strided) that a tp style splits this parameter on; None when it stays whole on every tp rank."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    if style == "packed_colwise":
+    from lightning_nd.parallel.tensor import PackedColwiseParallel
+
+    if style == "packed_colwise" or isinstance(style, PackedColwiseParallel):
         return 0, True
     colwise = style in ("colwise", "colwise_gather_output") or isinstance(style, ColwiseParallel)
     rowwise = style in ("rowwise", "embedding_rowwise") or isinstance(style, RowwiseParallel)
@@ -70,6 +73,22 @@ def kind_of(name: str, module: nn.Module, blocks: tuple[str, ...], experts: set[
     return "other"
 
 
+@dataclass(frozen=True)
+class _Param:
+    """What is the same on every rank for one parameter: how it is split, and over which dims."""
+
+    name: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: str
+    element_size: int
+    tp: tuple[int, bool] | None
+    expert: bool
+    fsdp: tuple[str, int, int] | None
+    """(role, size, dim) FSDP shards it over, or None."""
+    placement: str
+
+
 def rank_holdings(
     module: nn.Module,
     dims: ParallelDims,
@@ -80,55 +99,70 @@ def rank_holdings(
     experts: set[str],
     precision: str | None = None,
 ) -> tuple[RankHolding, ...]:
-    """One `RankHolding` per global rank."""
-    modules = dict(module.named_modules())
-    dtype_override = PRECISION_PARAM_DTYPES.get(str(precision))
-    params = [(name, param, modules[parent_name(name)]) for name, param in module.named_parameters()]
-    kinds = {name: kind_of(name, owner, blocks, experts) for name, _, owner in params}
-    fsdp_on = dims.dp_enabled or dims.fsdp_enabled
-    inside = dims.ep // dims.cp if dims.ep > 1 else 1
-    expert_dp = dims.dp_replicate * dims.dp_shard // inside
+    """One `RankHolding` per global rank; ranks that hold the same piece share one `ParamShard`."""
+    params = _params(module, dims, blocks, tp_entries, experts, precision)
+    inside, sizes = dims.dp_shard_in_ep, {"tp": dims.tp, "ep": dims.ep}
+    shared: dict[tuple, ParamShard] = {}
     holdings = []
     for rank in range(dims.world_size):
         coords = dims.coordinates(rank)
         stages = tuple(pipeline.ranks[coords["pp"]]) if pipeline is not None else ()
         prefixes = _stage_prefixes(pipeline, stages)
-        fsdp_index = coords["dp_shard"] * dims.cp + coords["cp"]
-        expert_dp_index = coords["dp_replicate"] * (dims.dp_shard // inside) + coords["dp_shard"] // inside
+        index = {"tp": coords["tp"], "ep": coords["ep"], "fsdp": coords["dp_shard"] * dims.cp + coords["cp"],
+                 "expert_dp": coords["dp_replicate"] * (dims.dp_shard // inside) + coords["dp_shard"] // inside}
         shards = []
-        for name, param, owner in params:
-            if prefixes is not None and not name.startswith(prefixes):
+        for param in params:
+            if prefixes is not None and not param.name.startswith(prefixes):
                 continue
-            shape, placement = list(param.shape), []
-            split = tp_split(owner, name.rsplit(".", 1)[-1], tp_entries.get(parent_name(name))) if dims.tp > 1 else None
-            if split is not None:
-                dim, strided = split
-                shape[dim] = chunk_length(shape[dim], dims.tp, coords["tp"])
-                placement.append(f"tp:{'StridedShard' if strided else 'Shard'}({dim})")
-            padded = list(shape)
-            is_expert = parent_name(name) in experts and dims.ep > 1
-            if is_expert:
-                shape[0] = padded[0] = chunk_length(shape[0], dims.ep, coords["ep"])
-                placement.append("ep:Shard(0)")
-            if fsdp_on and not (is_expert and expert_dp == 1):
-                role, size, index = ("expert_dp", expert_dp, expert_dp_index) if is_expert else (
-                    "fsdp", dims.dp_shard * dims.cp, fsdp_index)
-                dim = 1 if split is not None and split[1] and len(shape) > 1 else 0
-                if dims.dp_replicate > 1 and not is_expert:
-                    placement.append("dp_replicate:Replicate")
-                if shape:
-                    padded[dim] = math.ceil(shape[dim] / size) if shape[dim] else 0
-                    shape[dim] = chunk_length(shape[dim], size, index)
-                placement.append(f"{role}:Shard({dim})")
-            dtype = dtype_override if dtype_override is not None and param.is_floating_point() else param.dtype
-            size_of = torch.empty((), dtype=dtype).element_size()
-            shards.append(ParamShard(
-                name=name, kind=kinds[name], shape=tuple(param.shape), local_shape=tuple(shape),
-                placement=" ".join(placement) or "replicated", dtype=str(dtype).removeprefix("torch."),
-                bytes=math.prod(shape) * size_of, padded_bytes=math.prod(padded) * size_of,
-            ))
+            key = (param.name, index["tp"] if param.tp else None, index["ep"] if param.expert else None,
+                   index[param.fsdp[0]] if param.fsdp else None)
+            if key not in shared:
+                shared[key] = _shard(param, index, sizes)
+            shards.append(shared[key])
         holdings.append(RankHolding(rank, coords, stages, tuple(shards)))
     return tuple(holdings)
+
+
+def _params(module: nn.Module, dims: ParallelDims, blocks: tuple[str, ...], tp_entries: Mapping[str, object],
+            experts: set[str], precision: str | None) -> list[_Param]:
+    modules = dict(module.named_modules())
+    dtype_override = PRECISION_PARAM_DTYPES.get(str(precision))
+    fsdp_on = dims.dp_enabled or dims.fsdp_enabled
+    params = []
+    for name, param in module.named_parameters():
+        owner = modules[parent_name(name)]
+        split = tp_split(owner, name.rsplit(".", 1)[-1], tp_entries.get(parent_name(name))) if dims.tp > 1 else None
+        expert = parent_name(name) in experts and dims.ep > 1
+        placement = [f"tp:{'StridedShard' if split[1] else 'Shard'}({split[0]})"] if split else []
+        placement += ["ep:Shard(0)"] if expert else []
+        fsdp = None
+        if fsdp_on and not (expert and dims.expert_dp == 1):
+            dim = 1 if split is not None and split[1] and param.ndim > 1 else 0
+            fsdp = ("expert_dp", dims.expert_dp, dim) if expert else ("fsdp", dims.dp_shard * dims.cp, dim)
+            placement += ["dp_replicate:Replicate"] if dims.dp_replicate > 1 and not expert else []
+            placement.append(f"{fsdp[0]}:Shard({dim})")
+        dtype = dtype_override if dtype_override is not None and param.is_floating_point() else param.dtype
+        params.append(_Param(name, kind_of(name, owner, blocks, experts), tuple(param.shape),
+                             str(dtype).removeprefix("torch."), torch.empty((), dtype=dtype).element_size(), split,
+                             expert, fsdp, " ".join(placement) or "replicated"))
+    return params
+
+
+def _shard(param: _Param, index: dict[str, int], sizes: dict[str, int]) -> ParamShard:
+    """This rank's piece of ``param``: tp, then ep, then FSDP cut the local tensor, FSDP padding to the first piece."""
+    shape = list(param.shape)
+    if param.tp is not None:
+        shape[param.tp[0]] = chunk_length(shape[param.tp[0]], sizes["tp"], index["tp"])
+    if param.expert:
+        shape[0] = chunk_length(shape[0], sizes["ep"], index["ep"])
+    padded = list(shape)
+    if param.fsdp is not None and shape:
+        role, size, dim = param.fsdp
+        padded[dim] = math.ceil(shape[dim] / size) if shape[dim] else 0
+        shape[dim] = chunk_length(shape[dim], size, index[role])
+    return ParamShard(name=param.name, kind=param.kind, shape=param.shape, local_shape=tuple(shape),
+                      placement=param.placement, dtype=param.dtype, bytes=math.prod(shape) * param.element_size,
+                      padded_bytes=math.prod(padded) * param.element_size)
 
 
 def _stage_prefixes(pipeline: StagePlan | None, stages: tuple[int, ...]) -> tuple[str, ...] | None:

@@ -110,7 +110,7 @@ def block_class_list(config: ParallelConfig) -> list[type | str] | None:
     return [config.block_classes] if isinstance(config.block_classes, (str, type)) else list(config.block_classes)
 
 
-PRECISION_DTYPES = {"bf16-mixed": ("bfloat16", "float32"), "16-mixed": ("float16", "float32")}
+PRECISION_DTYPES = {"bf16-mixed": ("bfloat16", "float32")}
 
 
 def resolve_options(sizes: dict[str, int], config: ParallelConfig, precision: str | None = None) -> dict[str, Any]:

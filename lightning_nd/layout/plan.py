@@ -100,9 +100,8 @@ def _experts(module: nn.Module, dims: ParallelDims) -> tuple[ExpertsPlacement, .
         return ()
     from lightning_nd.parallel.expert import is_experts
 
-    expert_dp = dims.dp_replicate * dims.dp_shard * dims.cp // dims.ep
     return tuple(ExpertsPlacement(name, m.gate_up_proj.shape[0], m.gate_up_proj.shape[0] // dims.ep,
-                                  "expert_dp" if expert_dp > 1 else None)
+                                  "expert_dp" if dims.expert_dp > 1 else None)
                  for name, m in module.named_modules() if name and is_experts(m))
 
 

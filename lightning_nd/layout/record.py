@@ -7,7 +7,7 @@ the project writes (``layout.json``, the dry run's ``--json``, the diagnostics) 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from lightning_nd.layout.pipeline_split import StageLayout
@@ -154,10 +154,14 @@ class Layout:
         return self.ranks[rank]
 
     def to_dict(self) -> dict[str, Any]:
-        values = asdict(self)
+        values = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "ranks"}
+        pieces: dict[int, dict[str, Any]] = {}  # ranks holding the same piece share one ParamShard
+        values["ranks"] = [{
+            "rank": holding.rank, "coordinates": dict(holding.coordinates), "stages": list(holding.stages),
+            "params": [pieces.setdefault(id(p), asdict(p)) for p in holding.params],
+            "param_bytes": holding.param_bytes, "padded_param_bytes": holding.padded_param_bytes,
+        } for holding in self.ranks]
         values["version"] = FORMAT_VERSION
-        for holding, record in zip(self.ranks, values["ranks"]):
-            record["param_bytes"], record["padded_param_bytes"] = holding.param_bytes, holding.padded_param_bytes
         return values
 
     def to_json(self, indent: int | None = None) -> str:
@@ -192,3 +196,12 @@ class Layout:
     @classmethod
     def from_json(cls, text: str) -> Layout:
         return cls.from_dict(json.loads(text))
+
+
+def _plain(value: Any) -> Any:
+    """A record field as JSON-ready values (dataclasses as dicts, tuples as lists)."""
+    if is_dataclass(value):
+        return asdict(value)
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    return value

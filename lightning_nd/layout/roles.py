@@ -51,8 +51,7 @@ def _key(dims: ParallelDims, coords: dict[str, int], role: str) -> tuple:
     """What every rank of one group of ``role`` shares."""
     if role in ROLE_DIMS:
         return tuple(coords[name] for name in MESH_DIMS if name not in ROLE_DIMS[role])
-    inside = dims.ep // dims.cp  # ep takes the inner part of dp_shard and all of cp
-    outer, inner = divmod(coords["dp_shard"], inside)
+    outer, inner = divmod(coords["dp_shard"], dims.dp_shard_in_ep)
     if role == "ep":
         return coords["pp"], coords["dp_replicate"], outer, coords["tp"]
     if role == "expert_dp":

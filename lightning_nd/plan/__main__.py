@@ -1,6 +1,6 @@
 """The dry run: what a layout does to a model, before any GPU is touched.
 
-    python -m lightning_nd.plan --model examples.models.llama:build --devices 8 --layout tp=2,pp=2,dp_shard=2
+    python -m lightning_nd.plan --model examples.models.llama:Llama --devices 8 --layout tp=2,pp=2,dp_shard=2
     python -m lightning_nd.plan --hf-model-type llama --hf-kwargs '{"num_hidden_layers": 80, ...}' \\
         --devices 64 --layout tp=8,pp=4,dp_shard=2 --gpus-per-node 8 --seq-len 4096 --micro-batch 8 [--json]
 

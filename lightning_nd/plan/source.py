@@ -35,7 +35,7 @@ def load_factory(spec: str) -> Any:
     """``package.module:callable`` (the current directory is importable, as for ``python -m``)."""
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise ValueError(f"`--model {spec}` must name MODULE:FACTORY. HINT: e.g. `--model examples.models.llama:build`.")
+        raise ValueError(f"`--model {spec}` must name MODULE:FACTORY. HINT: e.g. `--model examples.models.llama:Llama`.")
     if "" not in sys.path:
         sys.path.insert(0, "")
     try:

@@ -64,7 +64,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> NDMesh:
     shape = dict(zip(MESH_DIMS, dims.shape))
     if dims.ep > 1:
         # EP borrows the inner part of dp_shard (and all of cp): split dp_shard in two real mesh dims.
-        inside = dims.ep // dims.cp
+        inside = dims.dp_shard_in_ep
         shard_parts = ("dp_shard_mod_ep", "dp_shard_in_ep")
         shape = {**shape, "dp_shard": (dims.dp_shard // inside, inside)}
     world_names, world_shape = [], []

@@ -7,14 +7,17 @@ dict lookup), so an unobserved run pays nothing measurable (``benchmarks/overhea
 
 Who delivers what, and when:
 - `BeforeProcessGroup`: in every rank's process, before ``init_process_group`` (set NCCL / flight-recorder
-  variables there); `ProcessGroupsCreated` and `LayoutReady` right after the mesh is built.
+  variables there; a later fit in the same process finds the group started); `ProcessGroupsCreated` right
+  after the mesh is built; `LayoutReady` in ``setup``, before the composer applies the Layout.
 - `StepPhase` (data_wait, forward, backward, optimizer; per microbatch under pp), `StageTiming`,
   `PointToPoint` (issued / completed, by our code and by the pipeline schedule), `CollectiveWait` (the
-  strategy's own collectives: loss and metric reductions, barriers, the clipping norm), `RoutingCounts`
-  (each MoE layer after each training step), `CheckpointSaved` / `CheckpointLoaded`: on the main thread.
-- `OutOfMemory`, then `FailureVerdict`: before the process exits. A rank's own failure is delivered on the
-  main thread; a peer's death on the watchdog thread, which then waits at most ``VERDICT_BUDGET_S`` for
-  the listeners (and the loggers' flush) before it ends the process.
+  strategy's own collectives: loss and metric reductions, the clipping norm), `RoutingCounts` (each MoE
+  layer after each training step), `CheckpointSaved` / `CheckpointLoaded`: on the main thread. Steps are
+  the Trainer's ``global_step``.
+- `OutOfMemory`, then `FailureVerdict` (once per rank): before the process exits. A rank's own failure, or
+  a peer's death seen first by the main thread, is delivered on the main thread; a peer's death seen by the
+  watchdog (``thread`` = ``lightning-nd-watchdog``) is delivered while the watchdog waits at most
+  ``VERDICT_BUDGET_S`` for the listeners (and the loggers' flush) before it ends the process.
 """
 
 from __future__ import annotations
@@ -143,7 +146,8 @@ class OutOfMemory(Event):
     hook: ClassVar[str] = "on_nd_out_of_memory"
     rank: int
     message: str
-    phase: str | None
+    stage: str | None
+    """The Trainer's stage (train, validate, ...) when it happened."""
 
 
 @dataclass(frozen=True)

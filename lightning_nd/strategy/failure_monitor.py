@@ -19,6 +19,8 @@ from lightning_nd.runtime.timeouts import set_timeout
 from lightning_nd.runtime.watchdog import RankWatchdog
 from lightning_nd.strategy.events import VERDICT_BUDGET_S
 
+WATCHDOG = "lightning-nd-watchdog"  # the watchdog thread's name, as a verdict's ``thread``
+
 # What a rank sees when a peer dies under it (gloo, NCCL, the store): wait for the watchdog to name the peer.
 COMMUNICATION_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "nccl error",
                         "distnetworkerror", "distbackenderror")
@@ -28,23 +30,31 @@ class FailureMonitor:
                  barrier: Callable[[], None], resume_hint: Callable[[], str],
                  on_verdict: Callable[[int, str, str], None]) -> None:
         self.step_timeout, self.init_timeout, self.heartbeat_timeout = step_timeout, init_timeout, heartbeat_timeout
-        self._barrier, self._resume_hint, self._on_verdict = barrier, resume_hint, on_verdict
+        self._barrier, self._resume_hint, self._deliver = barrier, resume_hint, on_verdict
         self._watchdog: RankWatchdog | None = None
         self._stepped = self._failed = False
+        self._verdict_lock, self._delivered = threading.Lock(), False
+
+    def _on_verdict(self, culprit: int, reason: str, thread: str) -> None:
+        """Deliver the run's verdict once (the main thread and the watchdog may both come to it)."""
+        with self._verdict_lock:
+            if self._delivered:
+                return
+            self._delivered = True
+        self._deliver(culprit, reason, thread)
 
     def start(self) -> None:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
 
-        self._stepped = self._failed = False
+        self._stepped = self._failed = self._delivered = False
         set_timeout(self.init_timeout)  # a later fit in this process starts in the long phase again
         if self.heartbeat_timeout is None or dist.get_world_size() == 1:
             return
         self._watchdog = RankWatchdog(_get_default_store(), dist.get_rank(), dist.get_world_size(),
                                       self.heartbeat_timeout.total_seconds(), hint=self._resume_hint,
                                       verdict_budget=VERDICT_BUDGET_S,
-                                      on_verdict=lambda culprit, reason: self._on_verdict(
-                                          culprit, reason, threading.current_thread().name))
+                                      on_verdict=lambda culprit, reason: self._on_verdict(culprit, reason, WATCHDOG))
         self._watchdog.start()
 
     @contextmanager
@@ -66,7 +76,7 @@ class FailureMonitor:
         watchdog = self._watchdog
         text = f"{type(exception).__name__}: {exception}"
         if watchdog is None:
-            self._on_verdict(_own_rank(), text.splitlines()[0][:300], threading.current_thread().name)
+            self._on_verdict(_own_rank(), f"failed: {text.splitlines()[0][:300]}", threading.current_thread().name)
             return
         found = None
         if any(words in text.lower() for words in COMMUNICATION_ERRORS):

@@ -71,8 +71,9 @@ def layout_ready(strategy: Any, trainer: Any) -> None:
     layout = strategy.layout
     if strategy.events.wants(LayoutReady):
         strategy.events.emit(LayoutReady(layout))
-    if strategy.global_rank == 0 and trainer.loggers and trainer.log_dir:
-        path = Path(trainer.log_dir) / LAYOUT_FILE
+    log_dir = trainer.log_dir if trainer.loggers else None  # a collective: every rank asks
+    if strategy.global_rank == 0 and log_dir:
+        path = Path(log_dir) / LAYOUT_FILE
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(layout.to_json(indent=1))
 
@@ -83,8 +84,9 @@ def parallelize_model(strategy: Any) -> ParallelizeReport:
     # head's output on every step. Only the root unit's warning is silenced.
     root_class = type(fsdp_root(strategy.model)).__name__
     warnings.filterwarnings("ignore", message=rf"FSDP2-wrapped module \(FSDP{root_class}\) returned a view tensor")
+    styles = custom_styles(strategy.model, strategy.config.tp_plan) if strategy.dims.tp > 1 else None
     return parallelize(strategy.model, strategy.device_mesh, strategy.layout, forward_methods=STEP_METHODS,
-                       styles=custom_styles(strategy.model, strategy.config.tp_plan))
+                       styles=styles)
 
 
 def sync_metrics_over_batch_ranks(strategy: Any) -> None:
@@ -105,7 +107,7 @@ def step_context(strategy: Any, forward: bool = True) -> ExitStack:
         stack.enter_context(loss_parallel())
     if strategy._cp_positions is not None:
         stack.enter_context(context_parallel_region(strategy.device_mesh.group("cp"), strategy._cp_positions,
-                                                    expect_attention=forward, report=strategy.steps.report("cp")))
+                                                    expect_attention=forward, report=strategy.step_events.report("cp")))
     return stack
 
 

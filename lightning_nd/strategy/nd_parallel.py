@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import warnings
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -103,9 +104,10 @@ class NDParallel(StepHooks):
         self._dims: ParallelDims | None = None
         self._nd_mesh: NDMesh | None = None
         self._layout: Layout | None = None
+        self._planned_on: list[tuple[str, tuple[int, ...]]] | None = None
         self.report: ParallelizeReport | None = None
         self.events = EventBus(self)
-        self.steps = StepEvents(self.events, torch.device("cpu"))
+        self.step_events = StepEvents(self.events)
         self.checkpointer = Checkpointer(self)
         self.failures = FailureMonitor(timeout, init_timeout, heartbeat_timeout, barrier=self.barrier,
                                        resume_hint=self._resume_hint,
@@ -171,10 +173,22 @@ class NDParallel(StepHooks):
             return  # validate/test/predict after fit: planned and parallelized already
         probe = model_to_check(model)
         self._layout = self._plan(probe) if probe is not None else None
+        # A copy built by `configure_model` before `setup()` ran may differ from the real model: checked in setup.
+        self._planned_on = _parameter_shapes(probe) if probe is not None and probe is not model else None
 
     def _plan(self, module: torch.nn.Module) -> Layout:
-        return plan_layout(module, self.dims, self.config, precision=getattr(self.precision_plugin, "precision", None),
-                           local_world_size=self.num_processes)
+        """The Layout; its warnings are said once, by rank 0 (every rank plans the same)."""
+        quiet = self.global_rank != 0
+        level = log.level
+        with warnings.catch_warnings():
+            if quiet:
+                warnings.simplefilter("ignore")
+                log.setLevel(logging.ERROR)
+            try:
+                return plan_layout(module, self.dims, self.config, local_world_size=self.num_processes,
+                                   precision=getattr(self.precision_plugin, "precision", None))
+            finally:
+                log.setLevel(level)
 
     @override
     def setup_environment(self) -> None:
@@ -182,7 +196,7 @@ class NDParallel(StepHooks):
         self._nd_mesh = build_mesh(self.dims, self.root_device.type)
         lifecycle.groups_created(self)
         self.failures.start()
-        self.steps = StepEvents(self.events, self.root_device)
+        self.step_events.attach(self.root_device, lambda: self.lightning_module.trainer.global_step)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._nd_mesh
         rank_zero_info(f"lightning-nd mesh {self.dims.as_dict()}\n{self.dims.rank_table()}")
@@ -212,7 +226,8 @@ class NDParallel(StepHooks):
         elif already_parallel(self.model):
             rank_zero_info("lightning-nd: `configure_model` parallelized the model itself; the composer is skipped.")
         else:
-            if self._layout is None:  # `configure_model` needed the mesh: plan the real (meta-device) model now
+            if self._layout is None or (self._planned_on is not None and self._planned_on != _parameter_shapes(self.model)):
+                # `configure_model` needed the mesh, or built another model than on the copy: plan the real one
                 self._layout = self._plan(self.model)
             lifecycle.layout_ready(self, trainer)
             self.report = lifecycle.parallelize_model(self)
@@ -224,8 +239,8 @@ class NDParallel(StepHooks):
             self.model_to_device()
         if self.report is not None and self.report.stages and (self.pipeline is None or self.pipeline.report is not self.report):
             self.pipeline = PipelineEngine(self, self.report, self.layout, self.device_mesh.group("pp"),
-                                           self.root_device, self.steps.report("pp"))
-        self.steps.watch_routing(self.model)
+                                           self.root_device, self.step_events.report("pp"))
+        self.step_events.watch_routing(self.model)
         lifecycle.sync_metrics_over_batch_ranks(self)
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm
         self.barrier()
@@ -234,7 +249,7 @@ class NDParallel(StepHooks):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, device)
-        self.steps.start_waiting()
+        self.step_events.start_waiting()
 
     # ---- checkpoints and failures ----------------------------------------------------------------
 
@@ -275,6 +290,10 @@ class NDParallel(StepHooks):
     def teardown(self) -> None:
         self.failures.teardown()
         super().teardown()
+
+
+def _parameter_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    return [(name, tuple(param.shape)) for name, param in module.named_parameters()]
 
 
 NDParallel.register_strategies(StrategyRegistry)

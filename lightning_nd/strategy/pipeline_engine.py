@@ -82,13 +82,13 @@ class PipelineEngine:
     """A rank's pipeline: the schedule runner and the gradients it hands back to Lightning's backward."""
 
     def __init__(self, strategy: Any, report: ParallelizeReport, layout: Layout, group: Any, device: torch.device,
-                 events: Callable[[str, dict[str, Any]], None] | None) -> None:
-        """``report``: what the composer built (this rank's stages); ``events``: the strategy's listener for
-        microbatch phases and point-to-point operations (None when nobody listens)."""
+                 on_operation: Callable[[str, dict[str, Any]], None] | None) -> None:
+        """``report``: what the composer built (this rank's stages); ``on_operation``: hears of microbatch phases
+        and point-to-point operations (None when nobody listens)."""
         assert layout.pipeline is not None
         self.strategy, self.report = strategy, report
         self.runner = PipelineRunner(report.stages, layout.pipeline.ranks, layout.options["pp_schedule"],
-                                     layout.options["pp_microbatches"], group, device, events)
+                                     layout.options["pp_microbatches"], group, device, on_operation)
         self._grads: list[Tensor | None] = []
         self._window_open = False
 

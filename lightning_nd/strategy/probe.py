@@ -1,6 +1,6 @@
-"""Checks the strategy makes about the user's module and batches, outside the composer's own.
-
-Kept apart from `strategy.py` so the glue stays glue; these need Lightning's notion of a module.
+"""What the strategy learns about the user's LightningModule before planning: the module to plan (a
+`configure_model` built on a meta-device copy) and whether the user parallelized it already. These need
+Lightning's notion of a module, so they live with the glue, not in `layout/`.
 """
 
 from __future__ import annotations

@@ -3,14 +3,17 @@ timings, its own collectives' waits and MoE routing counts. Nothing is measured 
 
 Phase times are host wall-clock (``time.perf_counter``); on CUDA the forward/backward/optimizer phases are
 closed after a device synchronise, so they are device time, at the cost of the overlap between steps
-(only while someone listens). ``data_wait`` is the time from the end of the previous optimizer step (or
-the start of fit) to the moment the batch reaches the strategy: the loader's fetch and Lightning's hooks.
+(only while someone listens). ``data_wait`` is the time from the end of the previous backward or optimizer
+step (or the start of fit) to the moment a training batch reaches the strategy: the loader's fetch and
+Lightning's hooks. ``optimizer`` runs from the end of the last backward to the end of the optimizer step
+(clipping included): Lightning runs forward and backward inside its optimizer step (a closure). Under
+manual optimization the optimizer steps inside ``forward``, which then includes them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
 
@@ -28,11 +31,21 @@ from lightning_nd.strategy.events import (
 
 
 class StepEvents:
-    def __init__(self, bus: EventBus, device: torch.device) -> None:
-        self.bus, self.device = bus, device
-        self.step = 0
+    def __init__(self, bus: EventBus) -> None:
+        self.bus = bus
+        self.device = torch.device("cpu")
+        self._global_step: Callable[[], int] = lambda: 0
         self._idle_since: float | None = None
+        self._backward_end = 0.0
         self._routers: list[tuple[str, nn.Module]] = []
+
+    def attach(self, device: torch.device, global_step: Callable[[], int]) -> None:
+        """A fit begins: its device, and where the Trainer keeps its step count."""
+        self.device, self._global_step = device, global_step
+
+    @property
+    def step(self) -> int:
+        return self._global_step()
 
     def watch_routing(self, module: nn.Module) -> None:
         """The MoE experts modules whose ``last_counts`` (tokens per expert of the last forward) are reported."""
@@ -105,6 +118,17 @@ class StepEvents:
                     self.bus.emit(RoutingCounts(self.step, name, tuple(int(c) for c in counts.tolist()),
                                                 int(module.last_dropped)))
 
-    def optimizer_done(self) -> None:
-        self.step += 1
+    def backward_done(self) -> None:
+        self._backward_end = time.perf_counter()
+        self.start_waiting()
+
+    @contextmanager
+    def optimizer(self) -> Generator[None, None, None]:
+        """The optimizer step, from the end of the backward inside it (or its own start) to its end."""
+        start = time.perf_counter()
+        yield
+        if self.bus.wants(StepPhase):
+            self._sync()
+            begun = max(start, self._backward_end)
+            self.bus.emit(StepPhase(self.step, "optimizer", begun, time.perf_counter() - begun))
         self.start_waiting()

@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_nd.layout.options import resolve_options
 from lightning_nd.layout.validate import check_sequence_lengths
 from lightning_nd.parallel.context.sharding import shard_batch
 from lightning_nd.parallel.fsdp import accumulate_without_sync
@@ -26,7 +27,8 @@ from lightning_nd.strategy import lifecycle
 class StepHooks(ModelParallelStrategy):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        self.steps.batch_arrived()
+        if self.lightning_module.trainer.training:
+            self.step_events.batch_arrived()
         batch = super().batch_to_device(batch, device, dataloader_idx)
         if self.dims.cp > 1:
             batch, self._cp_positions = shard_batch(batch, self.dims.cp, self.device_mesh.local_rank("cp"),
@@ -39,10 +41,10 @@ class StepHooks(ModelParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.checkpointer.before_training_step()
         # Under pp the runner reports each microbatch's phases itself.
-        with self.steps.phase("forward") if self.pipeline is None else nullcontext(), lifecycle.step_context(self):
+        with self.step_events.phase("forward") if self.pipeline is None else nullcontext(), lifecycle.step_context(self):
             result = (self.pipeline.train(self.lightning_module, args[0]) if self.pipeline is not None
                       else super().training_step(*args, **kwargs))
-        self.steps.step_done(self.pipeline_timings)
+        self.step_events.step_done(self.pipeline_timings)
         return result
 
     @override
@@ -70,15 +72,18 @@ class StepHooks(ModelParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         assert self.model is not None
-        with accumulate_without_sync(self.model, self.layout.options["zero_stage"] if self._layout else 3):
+        # Without a Layout (`configure_model` parallelized the model itself) the option still says what it means.
+        options = self._layout.options if self._layout else resolve_options(self.dims.as_dict(), self.config)
+        with accumulate_without_sync(self.model, options["zero_stage"]):
             yield None
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is not None:
             return self.pipeline.backward(self.lightning_module, closure_loss)
-        with self.steps.phase("backward"), lifecycle.step_context(self, forward=False):
+        with self.step_events.phase("backward"), lifecycle.step_context(self, forward=False):
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
+        self.step_events.backward_done()
         # Gradients whose layout differs from their parameter's (Partial under SP, a full copy for a
         # sharded embedding) are aligned now: clipping, hooks and the optimizer see the true shard.
         assert self.model is not None
@@ -87,12 +92,11 @@ class StepHooks(ModelParallelStrategy):
 
     @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.steps.phase("optimizer"):
+        with self.step_events.optimizer():
             result = super().optimizer_step(*args, **kwargs)
         if self.pipeline is not None:
             self.pipeline.window_closed()
         self.failures.after_optimizer_step()
-        self.steps.optimizer_done()
         return result
 
     @override
@@ -100,7 +104,7 @@ class StepHooks(ModelParallelStrategy):
         # A logged value is the same on tp ranks: reduce over the ranks that saw different tokens only.
         if isinstance(tensor, DTensor):  # a loss-parallel loss: replicated over tp
             tensor = tensor.full_tensor()
-        with self.steps.collective("reduce", "loss" if group is None else "group"):
+        with self.step_events.collective("reduce", "loss" if group is None else "group"):
             return super().reduce(tensor, group=group if group is not None else self.device_mesh.group("loss"),
                                   reduce_op=reduce_op)
 
@@ -115,5 +119,5 @@ class StepHooks(ModelParallelStrategy):
         return bool(flag == self.world_size) if all else bool(flag)
 
     def _clip_grad_by_norm(self, optimizer: Any, clip_val: float) -> None:
-        with self.steps.collective("clip_grad_norm", "world"):
+        with self.step_events.collective("clip_grad_norm", "world"):
             clip_grad_norm_(self.precision_plugin.main_params(optimizer), clip_val, pp=self.dims.pp)

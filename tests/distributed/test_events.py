@@ -86,6 +86,11 @@ def test_routing_counts_per_moe_layer(runs):
         # ep=2 counts are global over the ep group: 2 ranks x 2 samples x 16 tokens x top-2
         assert all(sum(e["tokens_per_expert"]) == 2 * 2 * 16 * 2 for e in counts)
         assert {e["step"] for e in counts} == {0, 1}
+        phases = {(e["step"], e["phase"]): e for e in _of(_events(runs[rank]["moe"]["events"]), "StepPhase")}
+        for step in (0, 1):  # the phases follow each other: Lightning's optimizer step wraps forward and backward
+            forward, backward, optimizer = (phases[(step, name)] for name in ("forward", "backward", "optimizer"))
+            assert forward["start_s"] + forward["duration_s"] <= backward["start_s"]
+            assert backward["start_s"] + backward["duration_s"] <= optimizer["start_s"]
 
 
 def test_the_short_timeout_waits_for_a_slow_first_step(runs):
@@ -101,7 +106,7 @@ def test_out_of_memory_and_the_verdict_reach_listeners_before_fit_raises(runs):
         assert "out of memory" in result["raised"]
         events = _events(result["events"])
         oom, verdict = _of(events, "OutOfMemory"), _of(events, "FailureVerdict")
-        assert len(oom) == 1 and oom[0]["rank"] == rank and oom[0]["phase"] == "train"
+        assert len(oom) == 1 and oom[0]["rank"] == rank and oom[0]["stage"] == "train"
         assert "Tried to allocate 2.00 GiB" in oom[0]["message"]
         assert len(verdict) == 1 and verdict[0]["culprit"] == rank and verdict[0]["thread"] == "MainThread"
         assert [e["event"] for e in events].index("OutOfMemory") < [e["event"] for e in events].index("FailureVerdict")
