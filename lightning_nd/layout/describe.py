@@ -5,6 +5,7 @@ its source, the pipeline split, the experts, and what one rank holds. Used by th
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 
@@ -92,10 +93,7 @@ def holding_table(holding: RankHolding) -> list[str]:
     counts = Counter(p.kind for p in holding.params)
     numels: Counter[str] = Counter()
     for param in holding.params:
-        size = 1
-        for dim in param.local_shape:
-            size *= dim
-        numels[param.kind] += size
+        numels[param.kind] += math.prod(param.local_shape)
     lines = ["| kind | tensors | parameters | bytes |", "|---|---|---|---|"]
     for kind in KINDS:
         if counts[kind]:

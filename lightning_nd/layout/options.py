@@ -85,7 +85,7 @@ class ParallelConfig:
     def _check_block_classes(self) -> None:
         if self.block_classes is None:
             return
-        classes = [self.block_classes] if isinstance(self.block_classes, (str, type)) else list(self.block_classes)
+        classes = block_class_list(self)
         if not classes or not all(isinstance(c, (str, type)) for c in classes):
             raise TypeError(f"`block_classes={self.block_classes!r}` must be a non-empty list of classes or class"
                             " names. HINT: `block_classes=[DecoderLayer]` or `block_classes=['DecoderLayer']`.")

@@ -92,6 +92,12 @@ def model_child(module: nn.Module) -> tuple[str, nn.Module] | None:
     return owners[0]
 
 
+def model_of(module: nn.Module) -> nn.Module:
+    """The model a LightningModule holds (`model_child`), else ``module`` itself."""
+    child = model_child(module)
+    return child[1] if child is not None else module
+
+
 @dataclass
 class ModelFacts:
     """Sizes the parallel dims must divide, read from an HF-style ``config`` or from module attributes."""

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_nd.layout.structure import model_child
+from lightning_nd.layout.structure import model_of
 
 
 def apply_fsdp(
@@ -89,8 +89,7 @@ def fsdp_root(root: nn.Module) -> nn.Module:
     the root's parameters when it returns, and backward gathers them a second time (measured: the
     root's parameters moved twice per step at zero_stage=2).
     """
-    child = model_child(root)
-    return child[1] if child is not None else root
+    return model_of(root)
 
 
 def _shard_placement(param: nn.Parameter) -> Shard | None:
