@@ -67,8 +67,17 @@ def is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.lower().endswith("norm")
 
 
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's ``transformers.pytorch_utils.Conv1D``: a linear layer whose weight is stored ``[in, out]``."""
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
 def linear_names(model: nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    return [name for name, module in model.named_modules() if is_linear(module)]
 
 
 def parent_name(name: str) -> str:

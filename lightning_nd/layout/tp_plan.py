@@ -15,16 +15,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_nd.layout.dims import divisors
-
-from lightning_nd.layout.structure import (
-    ModelFacts,
-    find_blocks,
-    get_submodule,
-    is_norm,
-    linear_names,
-    parent_name,
-)
+from lightning_nd.layout.hf_styles import hf_meaning
+from lightning_nd.layout.structure import ModelFacts, find_blocks, is_linear, is_norm, linear_names, parent_name
+from lightning_nd.layout.tp_checks import check_no_fused_attention, check_partners, check_plan
 
 log = logging.getLogger(__name__)
 
@@ -32,17 +25,23 @@ STYLES = (
     "colwise",
     "rowwise",
     "packed_colwise",
+    "packed_qkv",
+    "colwise_rep",
+    "rowwise_split_input",
     "embedding_rowwise",
+    "embedding_colwise",
     "colwise_gather_output",
     "sequence_parallel",
+    "replicated_with_grad_allreduce",
     "replicate",
 )
-SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise")
+SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_qkv", "colwise_rep", "rowwise_split_input")
 NAME_PATTERNS = {
     "colwise": ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value",
                 "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc"),
     "rowwise": ("o_proj", "wo", "out_proj", "down_proj", "w2", "fc2", "c_proj"),
     "packed_colwise": ("gate_up_proj", "w13"),
+    "packed_qkv": ("c_attn",),  # GPT-2's fused [q; k; v], split by `split_size`
     "embedding_rowwise": ("embed_tokens", "tok_embeddings", "wte", "word_embeddings", "tok_emb", "token_embedding"),
     "colwise_gather_output": ("lm_head", "output", "head", "out"),
 }
@@ -63,14 +62,17 @@ def pattern_to_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$")
 
 
-def expand(model: nn.Module, plan: Mapping[str, object]) -> dict[str, object]:
-    """Concrete module names for each pattern; a pattern that matches nothing is an error."""
-    names = [name for name, _ in model.named_modules() if name]
+def expand(model: nn.Module, plan: Mapping[str, object], *, declared: bool = False) -> dict[str, object]:
+    """Concrete module (or, where no module matches, parameter) names for each pattern; a pattern that matches
+    nothing is an error, except in a plan the model declares: one plan serves every size of a family (dense
+    layers of an MoE model, attention of a hybrid), and Hugging Face skips the entries that match nothing."""
+    modules = [name for name, _ in model.named_modules() if name]
+    params = [name for name, _ in model.named_parameters()]
     resolved: dict[str, object] = {}
     for pattern, style in plan.items():
         regex = pattern_to_regex(pattern)
-        matched = [name for name in names if regex.match(name)]
-        if not matched:
+        matched = [name for name in modules if regex.match(name)] or [name for name in params if regex.match(name)]
+        if not matched and not declared:
             raise ValueError(
                 f"TP plan entry {pattern!r} matches no module of `{type(model).__name__}`."
                 f" HINT: patterns are module names with `*` for one component, e.g. {_example_names(model)}."
@@ -85,13 +87,14 @@ def custom_styles(model: nn.Module, explicit: Mapping[str, object] | None) -> di
     return expand(model, objects) if objects else {}
 
 
-def declared_plan(model: nn.Module) -> dict[str, str]:
-    """The plan a model declares in the Hugging Face convention, keyed by full module name pattern."""
+def declared_plan(model: nn.Module, attribute: str = "base_model_tp_plan") -> dict[str, str]:
+    """The plan a model declares in the Hugging Face convention, keyed by full module name pattern
+    (``attribute="base_model_ep_plan"``: its expert-parallel plan)."""
     plan: dict[str, str] = {}
     for name, module in model.named_modules():
         prefix = f"{name}." if name else ""
-        own = getattr(module, "_tp_plan", None)
-        config_plan = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        own = getattr(module, "_tp_plan" if attribute == "base_model_tp_plan" else "_ep_plan", None)
+        config_plan = getattr(getattr(module, "config", None), attribute, None)
         if config_plan and getattr(type(module), "base_model_prefix", None) is not None and _is_base(module):
             plan.update({prefix + key: style for key, style in config_plan.items()})
         if isinstance(own, Mapping):
@@ -116,8 +119,8 @@ def pattern_plan(model: nn.Module) -> dict[str, str]:
             if leaf not in leaves:
                 continue
             outer_only = style in ("embedding_rowwise", "colwise_gather_output")
-            kind = nn.Embedding if style == "embedding_rowwise" else nn.Linear
-            if isinstance(module, kind) and not (outer_only and inside(name)):
+            kind_ok = isinstance(module, nn.Embedding) if style == "embedding_rowwise" else is_linear(module)
+            if kind_ok and not (outer_only and inside(name)):
                 plan[name] = style
     return plan
 
@@ -134,16 +137,22 @@ def resolve_tp_plan(
     if explicit:
         entries, source, kind = expand(model, explicit), "the plan passed to `NDParallel(tp_plan=...)`", "explicit"
     elif declared := declared_plan(model):
-        entries, source, kind = expand(model, declared), "the plan the model declares (`_tp_plan`)", "declared"
+        blocks = [name for name, _ in find_blocks(model)]
+        entries = hf_meaning(model, expand(model, declared, declared=True), blocks)
+        source, kind = "the plan the model declares (`_tp_plan`)", "declared"
     else:
         entries, source, kind = pattern_plan(model), "name patterns", "pattern"
     for name, style in entries.items():
         if isinstance(style, str) and style not in STYLES:
             fix = "" if explicit else " The model declares it; override the model's plan with `NDParallel(tp_plan=...)`."
             raise ValueError(f"TP plan entry {name!r} has unknown style {style!r}.{fix} HINT: use one of {STYLES}.")
+    check_no_fused_attention(model, entries)
+    if kind == "pattern":
+        entries = _paired(entries)
     if not any(not isinstance(style, str) or style in SHARDING_STYLES for style in entries.values()):
-        raise ValueError(_no_plan_message(model, tp))
+        raise ValueError(_no_plan_message(model, tp, declared=kind == "declared"))
     entries = _drop_tied(model, entries)
+    check_partners(entries, source)
     sources = dict.fromkeys(entries, kind)
     if sequence_parallel:
         norms = [name for name in _residual_norms(model) if name not in entries]
@@ -153,6 +162,21 @@ def resolve_tp_plan(
         entries = {name: style for name, style in entries.items() if style != "sequence_parallel"}
     check_plan(model, entries, tp, facts)
     return TPPlan(entries, source, {name: sources[name] for name in entries})
+
+
+def _paired(entries: dict[str, object]) -> dict[str, object]:
+    """Name patterns guess; a guessed colwise layer without its rowwise partner (or the reverse) is left out."""
+    from lightning_nd.parallel.tensor import is_colwise
+
+    sides: dict[str, set[str]] = {}
+    for name, style in entries.items():
+        if is_colwise(style) or style == "rowwise":
+            sides.setdefault(parent_name(name), set()).add("colwise" if is_colwise(style) else "rowwise")
+    alone = {name for name, style in entries.items()
+             if (is_colwise(style) or style == "rowwise") and len(sides[parent_name(name)]) == 1}
+    if alone:
+        log.info("Left out of the tp plan, found without a colwise/rowwise partner: %s", ", ".join(sorted(alone)))
+    return {name: style for name, style in entries.items() if name not in alone}
 
 
 def _drop_tied(model: nn.Module, entries: dict[str, object]) -> dict[str, object]:
@@ -181,48 +205,12 @@ def _residual_norms(model: nn.Module) -> list[str]:
     return norms
 
 
-def check_plan(model: nn.Module, entries: Mapping[str, object], tp: int, facts: ModelFacts) -> None:
-    """Every sharded dimension and every head count must divide by tp."""
-    for fact in ("num_attention_heads", "num_key_value_heads"):
-        count = getattr(facts, fact)
-        if count is not None and count % tp:
-            raise ValueError(
-                f"`NDParallel(tp={tp})` does not divide `{fact}={count}` (read from {facts.sources[fact]})."
-                f" HINT: choose tp from {divisors(count)}."
-            )
-    from lightning_nd.parallel.tensor import head_counts, is_colwise
-
-    for name in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
-        for attr, value in head_counts(get_submodule(model, name)).items():
-            if value % tp:
-                raise ValueError(f"`NDParallel(tp={tp})` does not divide `{name or 'model'}.{attr}={value}`: its heads"
-                                 f" would be split mid-head. HINT: choose tp from {divisors(value)}.")
-    for name, style in entries.items():
-        module = get_submodule(model, name)
-        size, what = _sharded_size(module, style)
-        if size is not None and size % tp:
-            raise ValueError(
-                f"`NDParallel(tp={tp})` does not divide `{name}.{what}={size}` ({style})."
-                f" HINT: choose tp dividing {size}, or pass `NDParallel(tp_plan=...)` without `{name}`."
-            )
-
-
-def _sharded_size(module: nn.Module, style: object) -> tuple[int | None, str]:
-    if isinstance(module, nn.Embedding) and style == "embedding_rowwise":
-        return module.num_embeddings, "num_embeddings"
-    if not isinstance(module, nn.Linear):
-        return None, ""
-    if style in ("colwise", "colwise_gather_output"):
-        return module.out_features, "out_features"
-    if style == "packed_colwise":
-        return module.out_features // 2, "out_features/2"
-    if style == "rowwise":
-        return module.in_features, "in_features"
-    return None, ""
-
-
-def _no_plan_message(model: nn.Module, tp: int) -> str:
+def _no_plan_message(model: nn.Module, tp: int, declared: bool) -> str:
     linears = linear_names(model)
+    if declared:
+        return (f"`NDParallel(tp={tp})`: the plan `{type(model).__name__}` declares (`base_model_tp_plan`) splits no"
+                f" weight matrix, only embeddings or norms. HINT: pass `NDParallel(tp_plan=...)` naming its"
+                f" attention and MLP layers ('colwise' in, 'rowwise' out), e.g. {_suggest_plan(model)}.")
     suggestion = _suggest_plan(model)
     listing = "\n".join(f"    {name}" for name in linears) or "    (none)"
     return (

@@ -94,8 +94,10 @@ def fsdp_root(root: nn.Module) -> nn.Module:
 
 def _shard_placement(param: nn.Parameter) -> Shard | None:
     """FSDP shards dim 0, except under a strided TP split of dim 0 (packed projections): FSDP's
-    dim-0 sharding on top of it mixed rows of the two halves (wrong gradients), so it takes dim 1."""
-    if isinstance(param, DTensor) and param.ndim > 1 and any(isinstance(p, _StridedShard) for p in param.placements):
+    dim-0 sharding on top of it mixed rows of the two halves (wrong gradients), so it takes dim 1.
+    (GPT-2's ``Conv1D`` stores ``[in, out]``: its strided split is on dim 1, and FSDP keeps dim 0.)"""
+    strided = [p.dim for p in getattr(param, "placements", ()) if isinstance(p, _StridedShard)]
+    if isinstance(param, DTensor) and param.ndim > 1 and strided and strided[0] == 0:
         return Shard(1)
     return None
 

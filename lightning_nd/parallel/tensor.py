@@ -18,86 +18,13 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
 
 from lightning_nd.layout.structure import HEAD_ATTRS, KV_HEAD_ATTRS, get_submodule, parent_name
-
-SEQUENCE_DIM = 1
-
-
-class PackedColwiseParallel(ColwiseParallel):
-    """Colwise for a fused ``[gate; up]`` weight: rank r keeps rows ``[gate_r; up_r]``.
-
-    A plain ``Shard(0)`` would give rank 0 all of gate and rank 1 all of up. ``_StridedShard(0, 2)``
-    splits each half separately, and the DTensor still means the original weight: its full tensor,
-    state dict and checkpoints are in the model's own row order. The output stays in the same
-    strided layout, which locally is ``[x @ gate_r, x @ up_r]``: what the module's ``chunk(2)`` expects.
-    """
-
-    def _partition_linear_fn(self, name, module, device_mesh):
-        for param_name, param in list(module.named_parameters(recurse=False)):
-            placement = _StridedShard(0, split_factor=2)
-            dist = nn.Parameter(distribute_tensor(param, device_mesh, [placement]), requires_grad=param.requires_grad)
-            module.register_parameter(param_name, dist)
-
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        return outputs.to_local() if use_local_output else outputs
-
-
-class ShardingSequenceParallel(SequenceParallel):
-    """`SequenceParallel` that slices a plain (full, replicated) input instead of assuming it is a shard.
-
-    torch's version takes a plain tensor to be the local shard already; a norm that sees the full
-    residual (one before the first block, say) would then be silently wrong.
-    """
-
-    @staticmethod
-    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
-        value = inputs[0]
-        if not isinstance(value, DTensor):
-            value = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
-        if value.placements != tuple(sequence_sharding):
-            value = value.redistribute(placements=sequence_sharding)
-        return value
-
-
-def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_shared: bool = False) -> ParallelStyle:
-    """The torch `ParallelStyle` for a style name, in the current SP / loss-parallel mode.
-
-    ``input_shared``: the enclosing module hands its projections one replicated input (see `apply_tp`).
-    """
-    residual = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
-    # Colwise layers declare the layout they receive: torch redistributes by the declared layout, not
-    # by the actual placement of a DTensor input, so a sequence-sharded input must be declared as such.
-    # A shared replicated input is declared Replicate: a (no-op) redistribute would all-reduce each
-    # projection's input gradient in backward instead of leaving one reduction to the shared input.
-    colwise_input = Replicate() if input_shared else residual
-    if name == "colwise":
-        return ColwiseParallel(input_layouts=colwise_input)
-    if name == "packed_colwise":
-        return PackedColwiseParallel(input_layouts=colwise_input)
-    if name == "rowwise":
-        return RowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
-    if name == "embedding_rowwise":
-        # Replicated even under SP: code between the embedding and the first block (positions, masks)
-        # sees an ordinary full tensor; the first block's pre-hook slices it (no communication).
-        return RowwiseParallel(input_layouts=Replicate())
-    if name == "colwise_gather_output":
-        if loss_parallel:
-            return ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
-        return ColwiseParallel(input_layouts=residual, output_layouts=Replicate())
-    if name == "sequence_parallel":
-        return ShardingSequenceParallel(sequence_dim=SEQUENCE_DIM)
-    raise ValueError(f"Unknown TP style {name!r}.")
+from lightning_nd.layout.tp_checks import PACKED_PARTS, SHARDED_OUTPUT
+from lightning_nd.parallel.tp_dropout import fork_rng_per_rank, has_dropout
+from lightning_nd.parallel.tp_styles import SEQUENCE_DIM, style_for
 
 
 def apply_tp(
@@ -121,9 +48,10 @@ def apply_tp(
             style if isinstance(style, ParallelStyle) else style_for(style, sequence_parallel, loss_parallel, shared)
         )
         parallelize_module(get_submodule(model, name), tp_mesh, parallel_style)
+    tp_rank = tp_mesh.get_local_rank()
     for name in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
         module = get_submodule(model, name)
-        _divide_head_counts(name, module, tp_mesh.size())
+        _divide_head_counts(name, module, tp_mesh.size(), entries)
         # A module strictly inside a block (attention, MLP) shares its input once among all its
         # projections: one all-gather (SP) or none (replicated input), and in backward a single
         # reduction of the input gradient instead of one per projection (q, k, v: three). A block's
@@ -131,6 +59,13 @@ def apply_tp(
         if name not in block_names:
             hook = _gather_sequence if sequence_parallel else _replicate_first_input(tp_mesh)
             module.register_forward_pre_hook(hook, with_kwargs=True)
+            # Its activations are split by heads or features: each tp rank draws its own dropout masks.
+            if has_dropout(module):
+                fork_rng_per_rank(module, tp_rank)
+    if sequence_parallel:  # layers whose output is gathered take the full sequence too (one gather per module)
+        gathered = {parent_name(name) for name, style in entries.items() if style == "colwise_rep"}
+        for name in sorted(gathered - {parent_name(n) for n, s in entries.items() if is_colwise(s)} - set(block_names)):
+            get_submodule(model, name).register_forward_pre_hook(_gather_sequence, with_kwargs=True)
     if sequence_parallel:
         _mark_sequence_parallel_region(model, entries, tp_mesh, block_names)
 
@@ -158,7 +93,7 @@ def _mark_sequence_parallel_region(
 
 def is_colwise(style: object) -> bool:
     """Styles that fan a module's input out into per-rank heads or features."""
-    return style in ("colwise", "packed_colwise") or (
+    return style in SHARDED_OUTPUT or (
         isinstance(style, ColwiseParallel) and not isinstance(style.output_layouts[0], Replicate)
     )
 
@@ -169,11 +104,15 @@ def head_counts(module: nn.Module) -> dict[str, int]:
     return {attr: value for attr, value in values.items() if isinstance(value, int) and not isinstance(value, bool)}
 
 
-def _divide_head_counts(name: str, module: nn.Module, tp: int) -> None:
-    """Modules that reshape with their head count must see the local count (heads / tp; the plan checked it)."""
+def _divide_head_counts(name: str, module: nn.Module, tp: int, entries: Mapping[str, object]) -> None:
+    """Modules that reshape with their head count must see the local count (heads / tp; the plan checked it).
+    A module that splits a fused output by ``split_size`` (GPT-2's attention) splits the local width."""
     for attr, value in head_counts(module).items():
         assert value % tp == 0, f"{name}.{attr}={value} passed the plan's check against tp={tp}"
         setattr(module, attr, value // tp)
+    fused = [child for child, style in entries.items() if parent_name(child) == name and style in PACKED_PARTS]
+    if fused and isinstance(getattr(module, "split_size", None), int):
+        module.split_size //= tp
 
 
 class _GatherSequence(torch.autograd.Function):

@@ -92,8 +92,29 @@ def test_explicit_plan_wins_over_the_declared_one():
 
 
 def test_explicit_plan_wins_over_name_patterns():
-    plan = _resolve(build("llama"), {"layers.*.mlp.up_proj": "colwise"})
-    assert plan.entries == {"layers.0.mlp.up_proj": "colwise", "layers.1.mlp.up_proj": "colwise"}
+    mlp = {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}
+    plan = _resolve(build("llama"), mlp)
+    assert plan.entries == {f"layers.{layer}.mlp.{name}": style for name, style in
+                            (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise"))
+                            for layer in range(2)}
+
+
+@pytest.mark.parametrize(("explicit", "words"), [
+    ({"layers.*.mlp.up_proj": "colwise"}, ["`layers.0.mlp.up_proj` is colwise", "no rowwise layer", "HINT"]),
+    ({"layers.*.self_attn.o_proj": "rowwise"}, ["`layers.0.self_attn.o_proj` is rowwise", "no colwise layer"]),
+])
+def test_a_split_layer_without_its_partner_is_refused(explicit, words):
+    with pytest.raises(ValueError) as error:
+        _resolve(build("llama"), explicit)
+    assert all(word in str(error.value) for word in words), error.value
+
+
+def test_name_patterns_leave_out_a_layer_without_its_partner():
+    """A guessed `value` layer with no rowwise layer next to it is not split (it would change a width)."""
+    model = build("llama")
+    model.layers[0].probe = nn.ModuleDict({"value": nn.Linear(64, 64)})
+    entries = _resolve(model).entries
+    assert "layers.0.probe.value" not in entries and entries["layers.0.mlp.down_proj"] == "rowwise"
 
 
 def test_explicit_plan_of_parallel_style_objects():
@@ -144,3 +165,47 @@ def test_every_module_head_count_is_checked_when_planning():
 
     with pytest.raises(ValueError, match=r"`layers.1.n_heads=6`: its heads would be split mid-head. HINT: choose tp from \[1, 2, 3, 6\]"):
         plan_layout(_TwoHeadCounts(), ParallelDims(tp=4, world_size=4), ParallelConfig())
+
+
+def test_gpt2_conv1d_layers_resolve_with_a_three_part_qkv():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16))
+    entries = _resolve(model).entries
+    assert {name: entries[f"transformer.h.0.{name}"] for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")} \
+        == {"attn.c_attn": "packed_qkv", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+    assert "lm_head" not in entries  # tied to wte
+
+
+def test_hf_styles_keep_their_hugging_face_meaning():
+    """Phi-3's in-block `colwise_gather_output` gathers (ours is the head); Qwen3's per-head norms sum gradients."""
+    from transformers import Phi3Config, Phi3ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    small = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=64, pad_token_id=0)
+    phi3 = _resolve(Phi3ForCausalLM(Phi3Config(**small))).entries
+    assert (phi3["model.layers.0.self_attn.qkv_proj"], phi3["model.layers.0.self_attn.o_proj"], phi3["lm_head"]) == \
+        ("colwise_rep", "rowwise_split_input", "colwise_gather_output")
+    qwen3 = _resolve(Qwen3ForCausalLM(Qwen3Config(**small, head_dim=8))).entries
+    assert qwen3["model.layers.0.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+
+
+def test_a_declared_style_not_applied_here_is_refused_by_name():
+    from lightning_nd.layout.hf_styles import TPPlanRefusal
+
+    model = build("hf_llama")
+    model.model.layers[0].self_attn._tp_plan = {"q_proj": "some_future_style"}
+    with pytest.raises(TPPlanRefusal, match=r"`model.layers.0.self_attn.q_proj` \(some_future_style\): it is not a"
+                                            r" style of the installed `transformers`.\n  HINT") as refusal:
+        _resolve(model)
+    assert refusal.value.pieces == {"some_future_style": "model.layers.0.self_attn.q_proj"}
+
+
+def test_multihead_attention_is_refused_while_planning_with_a_feed_forward_plan():
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    with pytest.raises(ValueError, match=r"`layers.0.self_attn`, an `nn.MultiheadAttention`.*HINT.*"
+                                         r"'layers.0.linear1': 'colwise', 'layers.0.linear2': 'rowwise'"):
+        _resolve(model)
+    plan = _resolve(model, {"layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"})
+    assert set(plan.entries) == {f"layers.{i}.linear{j}" for i in range(2) for j in (1, 2)}

@@ -8,7 +8,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from examples.lit import CausalLM
 from lightning_nd import ParallelConfig, ParallelDims, plan_layout
 from lightning_nd.layout.describe import layout_markdown
-from lightning_nd.parallel.tensor import PackedColwiseParallel, ShardingSequenceParallel, is_colwise, style_for
+from lightning_nd.parallel.tensor import is_colwise
+from lightning_nd.parallel.tp_styles import ShardingSequenceParallel, style_for
 from tests.models import build
 
 
@@ -28,7 +29,7 @@ def test_sequence_parallel_declares_sharded_inputs_and_outputs():
     rowwise = style_for("rowwise", sequence_parallel=True, loss_parallel=False)
     assert rowwise.output_layouts == (Shard(1),) and rowwise.use_local_output is False
     assert isinstance(style_for("sequence_parallel", True, False), ShardingSequenceParallel)
-    assert isinstance(style_for("packed_colwise", False, False), PackedColwiseParallel)
+    assert [style_for(name, False, False).parts for name in ("colwise", "packed_colwise", "packed_qkv")] == [1, 2, 3]
 
 
 def test_loss_parallel_head_keeps_vocabulary_shards():
@@ -43,3 +44,24 @@ def test_layout_card_has_one_row_per_dim_and_the_applied_lines():
     assert "| `dp_shard` | 2 | the batch, with parameters/gradients/optimizer state sharded |" in card
     assert "- Applied FSDP (shard=2)" in card and card.endswith("| rank |\n")
     assert "| `model.layers.*.mlp.down_proj` | rowwise | pattern | 2 |" in card
+
+
+def test_dropout_masks_differ_across_tp_ranks_only_where_activations_are_split():
+    """Two tp ranks seeded alike: the split module (its own stream per rank) draws different masks, the
+    replicated stream after it draws the same mask on both, as one process keeps its copies equal."""
+    import torch
+    from torch import nn
+
+    from lightning_nd.parallel.tp_dropout import fork_rng_per_rank, has_dropout
+
+    def masks(tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        split, replicated = nn.Dropout(0.5), nn.Dropout(0.5)
+        fork_rng_per_rank(split, tp_rank)
+        ones = torch.ones(64)
+        return split(ones), replicated(ones)
+
+    (split0, after0), (split1, after1) = masks(0), masks(1)
+    assert not torch.equal(split0, split1)
+    assert torch.equal(after0, after1)
+    assert has_dropout(nn.Sequential(nn.Dropout(0.1))) and not has_dropout(nn.Sequential(nn.Dropout(0.0)))

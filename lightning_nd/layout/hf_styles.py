@@ -1,0 +1,146 @@
+"""The tensor-parallel styles Hugging Face ``transformers`` declares in model plans, and what each means here.
+
+A declared plan is read with Hugging Face's meaning (``transformers/distributed/tensor_parallel.py``), which
+differs from ours for one name: HF's ``colwise_gather_output`` on a layer inside a block (Phi-3's fused
+``qkv_proj``) is a colwise layer whose output is gathered back to full width, not an output head with
+vocabulary-sharded logits. The names come from the installed ``transformers`` (its ``ALL_PARALLEL_STYLES``
+registry), so a style that a newer release adds is refused by name instead of being misread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from torch import nn
+
+from lightning_nd.layout.structure import get_submodule, parent_name
+
+log = logging.getLogger(__name__)
+
+MEANINGS = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "packed_colwise": "packed_colwise",
+    "colwise_rep": "colwise_rep",
+    "rowwise_split_input": "rowwise_split_input",
+    "rowwise_rep": "rowwise_split_input",
+    "embedding_rowwise": "embedding_rowwise",
+    "embedding_colwise": "embedding_colwise",
+    "sequence_parallel": "sequence_parallel",
+    "replicate": "replicate",
+    "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
+}
+"""HF style -> our style of the same meaning (``colwise_gather_output`` is decided per module, see `_head_or_rep`)."""
+
+EXPERT_TP = "expert tensor parallelism (every rank a slice of every expert) is not implemented"
+REFUSED = {
+    "moe_tp_experts": EXPERT_TP,
+    "moe_identity_expert": EXPERT_TP,
+    "packed_rowwise": EXPERT_TP + " (it splits fused expert weights)",
+    "all_reduce": EXPERT_TP + " (it sums the partial outputs of experts split by tp)",
+    "mla_kv_a_proj": "multi-head latent attention's shared rotary key (its input is the attention's replicated"
+                     " input, read by layers outside the plan) is not implemented",
+    "local_params": "attention sinks sharded with the heads (a bare parameter split by tp) are not implemented",
+    "ep_dispatch_experts": "it is an expert-parallel style: ep reads experts from the model, not from the tp plan",
+    "grouped_gemm": "it is an expert-parallel style: ep reads experts from the model, not from the tp plan",
+}
+"""HF style -> why it is refused here."""
+
+HEAD_NAMES = ("lm_head", "output", "head", "out")
+EXPERT_STYLES = ("moe_tp_experts", "packed_colwise", "rowwise", "colwise", "packed_rowwise", "all_reduce")
+"""Styles a declared plan splits experts with (on the experts module or its stacked parameters)."""
+
+
+class TPPlanRefusal(ValueError):
+    """A plan names a piece this strategy does not apply; ``pieces`` maps each refused style to one module."""
+
+    def __init__(self, message: str, pieces: Mapping[str, str]) -> None:
+        super().__init__(message)
+        self.pieces = dict(pieces)
+
+
+def installed_styles() -> frozenset[str]:
+    """The style names the installed ``transformers`` registers (empty without transformers)."""
+    try:
+        import transformers.distributed.expert_parallel  # noqa: F401  (registers the ep styles)
+        import transformers.distributed.tensor_parallel  # noqa: F401  (registers the tp styles)
+        from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+    except ImportError:
+        return frozenset()
+    return frozenset(ALL_PARALLEL_STYLES.keys())
+
+
+def declared_experts(model: nn.Module) -> list[str]:
+    """The experts modules a model names in its declared expert-parallel plan (``base_model_ep_plan``): the
+    modules its ep styles are applied to (a parameter entry names its module)."""
+    from lightning_nd.layout.tp_plan import declared_plan, expand
+
+    plan = declared_plan(model, attribute="base_model_ep_plan")
+    names = {name for name, _ in model.named_modules()}
+    return sorted({name if name in names else parent_name(name) for name in expand(model, plan, declared=True)})
+
+
+def experts_modules(model: nn.Module) -> list[str]:
+    """Experts modules: those the model declares (`declared_experts`) and those in the stacked layout."""
+    from lightning_nd.parallel.expert import is_experts
+
+    return sorted(set(declared_experts(model)) | {name for name, m in model.named_modules() if name and is_experts(m)})
+
+
+def hf_meaning(model: nn.Module, entries: Mapping[str, str], blocks: list[str]) -> dict[str, str]:
+    """Our style for every entry of a declared plan; refuses (naming style and module) what has no meaning here.
+
+    Entries on experts (``moe_tp_experts``, expert parameters) are left out: experts stay whole on every tp rank
+    and see the same tokens there (the router and the experts' input are replicated over tp), so no gradient
+    needs a reduction; ep, which borrows dp_shard x cp ranks, is what splits experts."""
+    known = installed_styles() | set(MEANINGS) | {"colwise_gather_output"}
+    refused: dict[str, tuple[str, str]] = {}
+    resolved: dict[str, str] = {}
+    params = dict(model.named_parameters())
+    experts = experts_modules(model)
+    skipped = [name for name, style in entries.items()
+               if style in EXPERT_STYLES and any(name == e or name.startswith(e + ".") for e in experts)]
+    if skipped:
+        log.info("Experts stay whole on every tp rank (the declared expert tp entries are not applied): %s",
+                 ", ".join(experts))
+    for name, style in entries.items():
+        if name in skipped:
+            continue
+        if style not in known:
+            refused.setdefault(style, (name, "it is not a style of the installed `transformers`"))
+        elif style in REFUSED:
+            refused.setdefault(style, (name, REFUSED[style]))
+        elif name in params:
+            reason = EXPERT_TP if _in_experts(model, name) else "a plan entry that names a bare parameter is not applied"
+            refused.setdefault(f"{style} on a parameter", (name, reason))
+        elif style == "colwise_gather_output":
+            resolved[name] = _head_or_rep(name, blocks)
+        elif style in MEANINGS:
+            resolved[name] = MEANINGS[style]
+        else:
+            refused.setdefault(style, (name, "this version of lightning_nd does not know it"))
+    if refused:
+        raise TPPlanRefusal(_refusal_message(model, refused), {style: name for style, (name, _) in refused.items()})
+    return resolved
+
+
+def _in_experts(model: nn.Module, param_name: str) -> bool:
+    owner = parent_name(param_name)
+    return "expert" in owner.lower() or get_submodule(model, owner).get_parameter(param_name.rsplit(".", 1)[-1]).ndim == 3
+
+
+def _head_or_rep(name: str, blocks: list[str]) -> str:
+    """The output head keeps our ``colwise_gather_output`` (loss parallel may leave it vocabulary-sharded);
+    any other layer (fused projections inside blocks, a vision projector) gathers its output: ``colwise_rep``."""
+    inside = any(name.startswith(block + ".") for block in blocks)
+    return "colwise_gather_output" if not inside and name.rsplit(".", 1)[-1] in HEAD_NAMES else "colwise_rep"
+
+
+def _refusal_message(model: nn.Module, refused: Mapping[str, tuple[str, str]]) -> str:
+    lines = "".join(f"\n  `{name}` ({style}): {reason}." for style, (name, reason) in refused.items())
+    return (
+        f"`{type(model).__name__}` declares tensor-parallel styles that lightning_nd does not apply:{lines}\n"
+        "  HINT: pass `NDParallel(tp_plan=...)` that leaves these modules out (e.g. the attention and dense MLP"
+        " layers only: unplanned modules stay whole on every tp rank), or shard experts with `ep` instead of `tp`."
+    )

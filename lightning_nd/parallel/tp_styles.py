@@ -1,0 +1,160 @@
+"""Style names -> torch `ParallelStyle`s: ``style_for(name, sequence_parallel, loss_parallel, input_shared)``.
+
+Beyond torch's colwise/rowwise: GPT-2's ``Conv1D`` (a linear layer whose weight is stored ``[in, out]``),
+fused weights of equal parts split part by part (``[gate; up]``, GPT-2's ``[q; k; v]``), and the
+Hugging Face styles ``colwise_rep``, ``rowwise_split_input`` and ``replicated_with_grad_allreduce``
+(``transformers/distributed/tensor_parallel.py``), with the same meaning.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_nd.layout.structure import is_conv1d
+from lightning_nd.layout.tp_checks import PACKED_PARTS
+
+SEQUENCE_DIM = 1
+
+
+def _distribute(module: nn.Module, device_mesh: DeviceMesh, placement_of) -> None:
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        dist = distribute_tensor(param, device_mesh, [placement_of(param_name)])
+        module.register_parameter(param_name, nn.Parameter(dist, requires_grad=param.requires_grad))
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """Colwise for ``nn.Linear`` and ``Conv1D``; with ``parts`` > 1, for a weight fused from that many equal parts.
+
+    A fused ``[gate; up]`` (or ``[q; k; v]``) split by plain ``Shard`` would give rank 0 all of gate and rank 1
+    all of up. ``_StridedShard(dim, parts)`` splits each part on its own, and the DTensor still means the
+    original weight: its full tensor, state dict and checkpoints are in the model's own order. The output
+    stays in that layout, which locally is ``[x @ gate_r, x @ up_r]``: what the module's ``chunk`` or
+    ``split(split_size)`` expects (``split_size`` divided by tp, see `apply_tp`).
+    """
+
+    def __init__(self, *, parts: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.parts = parts
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        out_dim = 1 if is_conv1d(module) else 0
+        split = lambda dim: Shard(dim) if self.parts == 1 else _StridedShard(dim, split_factor=self.parts)  # noqa: E731
+        _distribute(module, device_mesh, lambda param: split(out_dim if param == "weight" else 0))
+
+    def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
+        if self.parts > 1:  # keep the part-by-part layout (see the class docstring)
+            return outputs.to_local() if use_local_output else outputs
+        return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module) and self.parts == 1:
+            return super()._apply(module, device_mesh)
+        return distribute_module(
+            module, device_mesh, self._partition_linear_fn,
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class Conv1DRowwiseParallel(RowwiseParallel):
+    """Rowwise for ``nn.Linear`` and ``Conv1D`` (weight ``[in, out]``: split on dim 0, bias whole)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not is_conv1d(module):
+            return super()._apply(module, device_mesh)
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module, device_mesh,
+            lambda name, mod, mesh: _distribute(mod, mesh, lambda param: Shard(0) if param == "weight" else Replicate()),
+            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class ReplicatedPartialGrad(ParallelStyle):
+    """Hugging Face's ``replicated_with_grad_allreduce``: parameters whole on every tp rank, but each rank's
+    gradient covers only its own heads (Qwen3's per-head ``q_norm``/``k_norm`` between a colwise and a rowwise
+    layer), so the gradients are summed over tp.
+
+    The parameters are Replicate DTensors; the forward runs on local views whose gradient is declared Partial,
+    so the sum happens where DTensor resolves Partial (FSDP's reduction, or the optimizer), as for the
+    sequence-parallel norms. A plain ``replicate`` here would leave each rank with its own heads' gradient."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute(module, device_mesh, lambda param: Replicate())
+        module.register_forward_pre_hook(_use_local_parameters)
+        module.register_forward_hook(_restore_parameters)
+        return module
+
+
+def _use_local_parameters(module: nn.Module, args: tuple) -> None:
+    module._dtensor_parameters = dict(module._parameters)
+    for name, param in module._dtensor_parameters.items():
+        if isinstance(param, DTensor):
+            module._parameters[name] = param.to_local(grad_placements=[Partial()])
+
+
+def _restore_parameters(module: nn.Module, args: tuple, output: object) -> None:
+    module._parameters.update(module.__dict__.pop("_dtensor_parameters"))
+
+
+class ShardingSequenceParallel(SequenceParallel):
+    """`SequenceParallel` that slices a plain (full, replicated) input instead of assuming it is a shard.
+
+    torch's version takes a plain tensor to be the local shard already; a norm that sees the full
+    residual (one before the first block, say) would then be silently wrong.
+    """
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        value = inputs[0]
+        if not isinstance(value, DTensor):
+            value = DTensor.from_local(value, device_mesh, [Replicate()], run_check=False)
+        if value.placements != tuple(sequence_sharding):
+            value = value.redistribute(placements=sequence_sharding)
+        return value
+
+
+def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_shared: bool = False) -> ParallelStyle:
+    """The torch `ParallelStyle` for a style name, in the current SP / loss-parallel mode.
+
+    ``input_shared``: the enclosing module hands its projections one replicated input (see `apply_tp`).
+    """
+    residual = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
+    # Colwise layers declare the layout they receive: torch redistributes by the declared layout, not
+    # by the actual placement of a DTensor input, so a sequence-sharded input must be declared as such.
+    # A shared replicated input is declared Replicate: a (no-op) redistribute would all-reduce each
+    # projection's input gradient in backward instead of leaving one reduction to the shared input.
+    colwise_input = Replicate() if input_shared else residual
+    if name == "colwise":
+        return FusedColwiseParallel(input_layouts=colwise_input)
+    if name in PACKED_PARTS:
+        return FusedColwiseParallel(parts=PACKED_PARTS[name], input_layouts=colwise_input)
+    if name == "colwise_rep":
+        return FusedColwiseParallel(input_layouts=colwise_input, output_layouts=Replicate())
+    if name == "rowwise":
+        return Conv1DRowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
+    if name == "rowwise_split_input":
+        return Conv1DRowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
+                                     use_local_output=not sequence_parallel)
+    if name == "embedding_rowwise":
+        # Replicated even under SP: code between the embedding and the first block (positions, masks)
+        # sees an ordinary full tensor; the first block's pre-hook slices it (no communication).
+        return RowwiseParallel(input_layouts=Replicate())
+    if name == "embedding_colwise":
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if name == "colwise_gather_output":
+        if loss_parallel:
+            return FusedColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+        return FusedColwiseParallel(input_layouts=residual, output_layouts=Replicate())
+    if name == "sequence_parallel":
+        return ShardingSequenceParallel(sequence_dim=SEQUENCE_DIM)
+    if name == "replicated_with_grad_allreduce":
+        return ReplicatedPartialGrad()
+    raise ValueError(f"Unknown TP style {name!r}.")
