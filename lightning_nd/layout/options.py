@@ -12,6 +12,7 @@ from typing import Any, Literal
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_nd.layout.dims import closest_name
+from lightning_nd.layout.positions import CP_POSITIONS
 
 ZERO_STAGES = (1, 2, 3)
 AC_MODES = ("none", "full", "selective")
@@ -52,6 +53,10 @@ class ParallelConfig:
     cp_shard_keys: Sequence[str] | None = None
     """Under cp, the dict-batch entries split along the sequence (dim 1); default: every tensor whose dim 1
     is the sequence length (the length of the first integer [batch, seq] tensor)."""
+    cp_positions: Literal["position_ids", "model"] = "position_ids"
+    """Under cp, how the model learns its tokens' global positions: ``position_ids`` (its forward takes them; the
+    strategy passes them; a model without the argument is refused) or ``model`` (it finds them itself, e.g. from
+    ``lightning_nd.parallel.context.region.current_positions()``, or uses none: nothing is passed or checked)."""
 
     def __post_init__(self) -> None:
         if self.zero_stage is not None and (self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool)):
@@ -65,6 +70,9 @@ class ParallelConfig:
         for option in ("sequence_parallel", "loss_parallel", "cpu_offload"):
             if not isinstance(getattr(self, option), bool):
                 raise TypeError(f"`{option}={getattr(self, option)!r}` must be True or False. HINT: `{option}=True`.")
+        if self.cp_positions not in CP_POSITIONS:
+            raise ValueError(f"`cp_positions={self.cp_positions!r}` is not a choice. HINT: use one of {CP_POSITIONS}:"
+                             " 'position_ids' (the strategy passes them), 'model' (the model finds them itself).")
         self._check_tp_plan()
         self._check_block_classes()
         self._check_compile()

@@ -15,7 +15,9 @@ from lightning_nd.layout.options import ParallelConfig, block_class_list, jsonab
 from lightning_nd.layout.pipeline_split import pipeline_model, split_stages, stage_ranks
 from lightning_nd.layout.record import ExpertsPlacement, Layout, StagePlan, Technique, TPEntry
 from lightning_nd.layout.roles import role_groups, role_names
-from lightning_nd.layout.structure import find_blocks, get_submodule, model_of, read_model_facts
+from lightning_nd.layout.positions import describe_positions
+from lightning_nd.layout.structure import find_blocks, get_submodule, read_model_facts
+from lightning_nd.layout.tp_checks import check_packed_biases_under_fsdp
 from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
 from lightning_nd.layout.validate import check_config, check_model, warn
 
@@ -51,13 +53,11 @@ def plan_layout(
             raise ValueError("`NDParallel(loss_parallel=True)` needs a vocabulary-sharded output head, and the plan"
                              " has none (a head tied to the embedding stays whole). HINT: set loss_parallel=False, or"
                              " put the head in `tp_plan` as 'colwise_gather_output'.")
+        if dims.fsdp_enabled:
+            check_packed_biases_under_fsdp(module, plan.entries, dims)
     pipeline = _plan_stages(module, blocks, dims, config, options) if dims.pp > 1 else None
     experts = _experts(module, dims)
-    takes_positions = dims.cp > 1 and _accepts_positions(module)
-    if dims.cp > 1 and not takes_positions:
-        warn(notes, f"`{type(model_of(module)).__name__}.forward` takes no `position_ids`: under cp it sees only its"
-                    " shard of each sequence, so positions it computes itself (rotary, learned) would be wrong. Give"
-                    " it a `position_ids` argument (0..seq-1 when None), as Hugging Face models have.")
+    positions = describe_positions(module, dims.cp, config.cp_positions) if dims.cp > 1 else ""
     tp_entries = plan.entries if plan is not None else {}
     return Layout(
         dims={name: value for name, value in dims.as_dict().items()},
@@ -67,18 +67,11 @@ def plan_layout(
         tp_source=plan.source if plan is not None else None,
         pipeline=pipeline, experts=experts,
         roles={role: role_groups(dims, role) for role in role_names(dims)},
-        techniques=_techniques(module, dims, options, blocks, plan, pipeline, experts, takes_positions),
+        techniques=_techniques(module, dims, options, blocks, plan, pipeline, experts, positions),
         ranks=rank_holdings(module, dims, blocks=block_names, tp_entries=tp_entries, pipeline=pipeline,
                             experts={e.module for e in experts}, precision=precision),
         warnings=tuple(notes),
     )
-
-
-def _accepts_positions(module: nn.Module) -> bool:
-    """Whether the model's forward takes ``position_ids`` (the cp region hands it the global positions)."""
-    from lightning_nd.parallel.context.region import accepts_positions
-
-    return accepts_positions(model_of(module))
 
 
 def _plan_stages(module: nn.Module, blocks: list[tuple[str, nn.Module]], dims: ParallelDims, config: ParallelConfig,
@@ -107,7 +100,7 @@ def _numel(module: nn.Module, names: list[str] | tuple[str, ...]) -> int:
 
 def _techniques(module: nn.Module, dims: ParallelDims, options: dict, blocks: list, plan: TPPlan | None,
                 pipeline: StagePlan | None, experts: tuple[ExpertsPlacement, ...],
-                takes_positions: bool) -> tuple[Technique, ...]:
+                positions: str) -> tuple[Technique, ...]:
     """The composer's steps, in its order: pipeline split, EP, CP, TP, AC, compile, FSDP/HSDP."""
     names = [name for name, _ in blocks]
     total = sum(p.numel() for p in module.parameters())
@@ -120,7 +113,6 @@ def _techniques(module: nn.Module, dims: ParallelDims, options: dict, blocks: li
         modules = tuple(e.module for e in experts)
         steps.append(Technique("expert_parallel", "ep", modules, _numel(module, modules), {"ep": dims.ep}))
     if dims.cp > 1:
-        positions = f": `{type(model_of(module)).__name__}` gets global `position_ids`" if takes_positions else ""
         steps.append(Technique("context_parallel", "cp", (), 0, {"cp": dims.cp, "positions": positions}))
     if plan is not None:
         modules = tuple(plan.entries)

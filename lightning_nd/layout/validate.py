@@ -88,6 +88,10 @@ def check_model(module: nn.Module, dims: ParallelDims, config: ParallelConfig, b
     if dims.pp > 1 and facts.num_hidden_layers is not None and dims.pp > facts.num_hidden_layers:
         raise ValueError(f"`NDParallel(pp={dims.pp})` exceeds the model's {facts.num_hidden_layers} layers."
                          f" HINT: choose pp <= {facts.num_hidden_layers}.")
+    _check_batch_statistics(module, dims, config)
+    if dims.pp > 1:
+        check_router_logits_under_pp(module, dims.pp)
+        _check_torch_transformer_under_pp(module, dims.pp)
     if dims.cp > 1:
         _check_context_parallel(module, dims.cp)
     if dims.ep > 1:
@@ -98,6 +102,55 @@ def check_model(module: nn.Module, dims: ParallelDims, config: ParallelConfig, b
     if config.sequence_parallel and not blocks:
         raise ValueError("`NDParallel(sequence_parallel=True)` needs the model's repeated blocks to bound the"
                          " sequence-parallel region, and none were found. HINT: pass `NDParallel(block_classes=[YourBlock])`.")
+
+
+def _check_torch_transformer_under_pp(module: nn.Module, pp: int) -> None:
+    """PyTorch's `nn.TransformerEncoder`/`nn.TransformerDecoder` read ``self.layers[0]`` in their forward; a stage
+    holds only its own layers, so the container cannot be cut between stages."""
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.TransformerEncoder, nn.TransformerDecoder, nn.Transformer)):
+            raise ValueError(
+                f"`NDParallel(pp={pp})`: `{name}` is a `{type(m).__name__}`, whose forward indexes its first layer,"
+                " so its layers cannot be split between pipeline stages. HINT: hold the layers in your own"
+                " `nn.ModuleList` and loop over them in your model's forward (each stage then runs its own), or pp=1."
+            )
+
+
+def check_router_logits_under_pp(module: nn.Module, pp: int, asked: bool = False) -> None:
+    """A Hugging Face MoE model's load-balancing loss combines every layer's router logits into one product of
+    means, which no stage can compute from its own layers: refused under pp while it counts (``asked``: the
+    step passed ``output_router_logits=True``)."""
+    for name, m in module.named_modules():
+        config = getattr(m, "config", None)
+        coef = getattr(config, "router_aux_loss_coef", 0) or 0
+        if coef and (asked or getattr(config, "output_router_logits", False)):
+            raise ValueError(
+                f"`NDParallel(pp={pp})`: `{name or type(m).__name__}` adds a load-balancing loss over the router"
+                f" logits of all its layers (router_aux_loss_coef={coef}), which a pipeline stage holding only some"
+                " layers cannot compute. HINT: keep `output_router_logits=False` under pp (no auxiliary loss), or use"
+                " `lightning_nd.nn.MoE`, whose per-layer losses each stage adds itself, or pp=1."
+            )
+
+
+def _check_batch_statistics(module: nn.Module, dims: ParallelDims, config: ParallelConfig) -> None:
+    """BatchNorm normalises by the statistics of what it is given: under a dim that gives a rank part of the batch
+    (dp, pp's microbatches) or of each sequence (cp, sequence parallel) they would be the part's, with no error."""
+    parts = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp, "pp": dims.pp}
+    split = [f"{dim}={size}" for dim, size in parts.items() if size > 1]
+    split += ["sequence_parallel=True"] if config.sequence_parallel else []
+    for name, m in module.named_modules():
+        synced = isinstance(m, nn.SyncBatchNorm)
+        if not isinstance(m, nn.modules.batchnorm._BatchNorm) or (synced and dims.pp == 1) or not split:
+            continue
+        what = (f"sums its statistics over every rank, and under pp={dims.pp} only its stage's ranks call it" if synced
+                else "normalises by the statistics of the samples and tokens it is given, and under"
+                     f" {', '.join(split)} a rank is given only part of them (its running averages drift apart too)")
+        raise ValueError(
+            f"`NDParallel({', '.join(split)})`: `{name}` ({type(m).__name__}) {what}, so it would train differently"
+            " from one process, with no error. HINT: use LayerNorm, GroupNorm or RMSNorm; or, under dp and cp on GPU,"
+            " `torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)`; or, for statistics that do not train, a frozen"
+            " BatchNorm (`torchvision.ops.FrozenBatchNorm2d`); or keep these dims at 1 for this model."
+        )
 
 
 def _check_experts(module: nn.Module, ep: int) -> None:

@@ -17,7 +17,7 @@ from torch import nn
 from lightning_nd.layout.record import Layout, Technique
 from lightning_nd.layout.structure import get_submodule
 from lightning_nd.parallel.activation import apply_ac, apply_compile
-from lightning_nd.parallel.context.region import inject_positions
+from lightning_nd.parallel.context.region import attach_position_hooks
 from lightning_nd.parallel.expert import apply_ep, expert_modules, expert_parameters
 from lightning_nd.parallel.fsdp import apply_fsdp, fsdp_root
 from lightning_nd.parallel.pipeline.build import build_stages, stage_blocks, stage_tp_entries
@@ -62,7 +62,7 @@ def parallelize(
         if "expert_parallel" in steps:
             _apply_ep(module, mesh, layout, report, steps["expert_parallel"])
         if "context_parallel" in steps:
-            fsdp_root(module).register_forward_pre_hook(inject_positions, with_kwargs=True)
+            attach_position_hooks(fsdp_root(module), layout.options["cp_positions"])
             _done(report, steps["context_parallel"])
         _apply(module, blocks, tp_entries or None, mesh, layout, report, steps, forward_methods=forward_methods)
         return report
@@ -75,7 +75,7 @@ def parallelize(
         if "expert_parallel" in steps:
             _apply_ep(stage, mesh, layout, report, steps["expert_parallel"], quiet=quiet)
         if "context_parallel" in steps:
-            stage.module.register_forward_pre_hook(inject_positions, with_kwargs=True)
+            attach_position_hooks(stage.module, layout.options["cp_positions"])
             if not quiet:
                 _done(report, steps["context_parallel"])
         entries = stage_tp_entries(tp_entries, plan.attribute, stage) if tp_entries else None

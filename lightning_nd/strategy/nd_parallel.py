@@ -80,6 +80,7 @@ class NDParallel(StepHooks):
         pp_layers_per_stage: Sequence[int] | None = None,
         pp_split: Sequence[str] | None = None,
         cp_shard_keys: Sequence[str] | None = None,
+        cp_positions: Literal["position_ids", "model"] = "position_ids",
         init_on_meta: bool = True,
         timeout: timedelta | float = timedelta(minutes=5),
         init_timeout: timedelta | float = timedelta(minutes=20),
@@ -97,7 +98,7 @@ class NDParallel(StepHooks):
             activation_checkpointing=activation_checkpointing, compile=compile, cpu_offload=cpu_offload,
             pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
             pp_layers_per_stage=pp_layers_per_stage, pp_split=pp_split, cp_shard_keys=cp_shard_keys,
-        )
+            cp_positions=cp_positions)
         check_config(self._sizes, self.config)
         self._init_on_meta = init_on_meta
         self._cp_positions: Tensor | None = None

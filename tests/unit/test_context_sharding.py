@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from lightning_nd.parallel.context.sharding import sequence_length, shard_batch, shard_positions, shard_sequence
-from lightning_nd.parallel.context.region import context_parallel_region, current_positions, inject_positions
+from lightning_nd.parallel.context.region import (attach_position_hooks, context_parallel_region, current_positions,
+                                                 inject_positions)
 from tests.models import build
 
 
@@ -84,7 +85,95 @@ def test_labels_given_to_the_model_are_refused_under_cp():
         model(tokens, labels=tokens)
 
 
+def test_labels_with_targets_shifted_before_the_split_pass_under_cp():
+    model, tokens = build("hf_llama"), torch.zeros(2, 4, dtype=torch.long)
+    with context_parallel_region(None, torch.arange(4)):
+        args, kwargs = inject_positions(model, (tokens,), {"labels": tokens, "shift_labels": tokens})
+    assert kwargs["shift_labels"] is tokens and kwargs["position_ids"].tolist() == [[0, 1, 2, 3]] * 2
+
+
 def test_a_padded_batch_is_refused_under_cp():
     batch = {"tokens": torch.zeros(2, 8, dtype=torch.long), "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])}
     with pytest.raises(ValueError, match="padding.*HINT"):
         shard_batch(batch, 2, 0, None)
+
+
+class Embedder(torch.nn.Module):
+    """Takes `position_ids`; with ``pool`` it averages over the sequence (under cp: over its shard only)."""
+
+    def __init__(self, pool: bool) -> None:
+        super().__init__()
+        self.embed, self.pool, self.positions = torch.nn.Embedding(16, 8), pool, None
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        self.positions = position_ids
+        x = self.embed(tokens)
+        return x.mean(1) if self.pool else x
+
+
+def test_a_model_pooling_over_its_shard_is_refused_at_its_first_call():
+    pooled, per_token = Embedder(pool=True), Embedder(pool=False)
+    for model in (pooled, per_token):
+        attach_position_hooks(model, "position_ids")
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    assert pooled(tokens).shape == (2, 8)  # outside the region: the whole sequence, nothing to check
+    with context_parallel_region(None, torch.tensor([0, 1, 6, 7])):
+        with pytest.raises(ValueError, match=r"\(2, 8\) output for this rank's 4 tokens.*HINT.*cp=1"):
+            pooled(tokens)
+        assert pooled(torch.zeros(2, 3, dtype=torch.long)).shape == (2, 8)  # not a call on the shard
+        assert per_token(tokens).shape == (2, 4, 8)
+    assert per_token.positions.tolist() == [[0, 1, 6, 7]] * 2
+
+
+def test_a_model_that_handles_positions_itself_gets_no_hooks():
+    model = Embedder(pool=True)
+    attach_position_hooks(model, "model")
+    with context_parallel_region(None, torch.arange(4)):
+        assert model(torch.zeros(2, 4, dtype=torch.long)).shape == (2, 8)
+    assert model.positions is None
+
+
+def test_the_multihead_attention_fast_path_is_off_inside_the_region():
+    """Its fused inference kernel never calls SDPA, so it would attend within the shard."""
+    assert torch.backends.mha.get_fastpath_enabled()
+    with context_parallel_region(None, torch.arange(4)):
+        assert not torch.backends.mha.get_fastpath_enabled()
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
+def test_the_plan_says_how_the_model_gets_its_positions_or_refuses():
+    from lightning_nd import ParallelConfig, ParallelDims, plan_layout
+    from tests.unit.test_errors import LearnedPositions
+
+    dims = ParallelDims(cp=2, dp_shard=1, world_size=2)
+    cp = lambda layout: next(t for t in layout.techniques if t.technique == "context_parallel").describe()  # noqa: E731
+    handled = plan_layout(build("hf_llama"), dims, ParallelConfig())
+    assert cp(handled).endswith("`LlamaForCausalLM` gets global `position_ids`")
+    with pytest.raises(ValueError, match="takes no `position_ids`.*`pos_emb`.*HINT"):
+        plan_layout(LearnedPositions(), dims, ParallelConfig())
+    opted_out = plan_layout(LearnedPositions(), dims, ParallelConfig(cp_positions="model"))
+    assert cp(opted_out).endswith("finds its global positions itself (cp_positions='model')")
+    assert opted_out.options["cp_positions"] == "model"
+
+
+def test_torch_transformer_attention_is_routed_causal_in_training_and_evaluation(monkeypatch):
+    """`nn.MultiheadAttention` calls SDPA; a causal mask `nn.TransformerEncoder` recognises becomes `is_causal`, and
+    without the region's switch the evaluation fast path would skip SDPA altogether."""
+    from lightning_nd.parallel.context import region
+
+    routed, plain = [], F.scaled_dot_product_attention
+
+    def fake_ring(query, key, value, positions, group, causal, scale, report):
+        routed.append(causal)
+        return plain(query, key, value, is_causal=causal, scale=scale)
+
+    monkeypatch.setattr(region, "ring_attention", fake_ring)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x, mask = torch.randn(2, 4, 8), torch.nn.Transformer.generate_square_subsequent_mask(4)
+    expected = encoder(x, mask=mask)
+    for training in (True, False):
+        encoder.train(training)
+        with torch.set_grad_enabled(training), context_parallel_region(None, torch.arange(4), expect_attention=True):
+            torch.testing.assert_close(encoder(x, mask=mask), expected)
+    assert routed == [True] * 4

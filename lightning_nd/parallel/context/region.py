@@ -6,13 +6,13 @@ with causal masking by the true global ``positions``; models and Hugging Face co
 ``torch.nn.functional`` module, so no model is edited. `inject_positions` (a forward pre-hook the
 composer puts on the model) passes the global positions as ``position_ids`` to a model whose forward
 takes them (rotary and learned position embeddings), and an all-ones ``attention_mask`` to one that
-takes that too, so Hugging Face does not read the zigzag positions as packed sequences.
+takes that too, so Hugging Face does not read the zigzag positions as packed sequences; `check_shard_output`
+(a forward hook) refuses a model whose output has no per-token dim, as pooling over the shard would.
+`nn.MultiheadAttention` calls SDPA too, except on its inference fast path, which the region turns off.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,8 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.distributed_c10d import ProcessGroup
+from torch.distributed.fsdp import FSDPModule
 
+from lightning_nd.layout.positions import forward_signature
 from lightning_nd.nn.ring_attention import ring_attention
+from lightning_nd.parallel.context.sharding import tensors_of
 
 @dataclass
 class _Region:
@@ -33,7 +36,7 @@ class _Region:
 
 
 _active: list[_Region] = []
-_outside: list = []  # what F.scaled_dot_product_attention was before the outermost region
+_outside: list = []  # F.scaled_dot_product_attention and the MHA fast path's switch before the outermost region
 
 
 @contextmanager
@@ -46,15 +49,18 @@ def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, exp
     """
     region = _Region(group, positions, report)
     if not _active:
-        _outside.append(F.scaled_dot_product_attention)
+        _outside.append((F.scaled_dot_product_attention, torch.backends.mha.get_fastpath_enabled()))
         F.scaled_dot_product_attention = _routed_sdpa
+        # `nn.MultiheadAttention`'s inference fast path is a fused kernel that never calls SDPA.
+        torch.backends.mha.set_fastpath_enabled(False)
     _active.append(region)
     try:
         yield
     finally:
         _active.pop()
         if not _active:
-            F.scaled_dot_product_attention = _outside.pop()
+            F.scaled_dot_product_attention, fastpath = _outside.pop()
+            torch.backends.mha.set_fastpath_enabled(fastpath)
     if expect_attention and region.routed == 0:
         raise ValueError(
             "Context parallelism: the step ran no `torch.nn.functional.scaled_dot_product_attention` call over this"
@@ -73,8 +79,8 @@ def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
                  **kwargs):
     region = _active[-1] if _active else None
     if region is None or query.shape[-2] != region.positions.numel():  # not attention over this shard
-        return _outside[-1](query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                     enable_gqa=enable_gqa, **kwargs)
+        return _outside[-1][0](query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                               scale=scale, enable_gqa=enable_gqa, **kwargs)
     if attn_mask is not None:
         raise ValueError(
             "Context parallelism got an explicit attention mask: ring attention supports causal and full attention"
@@ -94,17 +100,18 @@ def inject_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     positions = current_positions()
     if positions is None:
         return None
-    signature = _signature(type(module).forward)
+    signature = forward_signature(type(module).forward)
     given = signature.bind_partial(None, *args, **kwargs).arguments
-    tokens = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.ndim >= 2), None)
-    if tokens is None or tokens.shape[1] != positions.numel():  # not a call on this rank's shard
+    tokens = _shard_tokens(args, kwargs, positions)
+    if tokens is None:  # not a call on this rank's shard
         return None
-    if given.get("labels") is not None:
+    if given.get("labels") is not None and kwargs.get("shift_labels") is None:
         raise ValueError(
-            f"`{type(module).__name__}` was given `labels` under context parallelism: a model that shifts labels"
+            f"`{_class_name(module)}` was given `labels` under context parallelism: a model that shifts labels"
             " inside its own loss would pair tokens across the shard's head and tail chunks. HINT: put next-token"
             " targets, shifted before the batch is split, in the batch and compute the loss outside the model"
-            " (as examples/lit.py does), or pass them as `shift_labels` to a Hugging Face model."
+            " (as examples/lit.py does), or give a Hugging Face model those targets as `shift_labels=` as well"
+            " (a batch entry, so the strategy splits it with the tokens; it then does not shift `labels`)."
         )
     extra = {}
     if "position_ids" in signature.parameters and given.get("position_ids") is None:
@@ -114,10 +121,35 @@ def inject_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     return (args, {**kwargs, **extra}) if extra else None
 
 
-@functools.cache
-def _signature(forward) -> inspect.Signature:
-    return inspect.signature(forward)
+def check_shard_output(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+    """Forward hook: inside the region, a call on this rank's shard must return per-token outputs (a dim of the
+    shard's length in front). A model that pools over the sequence (mean, first token) would pool its shard."""
+    positions = current_positions()
+    if positions is None or _shard_tokens(args, kwargs, positions) is None:
+        return
+    result = next((t for t in tensors_of(output) if t.ndim >= 1), None)
+    if result is not None and positions.numel() not in result.shape[:2]:
+        raise ValueError(
+            f"`{_class_name(module)}` returned a {tuple(result.shape)} output for this rank's {positions.numel()}"
+            " tokens under context parallelism: it reduces over the sequence (pooling, a first-token classifier),"
+            " so each rank would reduce only its shard. HINT: use cp=1 for models that pool over the sequence, or"
+            " return per-token outputs and reduce over the cp group in `training_step`."
+        )
 
 
-def accepts_positions(module: nn.Module) -> bool:
-    return "position_ids" in _signature(type(module).forward).parameters
+def _class_name(module: nn.Module) -> str:
+    """The model's own class name, not the one FSDP wraps it in."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def _shard_tokens(args: tuple, kwargs: dict, positions: torch.Tensor) -> torch.Tensor | None:
+    """The first [batch, seq, ...] input, if this is a call on this rank's shard (its dim 1 is the shard's length)."""
+    tokens = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.ndim >= 2), None)
+    return tokens if tokens is not None and tokens.shape[1] == positions.numel() else None
+
+
+def attach_position_hooks(module: nn.Module, cp_positions: str) -> None:
+    """The hooks of the region on the model the step calls, unless the model handles positions itself."""
+    if cp_positions == "position_ids":
+        module.register_forward_pre_hook(inject_positions, with_kwargs=True)
+        module.register_forward_hook(check_shard_output, with_kwargs=True)

@@ -43,7 +43,7 @@ def attention_flops_per_rank(seq_len: int, cp: int, sharding: Sharding, *, causa
 
 def sequence_length(batch: object) -> int | None:
     """The sequence length of a batch: dim 1 of its first integer [batch, seq] tensor (token ids)."""
-    for tensor in _tensors(batch):
+    for tensor in tensors_of(batch):
         if tensor.ndim == 2 and not tensor.is_floating_point() and tensor.dtype != torch.bool:
             return tensor.shape[1]
     return None
@@ -89,11 +89,11 @@ def shard_batch(batch: object, cp: int, rank: int, keys: Sequence[str] | None) -
     return shard_sequence(batch, positions, seq_len, keys), positions
 
 
-def _tensors(value: object) -> list[torch.Tensor]:
+def tensors_of(value: object) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
+        return [t for v in value.values() for t in tensors_of(v)]
     if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors_of(v)]
     return []
