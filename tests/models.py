@@ -51,6 +51,12 @@ def build(name: str, seed: int = 0) -> nn.Module:
         return MixtralForCausalLM(config)
     if name == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, n_embd=48, n_head=4, n_layer=2, block_size=64))
+    if name == "gpt4":  # tied embeddings, deep enough for a V-shaped pipeline (pp=2 x 2 stages per rank)
+        model = GPT(GPTConfig(vocab_size=VOCAB, n_embd=32, n_head=4, n_layer=4, block_size=64))
+        # GPT-2's embedding init (std 0.02): tied to the head, N(0, 1) rows give logits of ~6 and a loss of ~20,
+        # where the order of float sums decides the comparison more than the training does.
+        nn.init.normal_(model.tok.weight, std=0.02)
+        return model
     if name == "hf_llama":
         from transformers import LlamaConfig as HFLlamaConfig
         from transformers import LlamaForCausalLM

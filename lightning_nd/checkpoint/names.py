@@ -4,7 +4,9 @@ FSDP, TP and EP keep parameter names (their shards are DTensors that know their 
 tensor). Pipeline parallelism moves the model into ``<attribute>.stages.<i>.module.``; these names
 are mapped back, so a checkpoint saved under one pipeline layout loads under any other, or none.
 Optimizer state is keyed by the same names (never by position), with each group's hyperparameters
-kept apart from its parameter list (the list differs between pipeline ranks).
+kept apart from its parameter list (the list differs between pipeline ranks). A weight tied between the
+first and the last stage keeps both names for its weights, as one process's state dict does, and one name
+for its optimizer state, the first stage's, as one process's optimizer has: saved once, loaded into both.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from lightning_nd.parallel.pipeline.stage import PipelineStages
 
 class Names:
     """Local (this rank's module) names <-> names in the whole model, for one LightningModule. Under pp,
-    ``stage_attribute`` holds the stages and ``units`` are the whole model's units in order."""
+    ``stage_attribute`` holds the stages, ``units`` are the whole model's units in order and ``tied`` the
+    split's tied weights (name on the first stage, name on the last)."""
 
-    def __init__(self, stage_attribute: str | None = None, units: Sequence[str] = ()) -> None:
+    def __init__(self, stage_attribute: str | None = None, units: Sequence[str] = (),
+                 tied: Sequence[tuple[str, str]] = ()) -> None:
         self._prefix = f"{stage_attribute}." if stage_attribute else None
         self._units = [f"{self._prefix}{unit}." for unit in units] if self._prefix else []
+        self._tied = {f"{self._prefix}{last}": f"{self._prefix}{first}" for first, last in tied}
 
     def whole_model_order(self, names: list[str]) -> list[str]:
         """Names in the unsplit model's order (unit by unit, stable within one), as a plain run numbers them."""
@@ -37,6 +42,11 @@ class Names:
         if self._prefix is None or not name.startswith(self._prefix):
             return name
         return self._prefix + PipelineStages.original_name(name[len(self._prefix):])
+
+    def optimizer_name(self, name: str) -> str:
+        """The whole-model name of a parameter's optimizer state: a tied copy's is the weight it copies."""
+        original = self.original(name)
+        return self._tied.get(original, original)
 
     def by_original(self, local: Iterable[str]) -> dict[str, list[str]]:
         """Each whole-model name and the local names holding it (two stages of one rank may share a buffer)."""
@@ -78,13 +88,13 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, names: Names, create
     if not optimizer.state and not create:
         return {"state": {}, "param_groups": hyper}
     local = get_optimizer_state_dict(model, optimizer)
-    return {"state": {names.original(name): value for name, value in local["state"].items()},
+    return {"state": {names.optimizer_name(name): value for name, value in local["state"].items()},
             "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in local["param_groups"]]}
 
 
 def group_names(model: nn.Module, optimizer: Optimizer, names: Names) -> list[list[str]]:
     """The whole-model names of each group's parameters on this rank, in the optimizer's order."""
-    return [[names.original(name) for name in group] for group in _local_group_names(model, optimizer)]
+    return [[names.optimizer_name(name) for name in group] for group in _local_group_names(model, optimizer)]
 
 
 def _local_group_names(model: nn.Module, optimizer: Optimizer) -> list[list[str]]:
@@ -109,8 +119,13 @@ def set_optimizer_state(model: nn.Module, optimizer: Optimizer, names: Names, st
             f"The checkpoint's optimizer has {len(state['param_groups'])} parameter groups, this one has"
             f" {len(local_groups)}. HINT: `configure_optimizers` must build the same groups as the run that saved it."
         )
-    local_state = {name: state["state"][names.original(name)]
-                   for group in local_groups for name in group if names.original(name) in state["state"]}
+    local_state, taken = {}, set()
+    for name in (name for group in local_groups for name in group if names.optimizer_name(name) in state["state"]):
+        value = state["state"][names.optimizer_name(name)]
+        # Two copies of one tied weight on this rank (a V-shaped schedule) must not share state tensors.
+        local_state[name] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in value.items()} if (
+            names.optimizer_name(name) in taken) else value
+        taken.add(names.optimizer_name(name))
     groups = [{**saved, "params": group} for saved, group in zip(state["param_groups"], local_groups)]
     set_optimizer_state_dict(model, optimizer, {"state": local_state, "param_groups": groups},
                              options=StateDictOptions(full_state_dict=full))

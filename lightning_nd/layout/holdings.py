@@ -1,6 +1,7 @@
 """What each rank holds of each parameter: local shape, placement and bytes, by arithmetic alone.
 
-It follows what the composer does, in its order: the pipeline stage keeps its units' parameters; tensor
+It follows what the composer does, in its order: the pipeline stage keeps its units' parameters (a weight tied
+between the first and the last stage is held by both, under each one's name); tensor
 parallel shards by style (colwise: dim 0, rowwise: dim 1 of a weight, packed colwise: each half of dim 0;
 an embedding rowwise: dim 0); expert parallel keeps E/ep experts (dim 0); FSDP shards what is left over
 ``fsdp`` (dim 0; dim 1 under a packed TP split), or experts over ``expert_dp``, HSDP replicating over
@@ -20,6 +21,7 @@ from torch import nn
 from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.record import ParamShard, RankHolding, StagePlan
 from lightning_nd.layout.structure import is_norm, parent_name
+from lightning_nd.layout.tp_checks import tp_split
 
 PRECISION_PARAM_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
 ATTENTION_WORDS = ("attn", "attention")
@@ -31,25 +33,6 @@ def chunk_length(size: int, chunks: int, index: int) -> int:
     """Length of piece ``index`` when ``torch.chunk`` cuts ``size`` into ``chunks`` (empty pieces past the end)."""
     step = math.ceil(size / chunks) if size else 0
     return max(0, min(step, size - index * step))
-
-
-def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, bool] | None:
-    """(dim, strided) that a tp style splits this parameter on; None when it stays whole on every tp rank."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from lightning_nd.parallel.tensor import PackedColwiseParallel
-
-    if style == "packed_colwise" or isinstance(style, PackedColwiseParallel):
-        return 0, True
-    colwise = style in ("colwise", "colwise_gather_output") or isinstance(style, ColwiseParallel)
-    rowwise = style in ("rowwise", "embedding_rowwise") or isinstance(style, RowwiseParallel)
-    if isinstance(module, nn.Embedding):
-        return (1, False) if colwise else (0, False) if rowwise else None
-    if colwise:
-        return 0, False
-    if rowwise and param_name == "weight":
-        return 1, False
-    return None
 
 
 def kind_of(name: str, module: nn.Module, blocks: tuple[str, ...], experts: set[str]) -> str:
@@ -82,7 +65,7 @@ class _Param:
     shape: tuple[int, ...]
     dtype: str
     element_size: int
-    tp: tuple[int, bool] | None
+    tp: tuple[int, int] | None
     expert: bool
     fsdp: tuple[str, int, int] | None
     """(role, size, dim) FSDP shards it over, or None."""
@@ -100,7 +83,8 @@ def rank_holdings(
     precision: str | None = None,
 ) -> tuple[RankHolding, ...]:
     """One `RankHolding` per global rank; ranks that hold the same piece share one `ParamShard`."""
-    params = _params(module, dims, blocks, tp_entries, experts, precision)
+    copies = {f"{pipeline.attribute}.{last}" for _, last in pipeline.split.tied} if pipeline is not None else set()
+    params = _params(module, dims, blocks, tp_entries, experts, precision, copies)
     inside, sizes = dims.dp_shard_in_ep, {"tp": dims.tp, "ep": dims.ep}
     shared: dict[tuple, ParamShard] = {}
     holdings = []
@@ -124,20 +108,24 @@ def rank_holdings(
 
 
 def _params(module: nn.Module, dims: ParallelDims, blocks: tuple[str, ...], tp_entries: Mapping[str, object],
-            experts: set[str], precision: str | None) -> list[_Param]:
+            experts: set[str], precision: str | None, copies: set[str]) -> list[_Param]:
+    """Every parameter once, and under pp a tied weight's copy on the last stage too (``copies``: its names)."""
     modules = dict(module.named_modules())
     dtype_override = PRECISION_PARAM_DTYPES.get(str(precision))
     fsdp_on = dims.dp_enabled or dims.fsdp_enabled
-    params = []
-    for name, param in module.named_parameters():
+    params, seen = [], set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in seen and name not in copies:
+            continue
+        seen.add(id(param))
         owner = modules[parent_name(name)]
         split = tp_split(owner, name.rsplit(".", 1)[-1], tp_entries.get(parent_name(name))) if dims.tp > 1 else None
         expert = parent_name(name) in experts and dims.ep > 1
-        placement = [f"tp:{'StridedShard' if split[1] else 'Shard'}({split[0]})"] if split else []
+        placement = [f"tp:{'StridedShard' if split[1] > 1 else 'Shard'}({split[0]})"] if split else []
         placement += ["ep:Shard(0)"] if expert else []
         fsdp = None
         if fsdp_on and not (expert and dims.expert_dp == 1):
-            dim = 1 if split is not None and split[1] and param.ndim > 1 else 0
+            dim = 1 if split is not None and split[1] > 1 and split[0] == 0 and param.ndim > 1 else 0
             fsdp = ("expert_dp", dims.expert_dp, dim) if expert else ("fsdp", dims.dp_shard * dims.cp, dim)
             placement += ["dp_replicate:Replicate"] if dims.dp_replicate > 1 and not expert else []
             placement.append(f"{fsdp[0]}:Shard({dim})")

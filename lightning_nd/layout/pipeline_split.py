@@ -32,9 +32,16 @@ class StageLayout:
     post: tuple[str, ...]
     stages: tuple[tuple[str, ...], ...]
     source: str
+    tied: tuple[tuple[str, str], ...] = ()
+    """Weights shared by a unit before the blocks and one after them (tied input and output embeddings):
+    ``(name on the first stage, name on the last stage)``, the first as one process's optimizer knows it. Each
+    of the two stages holds a copy; their gradients are summed and both take the same steps."""
 
     def describe(self) -> str:
-        return "; ".join(f"stage {i}: {_span(units, self.blocks)}" for i, units in enumerate(self.stages))
+        split = "; ".join(f"stage {i}: {_span(units, self.blocks)}" for i, units in enumerate(self.stages))
+        ties = "".join(f"; `{last}` is tied to `{first}`: a copy on the first and the last stage, gradients summed"
+                       " between them" for first, last in self.tied)
+        return split + ties
 
 
 def _span(units: Sequence[str], blocks: Sequence[str]) -> str:
@@ -130,13 +137,13 @@ def split_stages(
         extra_last = sum(_numel(get_submodule(model, name)) for name in post)
         counts = balanced_counts(sizes, num_stages, extra_first, extra_last)
         source += ", balanced by parameter count"
-    _check_ties(model, pre, post)
     stages, start = [], 0
     for index, count in enumerate(counts):
         units = block_names[start:start + count]
         stages.append(tuple((pre if index == 0 else []) + units + (post if index == num_stages - 1 else [])))
         start += count
-    return StageLayout(pre=tuple(pre), blocks=tuple(block_names), post=tuple(post), stages=tuple(stages), source=source)
+    return StageLayout(pre=tuple(pre), blocks=tuple(block_names), post=tuple(post), stages=tuple(stages), source=source,
+                       tied=_tied_weights(model, stages, pre, post))
 
 
 def _numel(module: nn.Module) -> int:
@@ -197,16 +204,35 @@ def _counts_from_points(points: Sequence[str], block_names: list[str], num_stage
     return [bounds[i + 1] - bounds[i] for i in range(num_stages)]
 
 
-def _check_ties(model: nn.Module, pre: list[str], post: list[str]) -> None:
-    first = {id(p): name for name in pre for p in get_submodule(model, name).parameters()}
-    for name in post:
-        for param in get_submodule(model, name).parameters():
-            if id(param) in first:
-                raise ValueError(
-                    f"`{name}` shares its weight with `{first[id(param)]}` (tied embeddings), and pipeline parallelism"
-                    " puts them on the first and last stages. HINT: untie them (e.g. `tie_word_embeddings=False`),"
-                    " or use pp=1."
-                )
+def _tied_weights(
+    model: nn.Module, stages: list[tuple[str, ...]], pre: list[str], post: list[str]
+) -> tuple[tuple[str, str], ...]:
+    """Weights that units of different stages share. Only a tie between a unit before the blocks and one after
+    them is kept in step, as Megatron-LM keeps tied embeddings (`_allreduce_word_embedding_grads`,
+    megatron/core/distributed/finalize_model_grads.py); any other would train two diverging copies: refused."""
+    stage_of = {unit: index for index, units in enumerate(stages) for unit in units}
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for unit in stage_of:
+        for name, param in get_submodule(model, unit).named_parameters(remove_duplicate=False):
+            holders.setdefault(id(param), []).append((unit, f"{unit}.{name}"))
+    tied = []
+    for held in holders.values():
+        if len({stage_of[unit] for unit, _ in held}) == 1:
+            continue
+        first = [name for unit, name in held if unit in pre]
+        last = [name for unit, name in held if unit in post]
+        if len(first) + len(last) < len(held):
+            unit_a, name_a = held[0]
+            unit_b, name_b = next((unit, name) for unit, name in held if stage_of[unit] != stage_of[unit_a])
+            raise ValueError(
+                f"`{name_b}` and `{name_a}` are one shared weight, and pipeline parallelism puts them on stages"
+                f" {stage_of[unit_b]} and {stage_of[unit_a]}. Only a weight tied between the units before the blocks"
+                " and those after them (tied input and output embeddings) is kept as a copy on the first and the last"
+                " stage with summed gradients. HINT: move the stage boundary so both are on one stage (`pp_split=` or"
+                " `pp_layers_per_stage=`), or untie them."
+            )
+        tied.append((first[0], last[0]))
+    return tuple(tied)
 
 
 def pipeline_model(module: nn.Module) -> tuple[str, nn.Module]:

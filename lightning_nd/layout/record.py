@@ -177,7 +177,8 @@ class Layout:
             split = pipeline["split"]
             pipeline = StagePlan(pipeline["attribute"], StageLayout(
                 pre=tuple(split["pre"]), blocks=tuple(split["blocks"]), post=tuple(split["post"]),
-                stages=tuple(tuple(units) for units in split["stages"]), source=split["source"]),
+                stages=tuple(tuple(units) for units in split["stages"]), source=split["source"],
+                tied=tuple(tuple(pair) for pair in split.get("tied", ()))),
                 tuple(tuple(stages) for stages in pipeline["ranks"]))
         ranks = tuple(RankHolding(
             r["rank"], dict(r["coordinates"]), tuple(r["stages"]),

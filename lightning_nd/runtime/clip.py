@@ -3,7 +3,9 @@
 ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms, which fails when parameters live on
 different meshes (FSDP-only vs FSDP x TP) and costs one collective per mesh dim otherwise. Here
 each rank sums ``|g|^p`` over its local shards, weighting each by how many ranks hold the same
-shard, and one all-reduce over all ranks gives the norm of the unsharded gradients.
+shard, and one all-reduce over all ranks gives the norm of the unsharded gradients. A weight tied between
+the first and the last pipeline stage has a copy on each (`parallel/pipeline/tied.py`), with equal
+gradients: it counts once, as the first stage's (Megatron-LM skips the shared copy in the same way).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+PIPELINE_COPY = "pipeline_copy_of"
+"""Set on the last stage's copy of a tied weight: the name of the weight it copies."""
 
 
 def _copies(grad: torch.Tensor, world_size: int) -> int:
@@ -52,9 +57,10 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
     """The norm of all gradients as if they sat unsharded on one device (the same value on every rank).
 
     Gradients must hold no Partial placement (see `align_grads_to_params`). Under ``pp`` pipeline
-    stages every parameter lives on the ranks of one stage only: 1/pp of the world.
+    stages every parameter lives on the ranks of one stage only: 1/pp of the world (a tied weight's copy on
+    the last stage is left out).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters if p.grad is not None and not hasattr(p, PIPELINE_COPY)]
     norm_type = float(norm_type)
     distributed = dist.is_initialized()
     world_size = (dist.get_world_size() if distributed else 1) // pp

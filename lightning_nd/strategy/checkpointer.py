@@ -41,7 +41,7 @@ class Checkpointer:
     def _names(self) -> Names:
         layout = self.strategy.layout_or_none
         plan = layout.pipeline if layout is not None else None
-        return Names(plan.attribute, plan.units()) if plan is not None else Names()
+        return Names(plan.attribute, plan.units(), plan.split.tied) if plan is not None else Names()
 
     def model_state(self) -> dict[str, Any]:
         assert self.strategy.model is not None

@@ -157,7 +157,17 @@ def reference(model_name: str, global_batch: int, clip: float | None) -> dict[st
         "max_unclipped_norm": max(unclipped_norms, default=0.0),
         "params": {name: p.detach().clone() for name, p in model.named_parameters()},
         "grads": {name: p.grad.clone() for name, p in model.named_parameters()},
+        "tied": _tied_names(model),
     }
+
+
+def _tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """A shared weight's other names -> the name `named_parameters` gives it (a tied head -> the embedding)."""
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+    return {name: first[id(param)] for name, param in model.named_parameters(remove_duplicate=False)
+            if first[id(param)] != name}
 
 
 def run_layouts(
@@ -222,10 +232,17 @@ def merged(per_rank: list, layout: str, what: str) -> dict[str, torch.Tensor]:
 
 
 def assert_state_matches(per_rank: list, layout: str) -> None:
-    """Gradients and parameters, merged over ranks, equal the one-process reference's (every one present)."""
+    """Gradients and parameters, merged over ranks, equal the one-process reference's (every one present).
+    Under pp a weight tied between the first and the last stage is there twice: the last stage's copy under
+    its own name (the head's) equals the one weight, and equals the first stage's copy bit for bit."""
     reference = per_rank[0][layout]["reference"]
     params, grads = merged(per_rank, layout, "params"), merged(per_rank, layout, "grads")
-    assert params.keys() == reference["params"].keys()
+    copies = reference["tied"] if "pipeline_split" in techniques(per_rank[0][layout]["parallel"]) else {}
+    assert params.keys() == reference["params"].keys() | copies.keys()
+    for copy, weight in copies.items():
+        for what, values in (("param", params), ("grad", grads)):
+            torch.testing.assert_close(values[copy], values[weight], rtol=0, atol=0,
+                                       msg=lambda m: f"{what} {copy}: {m}")
     for name, expected in reference["grads"].items():
         torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=2e-6, msg=lambda m: f"grad {name}: {m}")
     for name, expected in reference["params"].items():

@@ -1,10 +1,12 @@
 """Pipeline parallelism matches one process: loss per step, gradients and parameters after 5 AdamW
 steps (fp32), validation loss and predictions, for every schedule, with clipping and gradient
-accumulation, at pp=2 and pp=4, and composed with FSDP and TP (8 ranks for pp x dp_shard x tp).
+accumulation, at pp=2 and pp=4, and composed with FSDP and TP (8 ranks for pp x dp_shard x tp); a GPT
+with tied input and output embeddings under looped and V-shaped schedules, FSDP, HSDP and TP.
 
 Parameters live on the ranks of one stage only, so each rank's copies are merged by name: every
 parameter of the reference must come from some rank, ranks of the same stage (dp/tp replicas) must
-hold bit-equal copies, and no parameter may sit on two pipeline ranks.
+hold bit-equal copies, and no parameter may sit on two pipeline ranks, except a tied weight: one copy
+on the first stage's ranks (under the embedding's name), one on the last stage's (under the head's).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nd.layout.pipeline_split import SCHEDULES
+from lightning_nd.layout.pipeline_split import SCHEDULES, SINGLE_STAGE, stage_ranks
 from tests.distributed.parity import assert_training_matches, launcher
 from tests.launcher import launch
 
@@ -28,11 +30,16 @@ PP4 |= {"pp4_zbv": {"pp": 4, "dp_shard": 1, "pp_schedule": "zbv"},
 PP8 = {"pp2_fsdp2_tp2": {"pp": 2, "dp_shard": 2, "tp": 2},
        "pp2_fsdp2_tp2_sp_clip": {"pp": 2, "dp_shard": 2, "tp": 2, "sequence_parallel": True}}
 HF = {"pp2_hf_declared_plan": {"pp": 2, "dp_shard": 1}}
-CLIP = {"pp2_1f1b_clip": 0.5, "pp2_fsdp2_tp2_sp_clip": 0.5}
-ACCUMULATE = {"pp2_interleaved_accum": 2, "pp2_fsdp2_accum": 2}
+TIED = {"tied_pp2_fsdp2_clip": {"pp": 2, "dp_shard": 2},
+        "tied_pp2_fsdp2_zbv": {"pp": 2, "dp_shard": 2, "pp_schedule": "zbv"},
+        "tied_pp4_1f1b": {"pp": 4, "dp_shard": 1},
+        "tied_pp2_tp2_gpipe": {"pp": 2, "dp_shard": 1, "tp": 2, "pp_schedule": "gpipe"},
+        "tied_pp2_hsdp_accum": {"pp": 2, "dp_replicate": 2, "dp_shard": 1}}
+CLIP = {"pp2_1f1b_clip": 0.5, "pp2_fsdp2_tp2_sp_clip": 0.5, "tied_pp2_fsdp2_clip": 0.2}
+ACCUMULATE = {"pp2_interleaved_accum": 2, "pp2_fsdp2_accum": 2, "tied_pp2_hsdp_accum": 2}
 # (world size, model, layouts, per-rank batch: a multiple of the microbatches, 2 x pp by default)
 LAUNCHES = {"pp2": (2, "llama8", PP2, 4), "pp4": (4, "llama8", PP4, 8), "pp8": (8, "llama8", PP8, 4),
-            "hf": (2, "hf_llama", HF, 4)}
+            "hf": (2, "hf_llama", HF, 4), "tied": (4, "gpt4", TIED, 8)}
 CASES = [(launch_name, layout) for launch_name, (_, _, layouts, _) in LAUNCHES.items() for layout in layouts]
 
 
@@ -68,7 +75,15 @@ def test_each_rank_holds_only_its_stages(runs, launch_name):
         for a in range(pp):
             for b in range(a + 1, pp):
                 assert not by_pp_rank[a] & by_pp_rank[b], f"{layout}: pp ranks {a} and {b} share parameters"
-        assert set().union(*by_pp_rank) == set(per_rank[0][layout]["reference"]["params"])
+        reference = per_rank[0][layout]["reference"]
+        assert set().union(*by_pp_rank) == set(reference["params"]) | set(reference["tied"])
+        schedule = options.get("pp_schedule", "1f1b")
+        ranks = stage_ranks(pp, 1 if schedule in SINGLE_STAGE else 2, schedule)
+        owner = {index: r for r, held in enumerate(ranks) for index in held}
+        first, last = owner[0], owner[len(owner) - 1]
+        for copy, weight in reference["tied"].items():  # the head's copy on the last stage, the weight on the first
+            assert [r for r in range(pp) if copy in by_pp_rank[r]] == [last], (layout, copy)
+            assert [r for r in range(pp) if weight in by_pp_rank[r]] == [first], (layout, weight)
 
 
 @pytest.mark.parametrize("launch_name", list(LAUNCHES))
