@@ -19,6 +19,9 @@ load-balancing loss ``coef * E * sum_e f_e * P_e`` and the router z-loss ``coef 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal
 
@@ -211,7 +214,27 @@ def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
+_ADDED_BY_PIPELINE: ContextVar[list[bool] | None] = ContextVar("moe_aux_added_by_pipeline", default=None)
+
+
+@contextmanager
+def aux_losses_added_by_pipeline() -> Iterator[list[bool]]:
+    """Inside a pipelined step every stage adds its layers' auxiliary losses itself
+    (`lightning_nd/parallel/pipeline/aux_losses.py`): `moe_aux_loss` returns 0.0 and notes that it was asked."""
+    asked: list[bool] = []
+    token = _ADDED_BY_PIPELINE.set(asked)
+    try:
+        yield asked
+    finally:
+        _ADDED_BY_PIPELINE.reset(token)
+
+
 def moe_aux_loss(module: nn.Module) -> torch.Tensor | float:
-    """The sum of every MoE layer's auxiliary losses from the last forward: add it to the training loss."""
+    """The sum of every MoE layer's auxiliary losses from the last forward: add it to the training loss.
+    Under pipeline parallelism 0.0 inside the step: each stage adds its own layers' losses."""
+    asked = _ADDED_BY_PIPELINE.get()
+    if asked is not None:
+        asked.append(True)
+        return 0.0
     losses = [layer.aux_loss for layer in moe_layers(module) if layer.aux_loss is not None]
     return torch.stack(losses).sum() if losses else 0.0

@@ -1,80 +1,56 @@
 """`PipelineEngine`: how `NDParallel` runs Lightning's steps under pp, through the pipeline schedule.
 
-Under pp the strategy does not call the module's ``training_step``/``validation_step``: a stage
-cannot run the whole model. It asks the module two small questions instead, both optional:
+By default the module's own ``training_step`` / ``validation_step`` / ``test_step`` drive the pipeline
+(`own_steps.py`): their model call gives the first stage's inputs, and on the last stage it returns the
+model's output for each microbatch, so the loss and what the step logs are the module's own.
 
-- ``pipeline_inputs(batch) -> (inputs, target)``: what the model is called with (a tensor, a tuple
-  of positional inputs or a dict of keyword inputs) and what the loss compares its output with.
-  Default: for a dict, ``labels``/``targets``/``target``/``y`` is the target and every other key a
-  keyword input (``attention_mask`` included); for a pair, ``(inputs, target)``.
-- ``pipeline_loss(output, target) -> Tensor``: the mean loss of one microbatch. Default:
-  cross-entropy of the output (logits) against integer targets of one dimension less, ignoring
-  -100, with targets already aligned to the outputs. Hugging Face batches (``input_ids`` with
-  unshifted ``labels``) must define it (the error says how).
+Two optional hooks replace parts of that:
 
-The mean loss over microbatches reaches every rank and is logged as ``train_loss`` /
-``val_loss`` / ``test_loss`` (``prog_bar=True, sync_dist=True``), so progress bar, loggers,
-``ModelCheckpoint(monitor=...)`` and early stopping work as without pp.
+- ``pipeline_inputs(batch) -> (inputs, target)``: what the model is called with (a tensor, a tuple of
+  positional inputs or a dict of keyword inputs), instead of the step's own call; ``target`` is what
+  ``pipeline_loss`` compares the output with.
+- ``pipeline_loss(output, target) -> Tensor``: the mean loss of one microbatch, computed by the strategy
+  on the last stage instead of the step (the step is then not run under pp). Its mean over microbatches
+  reaches every rank and is logged as ``train_loss`` / ``val_loss`` / ``test_loss`` (``prog_bar=True,
+  sync_dist=True``). Without ``pipeline_inputs`` its batch must be an ``(inputs, target)`` pair.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
 from lightning_nd.layout.record import Layout
-from lightning_nd.parallel.pipeline.schedule import PipelineRunner
+from lightning_nd.layout.validate import check_router_logits_under_pp
 from lightning_nd.parallel.compose import ParallelizeReport
+from lightning_nd.parallel.pipeline.schedule import PipelineRunner
+from lightning_nd.parallel.pipeline.stage import pack_inputs
+from lightning_nd.parallel.pipeline.tied import TiedWeights
 from lightning_nd.runtime.clip import align_grads_to_params
+from lightning_nd.strategy import own_steps
 
-TARGET_KEYS = ("labels", "targets", "target", "y")
-HF_LOSS = ("def pipeline_loss(self, logits, labels): return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(),"
-           " labels[:, 1:].flatten(), ignore_index=-100)")
 
 
 def split_batch(module: LightningModule, batch: Any, need_target: bool = True) -> tuple[Any, Any]:
-    """(inputs, target) of a batch; for prediction the target may be missing."""
+    """(inputs, target) of a batch for `pipeline_loss`; for prediction the target may be missing."""
     hook = getattr(module, "pipeline_inputs", None)
     if callable(hook):
         return hook(batch)
-    if isinstance(batch, dict):
-        key = next((k for k in TARGET_KEYS if k in batch), None)
-        inputs = {k: v for k, v in batch.items() if k != key}
-        if key == "labels" and "input_ids" in batch and not callable(getattr(module, "pipeline_loss", None)):
-            raise ValueError(
-                "A Hugging Face-style batch (`input_ids`, `labels`) holds labels unshifted (the model shifts them"
-                " inside its own loss); under pipeline parallelism the last stage computes the loss from the logits"
-                f" instead. HINT: define on `{type(module).__name__}`: `{HF_LOSS}`."
-            )
-        if inputs and (key is not None or not need_target):
-            return inputs, batch.get(key)
-    elif isinstance(batch, (tuple, list)) and len(batch) == 2:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
-    elif isinstance(batch, Tensor) and not need_target:
+    if not need_target:
         return batch, None
     raise ValueError(
-        f"Under pipeline parallelism the strategy runs the model itself and cannot tell inputs from targets in a"
-        f" batch of type {type(batch).__name__}{' with keys ' + str(list(batch)) if isinstance(batch, dict) else ''}."
-        f" HINT: define `def pipeline_inputs(self, batch): return batch['x'], batch['y']` on `{type(module).__name__}`."
-    )
-
-
-def pipeline_loss(module: LightningModule, output: Tensor, target: Tensor) -> Tensor:
-    hook = getattr(module, "pipeline_loss", None)
-    if callable(hook):
-        return hook(output, target)
-    if isinstance(target, Tensor) and not target.is_floating_point() and output.ndim == target.ndim + 1:
-        return F.cross_entropy(output.flatten(0, -2).float(), target.flatten(), ignore_index=-100)
-    raise ValueError(
-        f"Under pipeline parallelism the last stage computes the loss, and the default (cross-entropy over logits)"
-        f" does not fit an output of shape {tuple(output.shape)} and a target of shape"
-        f" {tuple(getattr(target, 'shape', ()))}. HINT: define `def pipeline_loss(self, output, target): ...` on"
-        f" `{type(module).__name__}`."
+        f"`{type(module).__name__}` defines `pipeline_loss`, so under pipeline parallelism the strategy scores the"
+        f" model's output itself, and it cannot tell inputs from target in a batch of type {type(batch).__name__}"
+        f"{' with keys ' + str(list(batch)) if isinstance(batch, Mapping) else ''}. HINT: either define"
+        " `def pipeline_inputs(self, batch): return batch['x'], batch['y']`, or remove `pipeline_loss` so that your"
+        " own `training_step` computes the loss from the model's output (the default under pp)."
     )
 
 
@@ -89,8 +65,19 @@ class PipelineEngine:
         self.strategy, self.report = strategy, report
         self.runner = PipelineRunner(report.stages, layout.pipeline.ranks, layout.options["pp_schedule"],
                                      layout.options["pp_microbatches"], group, device, on_operation)
+        self.tied = TiedWeights(report.stages, layout.pipeline, strategy.device_mesh)
         self._grads: list[Tensor | None] = []
         self._window_open = False
+        self.attribute, self.device = layout.pipeline.attribute, device
+        self._outputs: dict[int, Any] = {}  # the last stage's model output per microbatch, by its handed-on tensor
+        self._keeping = False
+        for stage in report.stages:
+            if stage.is_last:
+                stage.on_output = self._keep_output
+        # Whether any stage's MoE auxiliary losses count (asked once, of every rank of the pipeline).
+        weighted = torch.tensor(float(any(stage.aux.weighted for stage in report.stages)), device=device)
+        torch.distributed.all_reduce(weighted, op=torch.distributed.ReduceOp.MAX, group=group)
+        self._aux_weighted = bool(weighted)
 
     @property
     def timings(self) -> dict[str, float]:
@@ -100,9 +87,9 @@ class PipelineEngine:
         """The optimizer stepped: the next training step starts a new accumulation window."""
         self._window_open = False
 
-    def train(self, module: LightningModule, batch: Any) -> Tensor:
-        """Forward and backward of the whole batch. Lightning zeroes gradients between the training step
-        and backward, so the gradients are set aside here and put back in `backward`."""
+    def train(self, module: LightningModule, args: tuple) -> Tensor | None:
+        """Forward and backward of the whole batch (``args``: the training step's). Lightning zeroes gradients
+        between the training step and backward, so the gradients are set aside here and put back in `backward`."""
         if not module.automatic_optimization:
             raise ValueError(
                 f"`{type(module).__name__}.automatic_optimization = False`: under pipeline parallelism the strategy"
@@ -115,29 +102,134 @@ class PipelineEngine:
             self._window_open = True
             for param in params:
                 param.grad = None
-        inputs, target = split_batch(module, batch)
         with self.strategy.precision_plugin.train_step_context():
-            loss = self.runner.train_step(inputs, target, lambda out, tgt: pipeline_loss(module, out, tgt),
-                                          accumulate=accumulate)
+            if self._scored_by_strategy(module):
+                inputs, target = split_batch(module, args[0])
+                loss = self.runner.train_step(inputs, target, lambda out, tgt: module.pipeline_loss(out, tgt),
+                                              accumulate=accumulate)
+            else:
+                loss = self._own_train(module, args, accumulate)
+        if loss is None:
+            return None
         self._grads = [param.grad for param in params]
         for param in params:
             param.grad = None
-        module.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        if self._scored_by_strategy(module):
+            module.log("train_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
-    def evaluate(self, module: LightningModule, batch: Any, stage: str) -> Tensor:
-        inputs, target = split_batch(module, batch)
+    def evaluate(self, module: LightningModule, args: tuple, stage: str) -> Tensor | None:
         context = (self.strategy.precision_plugin.val_step_context if stage == "val"
                    else self.strategy.precision_plugin.test_step_context)
         with context():
-            loss = self.runner.eval_step(inputs, target, lambda out, tgt: pipeline_loss(module, out, tgt))
+            if not self._scored_by_strategy(module):
+                return self._own_evaluate(module, args, "validation_step" if stage == "val" else "test_step")
+            inputs, target = split_batch(module, args[0])
+            loss = self.runner.eval_step(inputs, target, lambda out, tgt: module.pipeline_loss(out, tgt))
         module.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
-    def predict(self, module: LightningModule, batch: Any) -> Tensor:
-        inputs, _ = split_batch(module, batch, need_target=False)
+    def predict(self, module: LightningModule, args: tuple) -> Tensor:
+        """The model's output for the whole batch, on every rank; its inputs as the module's ``predict_step``
+        (or ``pipeline_inputs``) calls it."""
         with self.strategy.precision_plugin.predict_step_context():
+            inputs = self._inputs(module, module.predict_step, args)
+            if inputs is None:
+                raise ValueError(f"`{type(module).__name__}.predict_step` did not call the model. HINT: call it, or"
+                                 " define `pipeline_inputs(batch)`.")
             return self.runner.predict_step(inputs)
+
+    @staticmethod
+    def _scored_by_strategy(module: LightningModule) -> bool:
+        return callable(getattr(module, "pipeline_loss", None))
+
+    def _inputs(self, module: LightningModule, step: Callable[..., Any], args: tuple) -> dict[str, Any] | None:
+        hook = getattr(module, "pipeline_inputs", None)
+        if callable(hook):
+            return pack_inputs(hook(args[0])[0])
+        inputs = own_steps.capture(module, self.attribute, step, args)
+        if inputs is not None and inputs.get("output_router_logits"):
+            check_router_logits_under_pp(module, self.strategy.dims.pp, asked=True)
+        return inputs
+
+    def _keep_output(self, main: Tensor, output: Any, aux: Tensor | None) -> None:
+        if self._keeping:
+            self._outputs[id(main)] = (output, aux)
+
+    @contextmanager
+    def _adding_aux_losses(self, scale: float) -> Iterator[None]:
+        for stage in self.report.stages:
+            stage.aux.scale = scale
+        try:
+            yield
+        finally:
+            for stage in self.report.stages:
+                stage.aux.scale = 0.0
+
+    @contextmanager
+    def _keeping_outputs(self) -> Iterator[None]:
+        self._outputs.clear()
+        self._keeping = True
+        try:
+            yield
+        finally:
+            self._keeping = False
+            self._outputs.clear()
+
+    def _own_train(self, module: LightningModule, args: tuple, accumulate: int) -> Tensor | None:
+        inputs = self._inputs(module, module.training_step, args)
+        if inputs is None:
+            return None
+        count, size = self.runner.microbatches, own_steps.batch_size(inputs)
+        logged = own_steps.Logged()
+
+        def loss(output: Tensor, index: Tensor) -> Tensor:
+            piece = (own_steps.microbatch(args[0], int(index), count, size), *args[1:])
+            returned, aux = self._outputs.pop(id(output), (output, None))
+            result, asked = own_steps.score(module, self.attribute, module.training_step, piece, returned, logged)
+            value = own_steps.step_loss(result, module, "training_step")
+            if not asked and self._aux_weighted:
+                raise ValueError(
+                    f"`{type(module).__name__}.training_step` does not add the MoE auxiliary losses"
+                    " (`moe_aux_loss(self.model)`), but under pipeline parallelism every stage adds its layers' losses"
+                    " to its backward. HINT: add `moe_aux_loss(self.model)` to the loss as with one process, or set"
+                    " the layers' `aux_loss_coef=0` and `z_loss_coef=0`."
+                )
+            return own_steps.plus(value, aux)
+
+        with self._keeping_outputs(), self._adding_aux_losses(1.0 / (count * accumulate)):
+            value = self.runner.train_step(inputs, torch.arange(count, device=self.device), loss, accumulate=accumulate)
+        shared = own_steps.share(logged.combined() if self.runner.has_last else None, self.runner.last_stage_rank,
+                                 self.runner.group)
+        own_steps.replay(module, shared, self.device)
+        return value
+
+    def _own_evaluate(self, module: LightningModule, args: tuple, name: str) -> Tensor | None:
+        step = getattr(module, name)
+        inputs = self._inputs(module, step, args)
+        if inputs is None:
+            return None
+        size = own_steps.batch_size(inputs)
+        count = min(self.runner.microbatches, size)
+        rows = [len(part) for part in torch.tensor_split(torch.arange(size), count)]
+        logged, returned = own_steps.Logged(), []
+
+        def finish(output: Tensor, index: Tensor) -> None:
+            i = int(index)
+            logged.weight = float(rows[i])
+            piece = (own_steps.microbatch(args[0], i, count, size), *args[1:])
+            result, _ = own_steps.score(module, self.attribute, step, piece, self._outputs.pop(id(output), (output,))[0],
+                                        logged)
+            loss = result.get("loss") if isinstance(result, Mapping) else result
+            if isinstance(loss, Tensor):
+                returned.append(float(own_steps.full(loss).detach().float()) * rows[i])
+
+        with self._keeping_outputs():
+            self.runner.forward_chunks(inputs, torch.arange(count, device=self.device), finish)
+        mine = (logged.combined(), sum(returned) / size if returned else None) if self.runner.has_last else None
+        shared, value = own_steps.share(mine, self.runner.last_stage_rank, self.runner.group)
+        own_steps.replay(module, shared, self.device)
+        return None if value is None else torch.tensor(value, device=self.device)
 
     def backward(self, module: LightningModule, loss: Tensor) -> Tensor:
         """The schedule ran backward already; its gradients come back, Lightning's hooks still run."""

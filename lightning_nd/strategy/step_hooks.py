@@ -42,7 +42,7 @@ class StepHooks(ModelParallelStrategy):
         self.checkpointer.before_training_step()
         # Under pp the runner reports each microbatch's phases itself.
         with self.step_events.phase("forward") if self.pipeline is None else nullcontext(), lifecycle.step_context(self):
-            result = (self.pipeline.train(self.lightning_module, args[0]) if self.pipeline is not None
+            result = (self.pipeline.train(self.lightning_module, args) if self.pipeline is not None
                       else super().training_step(*args, **kwargs))
         self.step_events.step_done(self.pipeline_timings)
         return result
@@ -65,8 +65,8 @@ class StepHooks(ModelParallelStrategy):
             if self.pipeline is None:
                 return step(*args, **kwargs)
             if stage == "predict":
-                return self.pipeline.predict(self.lightning_module, args[0])
-            return self.pipeline.evaluate(self.lightning_module, args[0], stage)
+                return self.pipeline.predict(self.lightning_module, args)
+            return self.pipeline.evaluate(self.lightning_module, args, stage)
 
     @contextmanager
     @override
@@ -91,9 +91,11 @@ class StepHooks(ModelParallelStrategy):
         return loss
 
     @override
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+    def optimizer_step(self, optimizer: Any, closure: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:  # a tied weight's copies sum their gradients after backward, before clipping
+            closure = self.pipeline.tied.after(closure)
         with self.step_events.optimizer():
-            result = super().optimizer_step(*args, **kwargs)
+            result = super().optimizer_step(optimizer, closure, *args, **kwargs)
         if self.pipeline is not None:
             self.pipeline.window_closed()
         self.failures.after_optimizer_step()

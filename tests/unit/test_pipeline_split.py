@@ -87,32 +87,68 @@ def test_a_stage_copies_only_its_own_weights():
     assert max(held) < 0.4 * total
 
 
-class _NoHooks:
-    """Stands in for a LightningModule without the two pipeline hooks."""
+class _LossOnly:
+    """Stands in for a LightningModule with `pipeline_loss` and without `pipeline_inputs`."""
+
+    def pipeline_loss(self, output, target): ...
 
 
-def test_default_batch_split_passes_every_other_key_as_a_keyword_input():
+def test_a_pipeline_loss_batch_is_a_pair_or_given_by_pipeline_inputs():
     from lightning_nd.strategy.pipeline_engine import split_batch
 
-    tokens, labels, mask = torch.zeros(2, 4), torch.ones(2, 4), torch.ones(2, 4)
-    inputs, target = split_batch(_NoHooks(), {"tokens": tokens, "labels": labels, "attention_mask": mask})
-    assert set(inputs) == {"tokens", "attention_mask"} and target is labels
-    assert split_batch(_NoHooks(), (tokens, labels)) == (tokens, labels)
-    assert split_batch(_NoHooks(), tokens, need_target=False) == (tokens, None)
+    tokens, labels = torch.zeros(2, 4), torch.ones(2, 4)
+    assert split_batch(_LossOnly(), (tokens, labels)) == (tokens, labels)
+    assert split_batch(_LossOnly(), tokens, need_target=False) == (tokens, None)
+    module = _LossOnly()
+    module.pipeline_inputs = lambda batch: (batch["tokens"], batch["labels"])
+    assert split_batch(module, {"tokens": tokens, "labels": labels}) == (tokens, labels)
 
 
-def test_hugging_face_batches_need_their_own_loss_hook():
+def test_a_dict_batch_is_never_split_by_its_key_names():
     from lightning_nd.strategy.pipeline_engine import split_batch
 
-    with pytest.raises(ValueError, match=r"unshifted.*HINT.*labels\[:, 1:\]"):
-        split_batch(_NoHooks(), {"input_ids": torch.zeros(2, 4), "labels": torch.zeros(2, 4)})
+    with pytest.raises(ValueError, match=r"cannot tell inputs from target.*HINT: either define `def pipeline_inputs"
+                                         r".*or remove `pipeline_loss`"):
+        split_batch(_LossOnly(), {"input_ids": torch.zeros(2, 4), "labels": torch.zeros(2, 4)})
 
 
-def test_default_loss_ignores_padding_labels():
-    from lightning_nd.strategy.pipeline_engine import pipeline_loss
+def test_tied_embeddings_are_one_copy_on_the_first_and_one_on_the_last_stage():
+    from lightning_nd.layout.dims import ParallelDims
+    from lightning_nd.layout.holdings import rank_holdings
+    from lightning_nd.layout.record import StagePlan
 
-    logits = torch.randn(2, 3, 5)
-    target = torch.tensor([[1, 2, -100], [0, -100, 4]])
-    keep = target != -100
-    expected = torch.nn.functional.cross_entropy(logits[keep], target[keep])
-    torch.testing.assert_close(pipeline_loss(_NoHooks(), logits, target), expected)
+    model = build("gpt4")
+    layout = split_stages(model, find_blocks(model), 4)
+    assert layout.tied == (("tok.weight", "out.weight"),)
+    assert "`out.weight` is tied to `tok.weight`: a copy on the first and the last stage" in layout.describe()
+    first, last = StageModule(model, layout, 0), StageModule(model, layout, 3)
+    assert first.module.get_parameter("tok.weight") is not last.module.get_parameter("out.weight")
+    torch.testing.assert_close(last.module.get_parameter("out.weight"), model.tok.weight, rtol=0, atol=0)
+    dims = ParallelDims(pp=2, dp_shard=2, world_size=4)
+    plan = StagePlan("model", layout, stage_ranks(2, 2, "zbv"))
+    holdings = rank_holdings(torch.nn.ModuleDict({"model": model}), dims, blocks=(), tp_entries={}, pipeline=plan,
+                             experts=set())
+    held = [{shard.name: shard for shard in holding.params} for holding in holdings]
+    assert "model.tok.weight" in held[0] and "model.out.weight" in held[0]  # V-shaped: rank 0 holds both stages
+    assert "model.tok.weight" not in held[2] and "model.out.weight" not in held[2]
+    assert held[0]["model.out.weight"].local_shape == held[0]["model.tok.weight"].local_shape == (128, 32)
+    assert held[0]["model.out.weight"].kind == "head"
+
+
+def test_a_weight_shared_across_stages_other_than_first_and_last_is_refused():
+    model = build("gpt4")
+    model.blocks[2].fc1.weight = model.blocks[1].fc1.weight
+    with pytest.raises(ValueError, match=r"`blocks.2.fc1.weight` and `blocks.1.fc1.weight` are one shared weight.*"
+                                         r"stages 1 and 0.*HINT: move the stage boundary"):
+        split_stages(model, find_blocks(model), 2, layers_per_stage=[2, 2])
+    assert split_stages(model, find_blocks(model), 2, layers_per_stage=[3, 1]).tied == (("tok.weight", "out.weight"),)
+
+
+def test_the_dry_run_says_a_hugging_face_gpt2_head_is_tied_and_held_by_the_last_stage(capsys):
+    from lightning_nd.plan.__main__ import main
+
+    config = '{"n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 1000, "tie_word_embeddings": true}'
+    assert main(["--hf-model-type", "gpt2", "--hf-kwargs", config, "--devices", "2", "--layout", "pp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "`lm_head.weight` is tied to `transformer.wte.weight`: a copy on the first and the last stage" in out
+    assert "Rank 1 (pp=1" in out and "| head | 1 | 64,000 |" in out  # the heaviest rank: the head's copy

@@ -114,6 +114,7 @@ class PipelineRunner:
         self._scale = 1.0
         self._shapes: list[tuple] | None = None
         self._compute = 0.0
+        self._forwards = 0  # microbatch forwards run in this step
         self._report = report
         self._pending: list[dict[str, Any]] = []
         self.timings: dict[str, float] = {}
@@ -143,6 +144,7 @@ class PipelineRunner:
                 self._complete(lambda op: op["direction"] == direction and op["chunk"] == chunk
                                and op["op"] == "recv" and op["stage"] == stage)
             sync()
+            self._forwards += phase == "forward"
             start = time.perf_counter()
             try:
                 return fn(chunk, *args, **kwargs)
@@ -179,6 +181,10 @@ class PipelineRunner:
             self._report("p2p", {**op, "state": "completed", "time_s": time.perf_counter()})
 
     def _loss_fn(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        if not self._forwards:
+            # torch sizes the backward buffers from a loss on placeholder outputs (uninitialised memory) before
+            # the first microbatch runs: a loss of the right graph, without running the module's code on them.
+            return output.sum() * 0.0
         return self._loss(output, target) * self._scale
 
     def train_step(self, inputs: Any, target: Any, loss: Callable, accumulate: int = 1) -> torch.Tensor:
@@ -191,7 +197,7 @@ class PipelineRunner:
             self._build(shapes)
         self._loss, self._scale = loss, 1.0 / (self.microbatches * accumulate)
         losses: list[torch.Tensor] = []
-        self._compute = 0.0
+        self._compute, self._forwards = 0.0, 0
         start = time.perf_counter()
         self.schedule.step(target=target if self.has_last else None, losses=losses if self.has_last else None,
                            return_outputs=False, **kwargs)
@@ -204,7 +210,7 @@ class PipelineRunner:
         total = torch.stack([_full(l).detach() for l in losses]).sum() * accumulate if losses else None
         return self._share(total)
 
-    def _forward(self, inputs: Any, target: Any, finish: Callable[[torch.Tensor, Any], None]) -> None:
+    def forward_chunks(self, inputs: Any, target: Any, finish: Callable[[torch.Tensor, Any], None]) -> None:
         """Forward-only over up to ``microbatches`` chunks (a short last batch splits unevenly); ``finish`` gets
         each last-stage output with its part of ``target`` (None without one)."""
         kwargs = pack_inputs(inputs)
@@ -217,14 +223,14 @@ class PipelineRunner:
     def eval_step(self, inputs: Any, target: Any, loss: Callable) -> torch.Tensor:
         """The per-sample mean loss of the batch (microbatch losses weighted by size), on every rank."""
         weighted: list[torch.Tensor] = []
-        self._forward(inputs, target, lambda output, part: weighted.append(
+        self.forward_chunks(inputs, target, lambda output, part: weighted.append(
             _full(loss(output, part)).detach().float() * part.shape[0]))
         return self._share(torch.stack(weighted).sum() / target.shape[0] if weighted else None)
 
     def predict_step(self, inputs: Any) -> torch.Tensor:
         """The model's output for the whole batch, on every rank of the pipeline."""
         outputs: list[torch.Tensor] = []
-        self._forward(inputs, None, lambda output, part: outputs.append(_full(output)))
+        self.forward_chunks(inputs, None, lambda output, part: outputs.append(_full(output)))
         result = torch.cat(outputs) if self.has_last else None
         holder = [(tuple(result.shape), str(result.dtype)) if result is not None else None]
         dist.broadcast_object_list(holder, src=self.last_stage_rank, group=self.group)

@@ -15,13 +15,14 @@ so a rank materialises only its stages' weights) and still runs the model's own 
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_nd.layout.pipeline_split import StageLayout
+from lightning_nd.parallel.pipeline.aux_losses import StageAuxLosses, attach
 from lightning_nd.layout.structure import get_submodule, parent_name
 
 class _Slot:
@@ -83,6 +84,11 @@ class StageModule(nn.Module):
             if name not in own:
                 del get_submodule(self.module, parent_name(name))._modules[name.rsplit(".", 1)[-1]]
         self.block_names = [name for name in layout.blocks if name in own]
+        self.on_output: Callable[[torch.Tensor, Any, torch.Tensor | None], None] | None = None
+        """Hears, on the last stage, of each microbatch's output: the tensor handed on, what the model returned and
+        the stage's MoE auxiliary losses (None without MoE layers)."""
+        self.aux = StageAuxLosses(self.module)
+        self._loss_inputs = _loss_only_inputs(model)
 
     def attach(self) -> None:
         """Hook the first and last local blocks; called once the stage is parallelized, so the input is
@@ -114,11 +120,28 @@ class StageModule(nn.Module):
         model's own inputs (``_arg0``, ``_arg1``... positional, other names keyword) on every stage."""
         args = [inputs.pop(f"_arg{i}") for i in range(sum(1 for k in inputs if k.startswith("_arg")))]
         self._slot.carried = None if self.is_first else carried[0]
+        if not self.is_last:  # the model's own loss is computed on the last stage only
+            inputs = {k: (None if k in self._loss_inputs else v) for k, v in inputs.items()}
+        self.aux.reset()
         try:
             output = self.module(*args, **inputs)
-            return main_output(output if self.is_last else self._slot.output)
+            main = main_output(output if self.is_last else self._slot.output)
+            aux = self.aux.collect()
+            if self.is_last and self.on_output is not None:
+                self.on_output(main, output, aux)
+            elif not self.is_last and aux is not None and self.aux.scale and torch.is_grad_enabled():
+                main = attach(main, aux, self.aux.scale)
+            return main
         finally:
             self._slot.carried = self._slot.output = None
+
+
+def _loss_only_inputs(model: nn.Module) -> tuple[str, ...]:
+    """Arguments a model uses for its loss alone: a Hugging Face model's ``labels`` ("labels for computing the
+    language modeling loss", its documented meaning). Earlier stages get None: their stand-in head would hand
+    the hidden states to the loss."""
+    is_hf = any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
+    return ("labels",) if is_hf and hasattr(model, "loss_function") else ()
 
 
 class PipelineStages(nn.Module):
