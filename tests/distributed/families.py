@@ -1,0 +1,99 @@
+"""Tiny random-init `transformers` models of many families, each a zero-change LightningModule (its own steps,
+the model called as its model card says), for the family parity launch (tests/distributed/test_families.py)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from tests.models import VOCAB
+
+COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+          "bos_token_id": 0, "eos_token_id": 0}
+NO_DROPOUT = {"attention_dropout": 0.0, "hidden_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+              "attn_pdrop": 0.0, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "summary_first_dropout": 0.0}
+# family -> (config class, model class, config fields beyond COMMON)
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {"n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 64}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"pad_token_id": 0}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": None, "rotary_pct": 0.5}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                             "moe_intermediate_size": 32, "head_dim": 16,
+                                                             "router_aux_loss_coef": 0.0}),
+}
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+
+
+class TorchTransformerLM(nn.Module):
+    """A causal LM on PyTorch's own `nn.TransformerEncoder` (fused `nn.MultiheadAttention`), learned positions."""
+
+    def __init__(self, vocab: int = VOCAB, hidden: int = 64, heads: int = 4, layers: int = 2, length: int = 64) -> None:
+        super().__init__()
+        self.embed, self.positions = nn.Embedding(vocab, hidden), nn.Embedding(length, hidden)
+        layer = nn.TransformerEncoderLayer(hidden, heads, 2 * hidden, dropout=0.0, batch_first=True, norm_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm, self.lm_head = nn.LayerNorm(hidden), nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> Output:
+        length = input_ids.shape[1]
+        hidden = self.embed(input_ids) + self.positions(torch.arange(length, device=input_ids.device))
+        mask = nn.Transformer.generate_square_subsequent_mask(length, device=input_ids.device)
+        return Output(self.lm_head(self.norm(self.encoder(hidden, mask=mask, is_causal=True))))
+
+
+TORCH_TRANSFORMER_PLAN = {"model.encoder.layers.*.linear1": "colwise", "model.encoder.layers.*.linear2": "rowwise"}
+"""Its tp plan: the feed-forward layers (the fused attention stays whole on every tp rank)."""
+
+
+def build_family(name: str, seed: int = 0) -> nn.Module:
+    if name == "torch_transformer":
+        torch.manual_seed(seed)
+        return TorchTransformerLM()
+    config_name, model_name, extra = FAMILIES[name]
+    transformers = importlib.import_module("transformers")
+    config_cls = getattr(transformers, config_name)
+    fields = {**COMMON, **extra}
+    known = config_cls().to_dict()
+    fields |= {key: value for key, value in NO_DROPOUT.items() if key in known}
+    fields = {key: value for key, value in fields.items() if value is not None or key in known}
+    config = config_cls(**{key: value for key, value in fields.items() if key in known or key in extra},
+                        attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config)
+
+
+class FamilyLM(LightningModule):
+    """What a user writes around a model they did not write: the logits against labels already aligned to them."""
+
+    def __init__(self, model: nn.Module, lr: float = 0.05) -> None:
+        super().__init__()
+        self.model, self.lr = model, lr
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.model(input_ids=batch["tokens"]).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

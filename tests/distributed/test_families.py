@@ -1,0 +1,66 @@
+"""Models we did not write train like one process: `transformers` families (random init, dropout 0), each in a
+plain LightningModule with its own steps, under dp_shard x tp, pp x dp_shard and cp x dp_shard (an MoE family
+also under ep x dp_shard x tp), and PyTorch's own `nn.TransformerEncoder` under FSDP, HSDP, tp, pp and cp, in
+one launch of 4 processes. Loss per step, gradients and parameters after 3 SGD-momentum steps match (see
+families_scenario.py for why not AdamW); a family/layout pair that is not trained must be refused while
+planning, for the named reason this file expects."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.families import FAMILIES, TORCH_TRANSFORMER_PLAN
+from tests.launcher import launch
+
+LAYOUTS = {
+    "fsdp2_tp2": {"dp_shard": 2, "tp": 2},
+    "pp2_fsdp2": {"pp": 2, "dp_shard": 2},
+    "cp2_fsdp2": {"cp": 2, "dp_shard": 2},
+    "ep2_fsdp2_tp2": {"dp_shard": 2, "tp": 2, "ep": 2},
+    "hsdp": {"dp_replicate": 2, "dp_shard": 2},
+    "ddp2_tp2": {"dp_replicate": 2, "dp_shard": 1, "tp": 2},
+}
+BATCH = dict.fromkeys(LAYOUTS, 2) | {"pp2_fsdp2": 4}  # per rank; pp: 2 x pp microbatches of one sample
+CHUNK = dict.fromkeys(LAYOUTS, 2) | {"pp2_fsdp2": 1}  # samples per forward on a rank
+OPTIONS = {"torch_transformer": {"tp_plan": TORCH_TRANSFORMER_PLAN}}  # `nn.MultiheadAttention` is not split
+REFUSED = {("torch_transformer", "cp2_fsdp2"): "takes no `position_ids`",
+           ("torch_transformer", "pp2_fsdp2"): "indexes its first layer",
+           ("gpt2", "fsdp2_tp2"): "FSDP cannot shard again"}
+"""(family, layout) -> a phrase its refusal must contain: learned positions from the local length under cp;
+`nn.TransformerEncoder`'s forward reads ``self.layers[0]``, which a later stage does not hold; GPT-2's fused
+``c_attn`` bias, split part by part over tp, is not sharded again by FSDP (it trains under ``ddp2_tp2``)."""
+CASES = [(family, layout) for family in FAMILIES for layout in ("fsdp2_tp2", "pp2_fsdp2", "cp2_fsdp2")]
+CASES += [("qwen3_moe", "ep2_fsdp2_tp2"), ("gpt2", "ddp2_tp2"), ("torch_transformer", "fsdp2_tp2"), ("torch_transformer", "hsdp"),
+          ("torch_transformer", "pp2_fsdp2"), ("torch_transformer", "cp2_fsdp2")]
+
+
+@pytest.fixture(scope="module")
+def per_rank(tmp_path_factory):
+    return launch("tests.distributed.families_scenario:run", 4, tmp_path_factory.mktemp("families"), timeout=1200,
+                  cases=CASES, layouts=LAYOUTS, batch=BATCH, chunk=CHUNK, options=OPTIONS)
+
+
+@pytest.mark.parametrize("family, layout", CASES)
+def test_family_trains_like_one_process_or_is_refused_by_name(per_rank, family, layout):
+    first = per_rank[0][(family, layout)]
+    if (family, layout) in REFUSED:
+        assert REFUSED[(family, layout)] in first["parallel"].get("refused", ""), first["parallel"]
+        return
+    assert "refused" not in first["parallel"], first["parallel"]["refused"]
+    reference = first["reference"]
+    torch.testing.assert_close(torch.tensor(first["parallel"]["losses"]), torch.tensor(reference["losses"]),
+                               rtol=1e-6, atol=2e-6)
+    params, grads = {}, {}
+    for result in per_rank:
+        for name, value in result[(family, layout)]["parallel"]["params"].items():
+            canonical = reference["aliases"][name]  # a tied weight's copy on the last stage has the head's name
+            if canonical in params:
+                torch.testing.assert_close(value, params[canonical], rtol=0, atol=0, msg=lambda m: f"copies of {name}: {m}")
+            params[canonical] = value
+            grads[canonical] = result[(family, layout)]["parallel"]["grads"][name]
+    assert params.keys() == reference["params"].keys()
+    for name, expected in reference["grads"].items():
+        torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=2e-6, msg=lambda m: f"grad {name}: {m}")
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(params[name], expected, rtol=1e-4, atol=5e-5, msg=lambda m: f"param {name}: {m}")
