@@ -19,29 +19,10 @@ from examples.lit import CausalLM
 from lightning_nd import NDParallel, ParallelConfig, ParallelDims
 from lightning_nd.plan.__main__ import plan_for
 from tests.models import build
-
-
-class Mixer(nn.Module):
-    """A block whose linear layers have names no auto-detection knows."""
-
-    def __init__(self, hidden: int, inner: int) -> None:
-        super().__init__()
-        self.alpha = nn.Linear(hidden, inner)
-        self.beta = nn.Linear(inner, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.beta(torch.relu(self.alpha(x)))
-
-
-class MixerNet(nn.Module):
-    def __init__(self, hidden: int = 16, inner: int = 32) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Mixer(hidden, inner) for _ in range(2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x
+from tests.unit.bad_models import (
+    MIXER_PLAN, LearnedPositions, MixerNet, batch_norm_net, falcon_alibi, hf_llama, hf_mixtral_router_logits, moe,
+    shared_blocks, torch_transformer, two_models,
+)
 
 
 def _trainer(devices: int, strategy: NDParallel) -> Trainer:
@@ -53,86 +34,6 @@ def _connect(devices: int, strategy: NDParallel, model: nn.Module) -> None:
     _trainer(devices, strategy).strategy.connect(CausalLM(model=model))
 
 
-def _moe(experts: int, bias: bool = False) -> nn.Module:
-    from examples.models.llama import Llama, LlamaConfig
-
-    model = Llama(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=2, num_experts=experts))
-    for layer in model.layers if bias else ():  # experts as some models have them: with biases
-        layer.mlp.experts.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 32))
-    return model
-
-
-class LearnedPositions(nn.Module):
-    """Positions from its own input's length (a learned table sliced ``[:seq]``), no `position_ids` argument."""
-
-    def __init__(self, vocab: int = 64, hidden: int = 16) -> None:
-        super().__init__()
-        self.tok, self.pos_emb = nn.Embedding(vocab, hidden), nn.Embedding(32, hidden)
-        self.blocks = nn.ModuleList(Mixer(hidden, 2 * hidden) for _ in range(2))
-        self.head = nn.Linear(hidden, vocab)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos_emb.weight[: tokens.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-class NormedMixer(Mixer):
-    def __init__(self, hidden: int, inner: int, norm: type[nn.Module] = nn.BatchNorm1d) -> None:
-        super().__init__(hidden, inner)
-        self.norm = norm(hidden)
-
-
-def _batch_norm_net(norm: type[nn.Module] = nn.BatchNorm1d) -> nn.Module:
-    net = MixerNet()
-    net.blocks = nn.ModuleList(NormedMixer(16, 32, norm) for _ in range(2))
-    return net
-
-
-def _torch_transformer() -> nn.Module:
-    from lightning.pytorch.demos import Transformer
-
-    return Transformer(vocab_size=64, ninp=16, nhead=2, nhid=16, nlayers=2, dropout=0.0)
-
-
-def _falcon_alibi() -> nn.Module:
-    from transformers import FalconConfig, FalconForCausalLM
-
-    return FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                          alibi=True, attn_implementation="sdpa"))
-
-
-def _hf_mixtral_router_logits() -> nn.Module:
-    model = build("hf_mixtral")
-    model.config.output_router_logits = True
-    return CausalLM(model=model)
-
-
-def _hf_llama(**config: object) -> nn.Module:
-    model = build("hf_llama")
-    for key, value in config.items():
-        setattr(model.config, "_attn_implementation" if key == "attn_implementation" else key, value)
-    return model
-
-
-def _shared_blocks() -> nn.Module:
-    """A GPT whose two blocks share a weight (its tied embeddings are fine under pp; this tie is not)."""
-    model = build("gpt")
-    model.blocks[1].fc1.weight = model.blocks[0].fc1.weight
-    return model
-
-
-def _two_models() -> CausalLM:
-    module = CausalLM(model=build("llama"))
-    module.extra = nn.Linear(2, 2)
-    return module
-
-
-MIXER_PLAN = {"model.blocks.*.alpha": "colwise", "model.blocks.*.beta": "rowwise"}
-
-# (id, what the user does, exception type, substrings the message must contain)
 CASES = [
     ("world_size_mismatch", lambda: _trainer(4, NDParallel(dp_shard=2, tp=3)),
      ValueError, ["= 6", "world_size=4"]),
@@ -149,40 +50,40 @@ CASES = [
     ("loss_parallel_without_tp", lambda: NDParallel(loss_parallel=True),
      ValueError, ["loss_parallel=True", "tp=1"]),
     ("cp_with_compile", lambda: NDParallel(cp=2, compile=True), ValueError, ["compile", "cp=2"]),
-    ("cp_with_eager_attention", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), _hf_llama(attn_implementation="eager")),
+    ("cp_with_eager_attention", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), hf_llama(attn_implementation="eager")),
      ValueError, ["cp=2", "'eager'", "sdpa"]),
-    ("cp_with_sliding_window", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), _hf_llama(sliding_window=8)),
+    ("cp_with_sliding_window", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), hf_llama(sliding_window=8)),
      ValueError, ["cp=2", "window of 8"]),
     ("cp_positions_from_the_local_length", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), LearnedPositions()),
      ValueError, ["cp=2", "`LearnedPositions.forward` takes no `position_ids`", "`pos_emb`", "cp_positions='model'"]),
-    ("cp_torch_transformer", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), _torch_transformer()),
+    ("cp_torch_transformer", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), torch_transformer()),
      ValueError, ["cp=2", "`pos_encoder` (PositionalEncoding)", "`transformer` (Transformer", "position_ids"]),
-    ("cp_alibi_biases", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), _falcon_alibi()),
+    ("cp_alibi_biases", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), falcon_alibi()),
      ValueError, ["cp=2", "`FalconForCausalLM`", "config.alibi=True"]),
     ("cp_positions_unknown", lambda: ParallelConfig(cp_positions="global"), ValueError, ["'global'", "'model'"]),
-    ("batch_norm_under_dp_shard", lambda: _connect(2, NDParallel(dp_shard=2), _batch_norm_net()),
+    ("batch_norm_under_dp_shard", lambda: _connect(2, NDParallel(dp_shard=2), batch_norm_net()),
      ValueError, ["dp_shard=2", "`model.blocks.0.norm` (BatchNorm1d)", "SyncBatchNorm"]),
-    ("batch_norm_under_hsdp", lambda: _connect(4, NDParallel(dp_replicate=2, dp_shard=2), _batch_norm_net()),
+    ("batch_norm_under_hsdp", lambda: _connect(4, NDParallel(dp_replicate=2, dp_shard=2), batch_norm_net()),
      ValueError, ["dp_replicate=2, dp_shard=2", "BatchNorm1d"]),
-    ("batch_norm_under_cp", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), _batch_norm_net()),
+    ("batch_norm_under_cp", lambda: _connect(2, NDParallel(cp=2, dp_shard=1), batch_norm_net()),
      ValueError, ["`NDParallel(cp=2)`", "BatchNorm1d", "LayerNorm"]),
-    ("batch_norm_under_pp", lambda: _connect(2, NDParallel(pp=2, dp_shard=1), _batch_norm_net()),
+    ("batch_norm_under_pp", lambda: _connect(2, NDParallel(pp=2, dp_shard=1), batch_norm_net()),
      ValueError, ["`NDParallel(pp=2)`", "BatchNorm1d"]),
     ("batch_norm_under_sequence_parallel", lambda: _connect(2, NDParallel(tp=2, sequence_parallel=True,
-                                                                       tp_plan=MIXER_PLAN), _batch_norm_net()),
+                                                                       tp_plan=MIXER_PLAN), batch_norm_net()),
      ValueError, ["sequence_parallel=True", "BatchNorm1d"]),
-    ("sync_batch_norm_under_pp", lambda: _connect(2, NDParallel(pp=2, dp_shard=1), _batch_norm_net(nn.SyncBatchNorm)),
+    ("sync_batch_norm_under_pp", lambda: _connect(2, NDParallel(pp=2, dp_shard=1), batch_norm_net(nn.SyncBatchNorm)),
      ValueError, ["pp=2", "SyncBatchNorm", "only its stage's ranks"]),
-    ("pp_torch_transformer", lambda: _connect(2, NDParallel(pp=2, dp_shard=1), _torch_transformer()),
+    ("pp_torch_transformer", lambda: _connect(2, NDParallel(pp=2, dp_shard=1), torch_transformer()),
      ValueError, ["pp=2", "`model.transformer` is a `Transformer`", "indexes its first layer", "nn.ModuleList"]),
-    ("hf_router_logits_under_pp", lambda: _connect(2, NDParallel(pp=2, dp_shard=1), _hf_mixtral_router_logits()),
+    ("hf_router_logits_under_pp", lambda: _connect(2, NDParallel(pp=2, dp_shard=1), hf_mixtral_router_logits()),
      ValueError, ["pp=2", "router_aux_loss_coef=0.001", "output_router_logits=False", "lightning_nd.nn.MoE"]),
     ("ep_with_compile", lambda: NDParallel(ep=2, compile=True), ValueError, ["compile", "ep=2"]),
     ("ep_with_sequence_parallel", lambda: NDParallel(ep=2, tp=2, sequence_parallel=True), ValueError,
      ["ep=2", "sequence_parallel=False"]),
-    ("ep_not_dividing_experts", lambda: _connect(4, NDParallel(ep=4, dp_shard=4), _moe(6)), ValueError,
+    ("ep_not_dividing_experts", lambda: _connect(4, NDParallel(ep=4, dp_shard=4), moe(6)), ValueError,
      ["ep=4", "6", "[1, 2, 3, 6]"]),
-    ("ep_experts_with_biases", lambda: _connect(2, NDParallel(ep=2, dp_shard=2), _moe(8, bias=True)), ValueError,
+    ("ep_experts_with_biases", lambda: _connect(2, NDParallel(ep=2, dp_shard=2), moe(8, bias=True)), ValueError,
      ["gate_up_proj_bias", "ep=1"]),
     ("ep_with_cpu_offload", lambda: NDParallel(ep=2, cpu_offload=True), ValueError, ["cpu_offload", "ep=2"]),
     ("ep_without_experts", lambda: _connect(2, NDParallel(ep=2, dp_shard=2), build("llama")), ValueError,
@@ -245,7 +146,7 @@ CASES = [
     ("pp_with_compile", lambda: NDParallel(pp=2, compile=True), ValueError, ["compile", "pp=2"]),
     ("pp_split_and_layers_per_stage", lambda: NDParallel(pp=2, pp_split=["layers.1"], pp_layers_per_stage=[1, 1]),
      ValueError, ["pp_layers_per_stage", "pp_split"]),
-    ("pp_weight_shared_by_blocks_of_two_stages", lambda: _connect(2, NDParallel(pp=2, dp_shard=1), _shared_blocks()),
+    ("pp_weight_shared_by_blocks_of_two_stages", lambda: _connect(2, NDParallel(pp=2, dp_shard=1), shared_blocks()),
      ValueError, ["`blocks.1.fc1.weight`", "`blocks.0.fc1.weight`", "stages 1 and 0", "tied input and output",
                   "pp_split="]),
     ("pp_more_stages_than_blocks",
@@ -255,7 +156,7 @@ CASES = [
                                                        build("llama")), ValueError, ["[1, 2]", "[1, 1]"]),
     ("pp_split_unknown_block", lambda: _connect(2, NDParallel(pp=2, dp_shard=1, pp_split=["layers.9"]), build("llama")),
      ValueError, ["'layers.9'", "'layers.1'"]),
-    ("pp_model_in_two_attributes", lambda: _trainer(2, NDParallel(pp=2, dp_shard=1)).strategy.connect(_two_models()),
+    ("pp_model_in_two_attributes", lambda: _trainer(2, NDParallel(pp=2, dp_shard=1)).strategy.connect(two_models()),
      ValueError, ["`model`", "`extra`", "one attribute"]),
 ]
 
@@ -306,10 +207,10 @@ def test_the_same_setups_with_good_values_connect():
     _connect(2, NDParallel(pp=2, dp_shard=1), build("llama"))
     _connect(2, NDParallel(pp=-1, dp_shard=1, pp_layers_per_stage=[1, 1]), build("llama"))
     _connect(2, NDParallel(pp=2, dp_shard=1, pp_split=["layers.1"]), build("llama"))
-    _connect(4, NDParallel(ep=4, dp_shard=4), _moe(8))
+    _connect(4, NDParallel(ep=4, dp_shard=4), moe(8))
     _connect(2, NDParallel(ep=2, dp_shard=2), build("hf_mixtral"))
-    _connect(2, NDParallel(tp=2, tp_plan=MIXER_PLAN), _batch_norm_net())  # tp alone gives BatchNorm the whole batch
-    _connect(2, NDParallel(dp_shard=2), _batch_norm_net(nn.SyncBatchNorm))
+    _connect(2, NDParallel(tp=2, tp_plan=MIXER_PLAN), batch_norm_net())  # tp alone gives BatchNorm the whole batch
+    _connect(2, NDParallel(dp_shard=2), batch_norm_net(nn.SyncBatchNorm))
     _connect(2, NDParallel(dp_shard=2), LearnedPositions())
     _connect(2, NDParallel(cp=2, dp_shard=1), build("gpt"))  # learned positions, taken from `position_ids`
     assert not torch.distributed.is_initialized()

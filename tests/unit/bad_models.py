@@ -1,0 +1,113 @@
+"""Models that are wrong for some layout, for the bad-configuration cases of tests/unit/test_errors.py."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from examples.lit import CausalLM
+from tests.models import build
+
+class Mixer(nn.Module):
+    """A block whose linear layers have names no auto-detection knows."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        super().__init__()
+        self.alpha = nn.Linear(hidden, inner)
+        self.beta = nn.Linear(inner, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.beta(torch.relu(self.alpha(x)))
+
+
+class MixerNet(nn.Module):
+    def __init__(self, hidden: int = 16, inner: int = 32) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Mixer(hidden, inner) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def moe(experts: int, bias: bool = False) -> nn.Module:
+    from examples.models.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=2, num_experts=experts))
+    for layer in model.layers if bias else ():  # experts as some models have them: with biases
+        layer.mlp.experts.gate_up_proj_bias = nn.Parameter(torch.zeros(experts, 32))
+    return model
+
+
+class LearnedPositions(nn.Module):
+    """Positions from its own input's length (a learned table sliced ``[:seq]``), no `position_ids` argument."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 16) -> None:
+        super().__init__()
+        self.tok, self.pos_emb = nn.Embedding(vocab, hidden), nn.Embedding(32, hidden)
+        self.blocks = nn.ModuleList(Mixer(hidden, 2 * hidden) for _ in range(2))
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos_emb.weight[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class NormedMixer(Mixer):
+    def __init__(self, hidden: int, inner: int, norm: type[nn.Module] = nn.BatchNorm1d) -> None:
+        super().__init__(hidden, inner)
+        self.norm = norm(hidden)
+
+
+def batch_norm_net(norm: type[nn.Module] = nn.BatchNorm1d) -> nn.Module:
+    net = MixerNet()
+    net.blocks = nn.ModuleList(NormedMixer(16, 32, norm) for _ in range(2))
+    return net
+
+
+def torch_transformer() -> nn.Module:
+    from lightning.pytorch.demos import Transformer
+
+    return Transformer(vocab_size=64, ninp=16, nhead=2, nhid=16, nlayers=2, dropout=0.0)
+
+
+def falcon_alibi() -> nn.Module:
+    from transformers import FalconConfig, FalconForCausalLM
+
+    return FalconForCausalLM(FalconConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                          alibi=True, attn_implementation="sdpa"))
+
+
+def hf_mixtral_router_logits() -> nn.Module:
+    model = build("hf_mixtral")
+    model.config.output_router_logits = True
+    return CausalLM(model=model)
+
+
+def hf_llama(**config: object) -> nn.Module:
+    model = build("hf_llama")
+    for key, value in config.items():
+        setattr(model.config, "_attn_implementation" if key == "attn_implementation" else key, value)
+    return model
+
+
+def shared_blocks() -> nn.Module:
+    """A GPT whose two blocks share a weight (its tied embeddings are fine under pp; this tie is not)."""
+    model = build("gpt")
+    model.blocks[1].fc1.weight = model.blocks[0].fc1.weight
+    return model
+
+
+def two_models() -> CausalLM:
+    module = CausalLM(model=build("llama"))
+    module.extra = nn.Linear(2, 2)
+    return module
+
+
+MIXER_PLAN = {"model.blocks.*.alpha": "colwise", "model.blocks.*.beta": "rowwise"}
+
+# (id, what the user does, exception type, substrings the message must contain)
