@@ -1,6 +1,7 @@
 """Checks of a resolved tensor-parallel plan, made while planning: sizes divide by tp, every split layer has
-its partner, nothing is planned that the styles cannot split (``nn.MultiheadAttention``); and how each style
-splits a parameter, which the Layout's per-rank holdings follow.
+its partner, a layer with one output per head is split with the heads, nothing is planned that the styles
+cannot split (``nn.MultiheadAttention``), which vocabulary-split embeddings must stay whole; and how each
+style splits a parameter, which the Layout's per-rank holdings follow.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from lightning_nd.layout.dims import divisors
-from lightning_nd.layout.structure import ModelFacts, get_submodule, is_conv1d, parent_name
+from lightning_nd.layout.structure import ModelFacts, get_submodule, is_conv1d, is_linear, parent_name
 
 SHARDED_OUTPUT = ("colwise", "packed_colwise", "packed_qkv")
 """Colwise styles whose output stays split (heads or features per rank): a rowwise layer must take it back."""
@@ -100,6 +101,42 @@ def check_partners(entries: Mapping[str, object], source: str) -> None:
                     f" {other} partner (e.g. {_partner_example(side)}) to `NDParallel(tp_plan=...)`, or leave"
                     f" `{sides[side][0]}` out; 'colwise_rep' and 'rowwise_split_input' stand alone."
                 )
+
+
+def check_per_head_outputs(model: nn.Module, entries: Mapping[str, object], facts: ModelFacts, source: str) -> None:
+    """A linear layer with one output per head (``out_features`` equal to a head count), next to layers that split
+    the heads, must be split with them: rowwise or unplanned it gives every tp rank the values of all heads while
+    the rank holds heads / tp of them (Doge's ``dt_proj``, one dynamic-mask weight per key/value head, added to
+    the local heads' scores)."""
+    from lightning_nd.parallel.tensor import head_counts, is_colwise
+
+    config_counts = {fact: getattr(facts, fact) for fact in ("num_attention_heads", "num_key_value_heads")
+                     if getattr(facts, fact) is not None}
+    for parent in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
+        module = get_submodule(model, parent)
+        counts = {**config_counts, **head_counts(module)}
+        for child, layer in module.named_children():
+            name = f"{parent}.{child}" if parent else child
+            if not is_linear(layer) or is_colwise(entries.get(name)):
+                continue
+            width = layer.weight.shape[1 if is_conv1d(layer) else 0]
+            fact = next((fact for fact, count in counts.items() if count == width), None)
+            if fact is not None:
+                raise ValueError(
+                    f"TP plan ({source}): `{name}` has one output per head (`out_features={width}` = `{fact}`), but"
+                    f" `{parent}` splits its heads over tp and `{name}` is {entries.get(name) or 'not in the plan'}:"
+                    f" every tp rank would get the values of all {width} heads, which no longer match its local"
+                    f" heads. HINT: pass `NDParallel(tp_plan=...)` that leaves `{parent}` out (e.g. the MLP layers"
+                    " only: unplanned modules stay whole on every tp rank)."
+                )
+
+
+def vocabulary_split_with_own_forward(model: nn.Module, entries: Mapping[str, object]) -> list[str]:
+    """Vocabulary-split embeddings (``embedding_rowwise``) whose class runs more than the lookup in its own
+    ``forward`` (Muse Glimmer's ``MuseGlimmerTextNormedEmbedding`` normalizes the looked-up rows): the lookup is a
+    partial sum over tp ranks until the module returns, so that code would run on partial sums."""
+    return sorted(name for name, style in entries.items()
+                  if style == "embedding_rowwise" and type(get_submodule(model, name)).forward is not nn.Embedding.forward)
 
 
 def _is_plain_rowwise(style: object) -> bool:

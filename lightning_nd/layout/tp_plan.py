@@ -17,7 +17,9 @@ from torch import nn
 
 from lightning_nd.layout.hf_styles import hf_meaning
 from lightning_nd.layout.structure import ModelFacts, find_blocks, is_linear, is_norm, linear_names, parent_name
-from lightning_nd.layout.tp_checks import check_no_fused_attention, check_partners, check_plan
+from lightning_nd.layout.tp_checks import (
+    check_no_fused_attention, check_partners, check_per_head_outputs, check_plan, vocabulary_split_with_own_forward,
+)
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +153,9 @@ def resolve_tp_plan(
         entries = _paired(entries)
     if not any(not isinstance(style, str) or style in SHARDING_STYLES for style in entries.values()):
         raise ValueError(_no_plan_message(model, tp, declared=kind == "declared"))
-    entries = _drop_tied(model, entries)
+    entries = _drop_extended_embeddings(model, _drop_tied(model, entries))
     check_partners(entries, source)
+    check_per_head_outputs(model, entries, facts, source)
     sources = dict.fromkeys(entries, kind)
     if sequence_parallel:
         norms = [name for name in _residual_norms(model) if name not in entries]
@@ -190,6 +193,15 @@ def _drop_tied(model: nn.Module, entries: dict[str, object]) -> dict[str, object
     if tied:
         log.info("Tied weights stay replicated under TP: %s", ", ".join(tied))
     return {name: style for name, style in entries.items() if name not in shared}
+
+
+def _drop_extended_embeddings(model: nn.Module, entries: dict[str, object]) -> dict[str, object]:
+    """An embedding whose own forward works on the looked-up rows stays replicated under TP (see
+    `vocabulary_split_with_own_forward`); the rest of the plan applies."""
+    extended = vocabulary_split_with_own_forward(model, entries)
+    if extended:
+        log.info("Embeddings whose forward works on the looked-up rows stay replicated under TP: %s", ", ".join(extended))
+    return {name: style for name, style in entries.items() if name not in extended}
 
 
 def _residual_norms(model: nn.Module) -> list[str]:

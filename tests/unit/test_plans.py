@@ -209,3 +209,32 @@ def test_multihead_attention_is_refused_while_planning_with_a_feed_forward_plan(
         _resolve(model)
     plan = _resolve(model, {"layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"})
     assert set(plan.entries) == {f"layers.{i}.linear{j}" for i in range(2) for j in (1, 2)}
+
+
+def test_a_per_head_layer_not_split_with_the_heads_is_refused_while_planning():
+    """Doge's shape: one value per key/value head (`dt_proj`), rowwise, beside the split q/k/v; without
+    the attention in the plan the same model plans."""
+    model = build("llama")
+    for layer in model.layers:
+        layer.self_attn.dt_proj = nn.Linear(64, 4)  # num_key_value_heads outputs
+    explicit = {f"layers.*.{name}": style for name, style in LLAMA_LAYER_PLAN.items()}
+    with pytest.raises(ValueError, match=r"`layers.0.self_attn.dt_proj` has one output per head \(`out_features=4` ="
+                                         r" `num_key_value_heads`\).* is rowwise.*HINT: .*leaves `layers.0.self_attn`"):
+        _resolve(model, {**explicit, "layers.*.self_attn.dt_proj": "rowwise"})
+    mlp = {pattern: style for pattern, style in explicit.items() if ".mlp." in pattern}
+    assert set(_resolve(model, mlp).entries) == {f"layers.{i}.mlp.{name}" for i in range(2)
+                                                 for name in ("gate_proj", "up_proj", "down_proj")}
+
+
+class _NormedEmbedding(nn.Embedding):
+    """Muse Glimmer's shape: the embedding normalizes the rows it looked up in its own forward."""
+
+    def forward(self, ids):
+        return nn.functional.rms_norm(super().forward(ids), (self.embedding_dim,))
+
+
+def test_an_embedding_whose_forward_works_on_the_rows_stays_whole():
+    model = build("llama")
+    model.embed_tokens = _NormedEmbedding(256, 64)
+    assert _resolve(model).entries == {name: style for name, style in _llama_expected().items()
+                                       if name != "embed_tokens"}
