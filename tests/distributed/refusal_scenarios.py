@@ -14,7 +14,7 @@ from examples.data import TokenDataModule
 from examples.lit import CausalLM
 from lightning_nd import NDParallel
 from tests.models import VOCAB
-from tests.unit.test_errors import LearnedPositions, _batch_norm_net
+from tests.unit.bad_models import LearnedPositions, batch_norm_net
 
 
 class PooledClassifier(nn.Module):
@@ -64,7 +64,7 @@ SCENARIOS = {
     "cp_learned_positions": lambda: _refused({"cp": 2, "dp_shard": 1}, CausalLM(model=LearnedPositions(VOCAB))),
     "cp_pooling": lambda: _refused({"cp": 2, "dp_shard": 1}, SequenceClassifier(model=PooledClassifier())),
     "batch_norm_dp_shard": lambda: _refused({"dp_shard": 2}, CausalLM(model=nn.Sequential(
-        nn.Embedding(VOCAB, 16), _batch_norm_net(), nn.Linear(16, VOCAB)))),
+        nn.Embedding(VOCAB, 16), batch_norm_net(), nn.Linear(16, VOCAB)))),
 }
 
 

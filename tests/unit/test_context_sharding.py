@@ -143,7 +143,7 @@ def test_the_multihead_attention_fast_path_is_off_inside_the_region():
 
 def test_the_plan_says_how_the_model_gets_its_positions_or_refuses():
     from lightning_nd import ParallelConfig, ParallelDims, plan_layout
-    from tests.unit.test_errors import LearnedPositions
+    from tests.unit.bad_models import LearnedPositions
 
     dims = ParallelDims(cp=2, dp_shard=1, world_size=2)
     cp = lambda layout: next(t for t in layout.techniques if t.technique == "context_parallel").describe()  # noqa: E731
