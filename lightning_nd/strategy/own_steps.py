@@ -29,6 +29,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_nd.nn.moe import aux_losses_added_by_pipeline
+from lightning_nd.parallel.pipeline.schedule import full_value
+from lightning_nd.parallel.pipeline.stage import pack_inputs
 
 REDUCTIONS = {"mean": "mean", "sum": "sum", "max": "max", "min": "min"}
 CAPTURE = object()
@@ -70,7 +72,7 @@ def _standing_in(module: nn.Module, attribute: str, output: Any) -> Iterator[_Mo
 
 def call_inputs(args: tuple, kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """A model call as the keyword inputs every stage receives (``_arg0``, ``_arg1``... for positional ones)."""
-    return {**{f"_arg{i}": value for i, value in enumerate(args)}, **kwargs}
+    return {**pack_inputs(args), **kwargs}
 
 
 def capture(module: nn.Module, attribute: str, step: Callable[..., Any], args: tuple) -> dict[str, Any] | None:
@@ -159,7 +161,7 @@ class Logged:
             raise ValueError(f"`self.log({name!r}, <{type(value).__name__}>)`: under pipeline parallelism only the last"
                              " stage runs the step's loss part, so a metric object would be updated there alone."
                              " HINT: log a tensor (`metric(...)`'s value), or update the metric in a callback.")
-        value = full(value)
+        value = full_value(value)
         number = float(value.detach().float().item()) if isinstance(value, Tensor) else float(value)
         self.values.setdefault(name, []).append((number, self.weight))
         self.options[name] = options
@@ -189,11 +191,6 @@ def plus(loss: Tensor, aux: Tensor | None) -> Tensor:
     if isinstance(loss, DTensor):
         aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim, run_check=False)
     return loss + aux
-
-
-def full(value: Any) -> Any:
-    """A DTensor (a loss under loss parallel) as its full value."""
-    return value.full_tensor() if isinstance(value, DTensor) else value
 
 
 def share(payload: Any, src: int, group: dist.ProcessGroup) -> Any:

@@ -28,7 +28,7 @@ from torch import Tensor
 from lightning_nd.layout.record import Layout
 from lightning_nd.layout.validate import check_router_logits_under_pp
 from lightning_nd.parallel.compose import ParallelizeReport
-from lightning_nd.parallel.pipeline.schedule import PipelineRunner
+from lightning_nd.parallel.pipeline.schedule import PipelineRunner, full_value
 from lightning_nd.parallel.pipeline.stage import pack_inputs
 from lightning_nd.parallel.pipeline.tied import TiedWeights
 from lightning_nd.runtime.clip import align_grads_to_params
@@ -222,7 +222,7 @@ class PipelineEngine:
                                         logged)
             loss = result.get("loss") if isinstance(result, Mapping) else result
             if isinstance(loss, Tensor):
-                returned.append(float(own_steps.full(loss).detach().float()) * rows[i])
+                returned.append(float(full_value(loss).detach().float()) * rows[i])
 
         with self._keeping_outputs():
             self.runner.forward_chunks(inputs, torch.arange(count, device=self.device), finish)

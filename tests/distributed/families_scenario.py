@@ -21,6 +21,7 @@ from lightning_nd import NDParallel
 from lightning_nd.parallel.pipeline.stage import PipelineStages
 from lightning_nd.plan.__main__ import plan_for
 from tests.distributed.families import FamilyLM, build_family
+from tests.distributed.parity import full_copy
 from tests.models import VOCAB
 
 SEQ_LEN, STEPS, LR = 16, 3, 0.05
@@ -33,9 +34,6 @@ class Losses(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train_loss"]))
 
-
-def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
 
 
 def _train(family: str, layout: dict[str, Any], world: int, batch: int) -> dict[str, Any]:
@@ -52,8 +50,8 @@ def _train(family: str, layout: dict[str, Any], world: int, batch: int) -> dict[
     trainer.fit(module, datamodule=TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=batch * dp * STEPS,
                                                    batch_size=batch))
     named = [(PipelineStages.original_name(name), p) for name, p in module.model.named_parameters()]
-    return {"losses": losses.losses, "dp": dp, "params": {n: _full(p) for n, p in named},
-            "grads": {n: _full(p.grad) for n, p in named}}
+    return {"losses": losses.losses, "dp": dp, "params": {n: full_copy(p) for n, p in named},
+            "grads": {n: full_copy(p.grad) for n, p in named}}
 
 
 def reference(family: str, dp: int, batch: int, chunk: int) -> dict[str, Any]:

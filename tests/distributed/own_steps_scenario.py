@@ -18,6 +18,7 @@ from examples.data import SyntheticTokens
 from lightning_nd import NDParallel
 from lightning_nd.nn.moe import moe_aux_loss
 from lightning_nd.parallel.pipeline.stage import PipelineStages
+from tests.distributed.parity import full_copy
 from tests.models import VOCAB, build
 
 SEQ_LEN, BATCH, STEPS, LR = 16, 4, 3, 1e-3
@@ -71,9 +72,6 @@ def _data(seed: int, count: int, order: list[int] | None = None) -> DataLoader:
     return DataLoader(SyntheticTokens(VOCAB, SEQ_LEN, count, seed=seed), batch_size=BATCH, sampler=order)
 
 
-def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
-
 
 def _parallel(model_name: str, mode: str, layout: dict[str, Any], world: int) -> dict[str, Any]:
     logged = Logged()
@@ -83,8 +81,8 @@ def _parallel(model_name: str, mode: str, layout: dict[str, Any], world: int) ->
     module = OwnStepLM(build(model_name), mode)
     trainer.fit(module, train_dataloaders=_data(0, BATCH * STEPS))
     named = [(PipelineStages.original_name(name), p) for name, p in module.model.named_parameters()]
-    result = {"logged": logged.steps, "params": {name: _full(p).clone() for name, p in named},
-              "grads": {name: _full(p.grad) for name, p in named}}
+    result = {"logged": logged.steps, "params": {name: full_copy(p) for name, p in named},
+              "grads": {name: full_copy(p.grad) for name, p in named}}
     trainer.limit_val_batches = 1.0  # validation zeroes the gradients: they are taken before it
     val = trainer.validate(module, dataloaders=_data(1, 2 * BATCH), verbose=False)[0]
     return {**result, "val": {k: float(v) for k, v in val.items()}}

@@ -85,7 +85,7 @@ def techniques(parallel: dict) -> dict[str, dict]:
     return {record["technique"]: record for record in parallel["applied"]}
 
 
-def _full(tensor: torch.Tensor | None) -> torch.Tensor | None:
+def full_copy(tensor: torch.Tensor | None) -> torch.Tensor | None:
     if tensor is None:
         return None
     return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
@@ -107,8 +107,8 @@ def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None,
     module = CausalLM(model=model, lr=LR)
     trainer.fit(module, datamodule=data)
     named = [(PipelineStages.original_name(name), p) for name, p in module.model.named_parameters()]
-    result = {"losses": recorder.losses, "params": {name: _full(p) for name, p in named},
-              "grads": {name: _full(p.grad) for name, p in named}, "global_batch": batch * dp * accumulate,
+    result = {"losses": recorder.losses, "params": {name: full_copy(p) for name, p in named},
+              "grads": {name: full_copy(p.grad) for name, p in named}, "global_batch": batch * dp * accumulate,
               "applied": [asdict(t) for t in trainer.strategy.report.applied] if trainer.strategy.report else [],
               "timings": trainer.strategy.pipeline_timings,
               "holdings": {"measured": shard_bytes.measured, "planned": shard_bytes.planned,

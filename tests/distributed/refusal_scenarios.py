@@ -3,6 +3,7 @@ step with a HINT. Run on every rank of a 2-rank launch (see test_refusals.py).""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -69,6 +70,7 @@ SCENARIOS = {
 
 
 def run_all() -> dict[str, Any]:
+    assert "RANK" in os.environ, "run by tests.launcher in its own processes, never inside pytest"
     results = {}
     for name, scenario in SCENARIOS.items():
         torch.manual_seed(0)  # every rank builds the same model, so "unchanged" compares like with like

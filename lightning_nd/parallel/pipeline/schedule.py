@@ -207,7 +207,7 @@ class PipelineRunner:
         idle = max(wall - self._compute, 0.0)
         self.timings = {"step_s": wall, "compute_s": self._compute, "idle_s": idle,
                         "idle_fraction": idle / wall if wall > 0 else 0.0}
-        total = torch.stack([_full(l).detach() for l in losses]).sum() * accumulate if losses else None
+        total = torch.stack([full_value(l).detach() for l in losses]).sum() * accumulate if losses else None
         return self._share(total)
 
     def forward_chunks(self, inputs: Any, target: Any, finish: Callable[[torch.Tensor, Any], None]) -> None:
@@ -224,13 +224,13 @@ class PipelineRunner:
         """The per-sample mean loss of the batch (microbatch losses weighted by size), on every rank."""
         weighted: list[torch.Tensor] = []
         self.forward_chunks(inputs, target, lambda output, part: weighted.append(
-            _full(loss(output, part)).detach().float() * part.shape[0]))
+            full_value(loss(output, part)).detach().float() * part.shape[0]))
         return self._share(torch.stack(weighted).sum() / target.shape[0] if weighted else None)
 
     def predict_step(self, inputs: Any) -> torch.Tensor:
         """The model's output for the whole batch, on every rank of the pipeline."""
         outputs: list[torch.Tensor] = []
-        self.forward_chunks(inputs, None, lambda output, part: outputs.append(_full(output)))
+        self.forward_chunks(inputs, None, lambda output, part: outputs.append(full_value(output)))
         result = torch.cat(outputs) if self.has_last else None
         holder = [(tuple(result.shape), str(result.dtype)) if result is not None else None]
         dist.broadcast_object_list(holder, src=self.last_stage_rank, group=self.group)
@@ -246,6 +246,6 @@ class PipelineRunner:
         return result
 
 
-def _full(value: torch.Tensor) -> torch.Tensor:
+def full_value(value: torch.Tensor) -> torch.Tensor:
     """A loss or logits under loss parallel are DTensors: their full value."""
     return value.full_tensor() if isinstance(value, DTensor) else value
