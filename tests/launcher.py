@@ -26,8 +26,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(target: str, world_size: int, out_dir: Path, **kwargs: Any) -> list[tuple[subprocess.Popen, Any]]:
-    """Start ``world_size`` ranks of ``target``; each rank's output goes to ``out_dir/rank<r>.log``."""
+def start(target: str, world_size: int, out_dir: Path, environment: dict[str, str | None] | None = None,
+          **kwargs: Any) -> list[tuple[subprocess.Popen, Any]]:
+    """Start ``world_size`` ranks of ``target``; each rank's output goes to ``out_dir/rank<r>.log``.
+    ``environment``: variables to set in every rank (None: to remove)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
     procs = []
@@ -38,6 +40,8 @@ def start(target: str, world_size: int, out_dir: Path, **kwargs: Any) -> list[tu
             "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(world_size),
             "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
         }
+        for name, value in (environment or {}).items():
+            env.pop(name, None) if value is None else env.__setitem__(name, value)
         log = open(out_dir / f"rank{rank}.log", "w")
         cmd = [sys.executable, "-m", "tests.worker", target, json.dumps(kwargs), str(out_dir)]
         procs.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log))

@@ -4,8 +4,13 @@ stop within seconds, saying which rank, instead of hanging until the process-gro
 Every rank bumps its own counter each ``interval``; rank r watches rank r+1 (so the store sees a few
 requests per rank per interval, whatever the world size). A counter that stops for ``dead_after``
 while its rank has not finished is a death: the watcher posts a verdict, and every rank that reads
-it prints it and exits 1. A rank that raises posts its own failure; the others exit if they have not
-failed by themselves ``dead_after`` later. No clocks are compared between machines.
+it prints it and exits 1. No clocks are compared between machines.
+
+With evidence, a verdict comes sooner than ``dead_after``: a rank whose collective broke or timed out reads
+every counter for ``confirm_after`` (a counter that does not move in that window belongs to a dead rank); a
+rank that raises posts its own failure and the others follow ``confirm_after`` later (each first gets that
+long to fail by itself); a store that stops answering for ``confirm_after`` means its host is gone. So a
+run stops within the process-group timeout plus a few seconds, whatever ``dead_after`` is.
 """
 
 from __future__ import annotations
@@ -21,13 +26,14 @@ def _store_gone(error: Exception) -> tuple[int, str]:
     return 0, f"died or is unreachable: the rendezvous store does not answer ({error})"
 
 
+CONFIRM_AFTER_S = 5.0
 _runs = itertools.count()  # every rank starts its watchdogs in the same order: the same key prefix
 
 
 class RankWatchdog:
     def __init__(self, store, rank: int, world_size: int, dead_after: float, interval: float = 1.0,
                  hint: Callable[[], str] = lambda: "", on_verdict: Callable[[int, str], None] | None = None,
-                 verdict_budget: float = 10.0) -> None:
+                 verdict_budget: float = 10.0, confirm_after: float = CONFIRM_AFTER_S) -> None:
         """``on_verdict(rank, reason)`` is delivered before this watchdog ends the process for a peer's death: on
         a helper thread it waits for, at most ``verdict_budget`` seconds (listeners, loggers' flush)."""
         import torch.distributed as dist
@@ -36,6 +42,7 @@ class RankWatchdog:
         # barrier, NCCL set-up) for longer than the heartbeat timeout.
         self.store = dist.PrefixStore(f"lightning_nd/watchdog/{next(_runs)}/", store.clone())
         self.rank, self.dead_after, self.interval, self.hint = rank, dead_after, interval, hint
+        self.world_size, self.confirm_after = world_size, min(confirm_after, dead_after)
         self.on_verdict, self.verdict_budget = on_verdict, verdict_budget
         self.peer = (rank + 1) % world_size
         self._stop = threading.Event()
@@ -68,14 +75,29 @@ class RankWatchdog:
         rank, _, reason = self.store.get("verdict").decode().partition("|")
         return (int(rank), reason) if reason else None
 
-    def wait_for_verdict(self, seconds: float) -> tuple[int, str] | None:
-        deadline = time.monotonic() + seconds
+    def heartbeats(self) -> dict[int, int]:
+        """Every rank's heartbeat count now."""
+        return {rank: self.store.add(f"beat/{rank}", 0) for rank in range(self.world_size)}
+
+    def confirm_death(self) -> tuple[int, str] | None:
+        """After a broken or timed-out collective: the verdict already posted, else a rank whose heartbeat does not
+        move for ``confirm_after`` (posted as its death), else None (nobody died: this rank's own failure)."""
         try:
+            first, deadline = self.heartbeats(), time.monotonic() + self.confirm_after
             while (found := self.verdict()) is None and time.monotonic() < deadline:
-                time.sleep(self.interval / 4)
+                time.sleep(self.interval / 2)
+            if found is not None:
+                return found
+            now = self.heartbeats()
+            silent = [rank for rank in now if now[rank] == first[rank] and rank != self.rank
+                      and not self.store.check([f"done/{rank}"])]
+            if silent:
+                self._post(silent[0], f"died: no heartbeat for {self.confirm_after:.0f} s after a collective broke"
+                                      " (killed, crashed or out of memory)")
+                return self.verdict()
         except Exception as error:
             return _store_gone(error)
-        return found
+        return None
 
     def announce(self, rank: int, reason: str) -> None:
         """Print the verdict once (the watchdog thread and the failing step may both get to it)."""
@@ -103,21 +125,22 @@ class RankWatchdog:
                 if count != last_count:
                     last_count, last_change = count, now
                 elif now - last_change > self.dead_after and not self.store.check([f"done/{self.peer}"]):
-                    self._post(self.peer, f"died: no heartbeat for {now - last_change:.0f} s (killed, crashed or out of memory)")
+                    self._post(self.peer, f"died: no heartbeat for {now - last_change:.0f} s"
+                                          " (killed, crashed or out of memory)")
                 found = self.verdict()
                 unreachable_since = None
             except Exception as error:  # the store's host (rank 0's process, unless torchrun holds it) is gone
                 unreachable_since = unreachable_since or now
-                if found is None and now - unreachable_since <= self.dead_after:
+                if found is None and now - unreachable_since <= self.confirm_after:
                     continue
                 found = found or _store_gone(error)
-                failure_seen = failure_seen or now - self.dead_after  # the store is gone: no one else will report
+                failure_seen = failure_seen or now - self.confirm_after  # the store is gone: no one else will report
             if found is None or self._stop.is_set():
                 continue
             rank, reason = found
             if reason.startswith("failed") and rank != self.rank:
                 failure_seen = failure_seen or now  # give this rank time to fail (and report) by itself
-                if now - failure_seen <= self.dead_after:
+                if now - failure_seen <= self.confirm_after:
                     continue
             if rank != self.rank:
                 self.announce(rank, reason)

@@ -33,21 +33,29 @@ class FailureMonitor:
         self._barrier, self._resume_hint, self._deliver = barrier, resume_hint, on_verdict
         self._watchdog: RankWatchdog | None = None
         self._stepped = self._failed = False
-        self._verdict_lock, self._delivered = threading.Lock(), False
+        self._verdict_lock, self._delivered, self._delivery_done = threading.Lock(), False, threading.Event()
 
     def _on_verdict(self, culprit: int, reason: str, thread: str) -> None:
-        """Deliver the run's verdict once (the main thread and the watchdog may both come to it)."""
+        """Deliver the run's verdict once (the main thread and the watchdog may both come to it). The second comer
+        waits for the first delivery to end (at most ``VERDICT_BUDGET_S``): a main thread that went on to exit
+        would end the process while the watchdog's listeners still write their captures."""
         with self._verdict_lock:
-            if self._delivered:
-                return
+            first = not self._delivered
             self._delivered = True
-        self._deliver(culprit, reason, thread)
+        if not first:
+            self._delivery_done.wait(VERDICT_BUDGET_S)
+            return
+        try:
+            self._deliver(culprit, reason, thread)
+        finally:
+            self._delivery_done.set()
 
     def start(self) -> None:
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _get_default_store
 
         self._stepped = self._failed = self._delivered = False
+        self._delivery_done.clear()
         set_timeout(self.init_timeout)  # a later fit in this process starts in the long phase again
         if self.heartbeat_timeout is None or dist.get_world_size() == 1:
             return
@@ -80,8 +88,8 @@ class FailureMonitor:
             return
         found = None
         if any(words in text.lower() for words in COMMUNICATION_ERRORS):
-            # Probably a peer's death seen first as a broken connection: let its watcher name it.
-            found = watchdog.wait_for_verdict(watchdog.dead_after + 3 * watchdog.interval)
+            # Perhaps a peer's death seen first as a broken connection or a timeout: the heartbeats tell.
+            found = watchdog.confirm_death()
         if found is not None and found[0] != watchdog.rank:
             watchdog.announce(*found)
             self._on_verdict(found[0], found[1], threading.current_thread().name)
