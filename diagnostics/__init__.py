@@ -1,7 +1,22 @@
-"""Diagnostics for N-D parallel runs: thin Lightning callbacks (``callbacks/``) that log what they find to
-TensorBoard as tables a person can act on; the analyses they call are pure functions (``analysis/``, filled
-by the monitors to come; the layout card renders `lightning_nd.layout.describe`)."""
+"""Diagnostics for N-D parallel runs: thin Lightning callbacks (``callbacks/``) over probes that record
+(``collect/``), pure analyses of recorded data (``analysis/``) and the cards they become (``report/``); the records
+themselves (``records.py``) are what the offline CLI (``python -m diagnostics``) reads back."""
 
-from diagnostics.callbacks.layout import LayoutCard
+from __future__ import annotations
 
-__all__ = ["LayoutCard"]
+from typing import Any
+
+__all__ = ["CollectiveMonitor", "LayoutCard"]
+
+
+def __getattr__(name: str) -> Any:
+    """The callbacks import Lightning: loaded when asked for, so the offline CLI starts at once."""
+    if name == "CollectiveMonitor":
+        from diagnostics.callbacks.collective_monitor import CollectiveMonitor
+
+        return CollectiveMonitor
+    if name == "LayoutCard":
+        from diagnostics.callbacks.layout import LayoutCard
+
+        return LayoutCard
+    raise AttributeError(f"module 'diagnostics' has no attribute {name!r}")

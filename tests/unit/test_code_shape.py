@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_nd"
+DIAGNOSTICS = PACKAGE.parent / "diagnostics"
 PURE = ("layout", "parallel", "runtime", "nn", "checkpoint")
 
 
@@ -29,6 +30,14 @@ def test_pure_layers_import_no_lightning_and_no_strategy(layer):
         assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
 
 
+def test_diagnostic_analyses_are_pure_functions_over_records():
+    """No Lightning, no torch (so no process group): they run offline on what a failed run left."""
+    for path in sorted((DIAGNOSTICS / "analysis").rglob("*.py")):
+        bad = {name for name in _imports(path) if name.split(".")[0] in ("lightning", "pytorch_lightning", "torch")}
+        assert not bad, f"{path.relative_to(DIAGNOSTICS)} imports {sorted(bad)}"
+
+
 def test_no_file_over_300_lines():
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > 300}
+    files = [*PACKAGE.rglob("*.py"), *DIAGNOSTICS.rglob("*.py")]
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in files if (n := len(p.read_text().splitlines())) > 300}
     assert not long, long

@@ -1,0 +1,192 @@
+"""The hang verdict in mesh terms, from whatever the ranks left: their flight-recorder entries, stacks, ledgers, and
+which ranks died (``dead``: from the heartbeats, or a capture that never came).
+
+Evidence ranks by strength: a rank that issued something else than its peers (mismatch), skipped a collective or a
+pipeline send, beats a rank found elsewhere than where its peers wait for it (stuck, with its line), which beats a
+dead rank (its peers' dumps say what it last joined). Ranks that wait for a culprit are consequences, not culprits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from diagnostics.analysis.collectives import Finding, GroupTrace, compare_groups, group_traces, pending
+from diagnostics.analysis.point_to_point import Unmatched, pending_receives, unmatched
+from diagnostics.records import CollectiveEntry, Culprit, Frame, HangReport, RankCapture
+
+LIBRARY_PATHS = ("/torch/", "/lightning/", "/lightning_fabric/", "/pytorch_lightning/", "/lightning_nd/",
+                 "/diagnostics/", "/threading.py", "/concurrent/", "<frozen", "/contextlib.py", "/functools.py",
+                 "/tests/worker.py", "/runpy.py")
+
+
+def user_frame(frames: Iterable[Frame]) -> Frame | None:
+    """The innermost frame outside torch, Lightning and this project (the user's line), else the innermost."""
+    frames = tuple(frames)
+    return next((f for f in frames if not any(part in f.file for part in LIBRARY_PATHS)), frames[0] if frames else None)
+
+
+def coordinates_text(rank: int, coordinates: dict[str, dict[str, int]]) -> str:
+    """``rank 3 (pp 0, dp_shard 1, tp 1)``: the dims of size one (every rank at 0) left out."""
+    coords = coordinates.get(str(rank)) or {}
+    used = {dim for values in coordinates.values() for dim, value in values.items() if value}
+    shown = ", ".join(f"{dim} {value}" for dim, value in coords.items() if dim in used)
+    return f"rank {rank} ({shown})" if shown else f"rank {rank}"
+
+
+def _waited(group: GroupTrace, captures: dict[int, RankCapture], excluding: int) -> float | None:
+    """How long the members at the group's front had been in their last collective when they were captured."""
+    waits, front = [], group.front
+    for rank, seqs in group.entries.items():
+        entry = seqs.get(front)
+        if rank != excluding and entry is not None and entry.started_ns:
+            waits.append(captures[rank].captured_at - entry.started_ns / 1e9)
+    return round(max(waits), 1) if waits else None
+
+
+def _op(entry: CollectiveEntry | None) -> str:
+    return entry.op if entry is not None else "?"
+
+
+def _at(entry: CollectiveEntry | None) -> str | None:
+    frame = user_frame(entry.frames) if entry is not None else None
+    return str(frame) if frame else None
+
+
+def _call(entry: CollectiveEntry | None) -> str:
+    if entry is None:
+        return "nothing"
+    sizes = ", ".join("x".join(map(str, size)) or "scalar" for size in entry.input_sizes)
+    return f"{entry.op}({sizes}; {','.join(entry.input_dtypes)}) at {_at(entry)}"
+
+
+def _busy(rank: int, captures: dict[int, RankCapture], traces: list[GroupTrace]) -> bool:
+    """The rank is itself blocked in a collective or a receive: it waits for someone else."""
+    capture = captures[rank]
+    if capture.raised:
+        return True
+    if any("/torch/distributed/" in frame.file for frame in capture.stacks.get(capture.main_thread, ())):
+        return True
+    if any(pending(group, rank) is not None for group in traces if rank in group.entries):
+        return True
+    if any(_waits_in(group, rank) for group in traces):
+        return True
+    return bool(pending_receives(capture))
+
+
+def _waits_in(group: GroupTrace, rank: int) -> bool:
+    """The rank is at the group's front while another member is behind: it waits there (a wait-for edge, seen in
+    the entries alone, even when a timeout has marked its last one retired or no stack was captured)."""
+    seqs = group.entries.get(rank) or {}
+    if not seqs or max(seqs) != group.front:
+        return False
+    return any(max(other, default=0) < group.front for member, other in group.entries.items() if member != rank)
+
+
+def _where(capture: RankCapture) -> str | None:
+    frame = user_frame(capture.stacks.get(capture.main_thread, ()))
+    return str(frame) if frame else None
+
+
+def _from_finding(finding: Finding, captures: dict[int, RankCapture]) -> Culprit:
+    group, rank = finding.group, finding.rank
+    waited = _waited(group, captures, rank)
+    if finding.kind == "mismatch":
+        issued, expected = finding.issued, finding.expected
+        detail = f"it issued {_call(issued)} where its peers issued {_call(expected)}"
+        return Culprit(rank, "mismatch", group.role, group.ranks, _op(issued), finding.seq, _at(issued), waited, detail)
+    if finding.kind == "skipped":
+        detail = (f"its later collectives paired with its peers' earlier ones ({finding.skipped} behind), so"
+                  " they carried the wrong data or failed")
+        return Culprit(rank, "skipped", group.role, group.ranks, _op(finding.expected), finding.seq,
+                       _at(finding.expected), waited, detail)
+    where = _where(captures[rank])
+    return Culprit(rank, "stuck", group.role, group.ranks, _op(finding.expected), finding.seq, where, waited,
+                   f"never joined it; its main thread is at {where}")
+
+
+def _from_unmatched(item: Unmatched, captures: dict[int, RankCapture], roles: dict[int, dict[str, tuple]]) -> Culprit:
+    group = roles.get(item.rank, {}).get(item.role, (item.rank, item.peer))
+    idle = item.rank in captures and not _busy(item.rank, captures, [])
+    where = _where(captures[item.rank]) if idle else None
+    verb = "never sent" if item.kind == "never_sent" else "never received"
+    direction = "to" if item.kind == "never_sent" else "from"
+    detail = f"{verb} {', '.join(item.tags)} of step {item.step} {direction} rank {item.peer}"
+    return Culprit(item.rank, item.kind, item.role, tuple(group), "send" if item.kind == "never_sent" else "recv",
+                   None, where, None, detail)
+
+
+def _dead(rank: int, captures: dict[int, RankCapture], traces: list[GroupTrace]) -> Culprit:
+    mine = [group for group in traces if rank in group.ranks and group.role != "world"] or \
+           [group for group in traces if rank in group.ranks]
+    waiting = [(group, entry) for group in mine for r in group.entries if (entry := pending(group, r)) is not None]
+    if waiting:
+        group, entry = min(waiting, key=lambda item: item[1].started_ns or 0)
+        # its peers got to #seq, so #seq-1 completed, and a collective completes only once every member joined
+        joined = next((seqs[entry.seq - 1] for seqs in group.entries.values() if entry.seq - 1 in seqs), None)
+        last = f"; it last joined {_call(joined)} #{joined.seq}" if joined else ""
+        detail = f"died; its peers waited for it in {_call(entry)} #{entry.seq}{last}"
+        return Culprit(rank, "dead", group.role, group.ranks, entry.op, entry.seq, _at(entry),
+                       _waited(group, captures, rank), detail)
+    group = mine[0] if mine else None
+    seqs = [e for member in (group.entries.values() if group else ()) for e in member.values()]
+    last = max(seqs, key=lambda e: e.seq) if seqs else None
+    detail = (f"died; the last collective its peers recorded with it: {_call(last)} #{last.seq}" if last
+              else "died")
+    return Culprit(rank, "dead", group.role if group else "world", group.ranks if group else (), _op(last),
+                   last.seq if last else None, _at(last), None, detail)
+
+
+def _role_groups(captures: dict[int, RankCapture]) -> dict[int, dict[str, tuple]]:
+    roles: dict[int, dict[str, tuple]] = {}
+    for capture in captures.values():
+        for group in capture.groups:
+            for rank in group.ranks:
+                roles.setdefault(rank, {}).setdefault(group.role, group.ranks)
+    return roles
+
+
+def _sentence(culprit: Culprit, coordinates: dict[str, dict[str, int]]) -> str:
+    who = coordinates_text(culprit.rank, coordinates)
+    on = f"on the {culprit.dim} group {list(culprit.group_ranks)}"
+    seq = f" #{culprit.seq}" if culprit.seq is not None else ""
+    waited = f"; its peers waited {culprit.waited_s:.0f} s" if culprit.waited_s is not None else ""
+    if culprit.kind == "stuck":
+        where = f"it is at {culprit.frame}" if culprit.frame else "its stack was not captured"
+        return f"{who} never joined {culprit.op}{seq} {on}; {where}{waited}"
+    if culprit.kind == "skipped":
+        return f"{who} skipped {culprit.op}{seq} {on} (called at {culprit.frame}); {culprit.detail}{waited}"
+    if culprit.kind == "mismatch":
+        return f"{who} disagrees with its peers at {culprit.op}{seq} {on}: {culprit.detail}{waited}"
+    if culprit.kind in ("never_sent", "never_received"):
+        where = f"; it is at {culprit.frame}" if culprit.frame else ""
+        return f"{who} {culprit.detail} ({culprit.dim} group {list(culprit.group_ranks)}){where}"
+    return f"{who} {culprit.detail} {on}{waited}"
+
+
+def hang_report(captures: dict[int, RankCapture], world_size: int, dead: Iterable[int] = (),
+                reason: str = "") -> HangReport:
+    """Who is at fault and where, in mesh terms, from every capture there is (pure: recorded data only)."""
+    traces = group_traces(captures)
+    coordinates = next((c.coordinates for c in captures.values() if c.coordinates), {})
+    stage_of = {int(rank): coords.get("pp", 0) for rank, coords in coordinates.items()}
+    findings = compare_groups(traces, stage_of)
+    p2p = unmatched(captures)
+    roles = _role_groups(captures)
+    dead = sorted(set(dead) | ({r for r in range(world_size) if r not in captures} if captures else set()))
+    strong = [_from_finding(f, captures) for f in findings if f.kind in ("mismatch", "skipped")]
+    strong += [_from_unmatched(u, captures, roles) for u in p2p if u.kind == "never_sent" and u.skipped]
+    stuck = [_from_finding(f, captures) for f in findings if f.kind == "behind" and not _busy(f.rank, captures, traces)]
+    stuck += [_from_unmatched(u, captures, roles) for u in p2p
+              if not u.skipped and u.rank in captures and not _busy(u.rank, captures, traces)]
+    dying = [_dead(rank, captures, traces) for rank in dead]
+    culprits = strong or stuck or dying
+    if not culprits:  # everyone waits for someone: name the ranks that are behind, and where they wait
+        culprits = [_from_finding(f, captures) for f in findings if f.kind == "behind"]
+    unique: dict[int, Culprit] = {}
+    for culprit in sorted(culprits, key=lambda c: -(c.waited_s or 0)):
+        unique.setdefault(culprit.rank, culprit)
+    culprits = sorted(unique.values(), key=lambda c: c.rank)
+    summary = [_sentence(c, coordinates) for c in culprits]
+    summary += [f"{_sentence(d, coordinates)} (a consequence)" for d in dying if d.rank not in unique]
+    return HangReport(tuple(culprits), tuple(dead), tuple(sorted(captures)),
+                      tuple(r for r in range(world_size) if r not in captures), tuple(summary), reason)

@@ -1,0 +1,291 @@
+"""Parse NCCL ``NCCL_DEBUG=INFO`` log files into frozen records: versions, communicators, transports, variables.
+
+The line shapes come from NCCL's own format strings (``src/debug.cc``: ``host:pid:tid [cudaDev] NCCL INFO ...``;
+``src/init.cc``, ``src/transport/{p2p,shm,net}.cc``, ``src/graph/rings.cc``, ``src/misc/param.cc``) across
+2.18 to 2.2x. Only a communicator's Init and Channel lines say which communicator they belong to by pointer,
+so the other lines are tied to one by the thread that logged them (NCCL runs one init per thread). Pure: stdlib only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Anything before the host (a launcher's "[1,5]<stdout>:" or a timestamp) is skipped by `search`.
+_PREFIX = re.compile(r"(?P<host>[^\s:]*):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\](?: \S+)*?"
+                     r" NCCL (?P<level>INFO|WARN) ?")
+_VERSION = re.compile(r"NCCL version (\d+\.\d+\.\d+)\S*?(?:\+cuda(\d+\.\d+))?\s*$")
+_DRIVER = re.compile(r"(?:cudaDriverVersion|CUDA Driver version) (\d+)")
+# "[Rank 0] ncclCommInitRank comm 0x.. rank 0 nranks 8 cudaDev 0 nvmlDev 0 busId 18000 commId 0x.. - Init START"
+_INIT = re.compile(r"comm (0x[0-9a-fA-F]+) rank (\d+) nranks (\d+)(?P<rest>.*?)\s*-\s*Init (START|COMPLETE)")
+_INIT_FIELD = re.compile(r"\b(cudaDev|color|childCount) (-?\d+)\b|\b(busId|commId|parent) ((?:0x)?[0-9a-fA-F]+)\b")
+_COMM_SHAPE = re.compile(r"comm (0x[0-9a-fA-F]+) rank (\d+) nRanks (\d+) nNodes (\d+) localRanks (\d+)")
+_CHANNELS = re.compile(r"(\d+) coll channels, (?:\d+ collnet channels, )?(?:(\d+) nvls channels, )?"
+                       r"(\d+) p2p channels, (\d+) p2p channels per peer")
+# "Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read", "Channel 01 : 2[c7000] -> 0[87000] [receive] via NET/IB/5/GDRDMA"
+_CONNECTION = re.compile(r"Channel (\d+)(?:/(\d+))? : (\d+)\[[^\]]*\] -> (\d+)\[[^\]]*\]"
+                         r"(?: \[(send|receive)\])? via (\S+)")
+_RING = re.compile(r"Channel (\d+)/(\d+) :((?:\s+\d+)+)\s*$")
+_TREES = re.compile(r"^Trees((?: \[\d+\] \S+)+)")
+_NVLS_SUPPORT = re.compile(r"NVLS multicast support is (not )?available")
+_NVLS_COMM = re.compile(r"NVLS comm (0x[0-9a-fA-F]+)")
+_NETWORK = re.compile(r"^Using network (.+?)\s*$")
+_ENV = re.compile(r"^(NCCL_[A-Z0-9_]+) set (?:by environment )?to (.*?)\s*$")
+_INTERFACES = re.compile(r"\[\d+\](\S+)")
+
+
+@dataclass(frozen=True)
+class Connection:
+    """One channel connection a rank logged, in communicator ranks (this rank is always one end)."""
+
+    channel: int
+    src: int
+    dst: int
+    transport: str
+    """As logged: ``P2P/CUMEM/read``, ``SHM/direct/direct``, ``NET/IB/0/GDRDMA``, ``NET/Socket/0``..."""
+
+    @property
+    def kind(self) -> str:
+        """The transport without device numbers: ``NET/IB/GDRDMA``, ``NET/Socket``, ``P2P/CUMEM/read``, ``SHM``."""
+        parts = self.transport.split("/")
+        if parts[0] == "NET":
+            gdr = ["GDRDMA"] if "/GDRDMA" in self.transport else []
+            return "/".join(["NET", parts[1] if len(parts) > 1 else "?", *gdr])
+        if parts[0] == "SHM":
+            return "SHM"
+        return "/".join(p for p in parts if not re.match(r"^\d+(\[\d+\])?$", p))
+
+    @property
+    def is_network(self) -> bool:
+        return self.transport.startswith("NET/")
+
+
+@dataclass(frozen=True)
+class NcclComm:
+    """One communicator as one rank saw it."""
+
+    pointer: str
+    rank: int | None = None
+    n_ranks: int | None = None
+    n_nodes: int | None = None
+    local_ranks: int | None = None
+    cuda_dev: int | None = None
+    bus_id: str | None = None
+    comm_id: str | None = None
+    """The same in every member's file: NCCL hashes the unique id all members were given."""
+    group_id: str | None = None
+    """``comm_id``, or for a split without one (2.23+) the parent's group id, the colour and the size."""
+    init_complete: bool = False
+    coll_channels: int | None = None
+    nvls_channels: int | None = None
+    p2p_channels: int | None = None
+    p2p_channels_per_peer: int | None = None
+    network: str | None = None
+    nvls_support: bool | None = None
+    nvls_comm: bool = False
+    connections: tuple[Connection, ...] = ()
+    rings: tuple[tuple[int, ...], ...] = ()
+    trees: tuple[str, ...] = ()
+    """Per channel, ``down0/down1/down2->rank->up`` (``Trees [0] 1/-1/-1->0->-1 ...``)."""
+
+    @property
+    def channels(self) -> int | None:
+        """``coll channels`` from the summary line, else what the ring or Channel lines show."""
+        if self.coll_channels is not None:
+            return self.coll_channels
+        seen = {c.channel for c in self.connections} | set(range(len(self.rings)))
+        return len(seen) or None
+
+    @property
+    def nvls(self) -> bool:
+        return bool(self.nvls_channels) or self.nvls_comm
+
+    def transports_by_peer(self) -> dict[int, tuple[str, ...]]:
+        """Peer communicator rank -> the transport kinds this rank uses with it."""
+        peers: dict[int, set[str]] = {}
+        for c in self.connections:
+            peer = c.dst if c.src == self.rank else c.src
+            peers.setdefault(peer, set()).add(c.kind)
+        return {peer: tuple(sorted(kinds)) for peer, kinds in sorted(peers.items())}
+
+
+@dataclass(frozen=True)
+class NcclRankLog:
+    """What one process's NCCL log says."""
+
+    global_rank: int | None = None
+    path: str | None = None
+    hosts: tuple[str, ...] = ()
+    pids: tuple[int, ...] = ()
+    nccl_version: str | None = None
+    """NCCL <= 2.21 logs it only in a process that is rank 0 of some communicator; None elsewhere."""
+    cuda_version: str | None = None
+    """The CUDA NCCL was built for (``+cuda12.4``)."""
+    cuda_driver_version: str | None = None
+    networks: tuple[str, ...] = ()
+    ib_devices: tuple[str, ...] = ()
+    ib_absent: bool = False
+    socket_interfaces: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    comms: dict[str, NcclComm] = field(default_factory=dict)
+    """By communicator pointer, in the order their init started."""
+    warnings: tuple[str, ...] = ()
+
+
+def _driver(code: str) -> str:
+    major, rest = divmod(int(code), 1000)
+    return f"{major}.{rest // 10}"
+
+
+class _Builder:
+    """Accumulates one file; comm-level facts wait per thread until a line names their communicator."""
+
+    def __init__(self) -> None:
+        self.log: dict = {"hosts": [], "pids": [], "networks": [], "ib_devices": [], "socket_interfaces": [],
+                          "env": {}, "warnings": [], "ib_absent": False}
+        self.comms: dict[str, dict] = {}
+        self.open: dict[str, str] = {}
+        self.last: dict[str, str] = {}
+        self.pending: dict[str, list[tuple[str, object]]] = {}
+
+    def comm(self, pointer: str, tid: str) -> dict:
+        comm = self.comms.setdefault(pointer, {"pointer": pointer, "connections": [], "rings": []})
+        self.open[tid] = self.last[tid] = pointer
+        for key, value in self.pending.pop(tid, []):
+            self.put(comm, key, value)
+        return comm
+
+    @staticmethod
+    def put(comm: dict, key: str, value: object) -> None:
+        if key in ("connections", "rings"):
+            comm[key].append(value)
+        else:
+            comm[key] = value
+
+    def fact(self, tid: str, key: str, value: object) -> None:
+        pointer = self.open.get(tid)
+        if pointer is None and key == "connections" and tid in self.last:
+            pointer = self.last[tid]  # lazily connected p2p channels log after their communicator's init
+        if pointer is None:
+            self.pending.setdefault(tid, []).append((key, value))
+        else:
+            self.put(self.comms[pointer], key, value)
+
+    def line(self, host: str, pid: int, tid: str, level: str, msg: str) -> None:
+        for key, value in (("hosts", host), ("pids", pid)):
+            if value not in self.log[key]:
+                self.log[key].append(value)
+        if level == "WARN":
+            self.log["warnings"].append(msg.strip())
+            return
+        if m := _INIT.search(msg):
+            fields = {a or b: x or y for a, x, b, y in _INIT_FIELD.findall(m["rest"])}
+            comm = self.comm(m[1], tid)
+            comm.update(rank=int(m[2]), n_ranks=int(m[3]))
+            for name, key in (("cudaDev", "cuda_dev"), ("busId", "bus_id"), ("commId", "comm_id"),
+                              ("parent", "parent"), ("color", "color"), ("childCount", "child_count")):
+                if name in fields:
+                    comm[key] = int(fields[name]) if key == "cuda_dev" else fields[name]
+            if m[5] == "COMPLETE":
+                comm["init_complete"] = True
+                self.open.pop(tid, None)
+        elif m := _COMM_SHAPE.search(msg):
+            comm = self.comm(m[1], tid)
+            comm.update(rank=int(m[2]), n_ranks=int(m[3]), n_nodes=int(m[4]), local_ranks=int(m[5]))
+        elif m := _CONNECTION.search(msg):
+            self.fact(tid, "connections", Connection(int(m[1]), int(m[3]), int(m[4]), m[6]))
+        elif m := _RING.search(msg):
+            self.fact(tid, "rings", tuple(int(r) for r in m[3].split()))
+        elif m := _TREES.search(msg):
+            self.fact(tid, "trees", tuple(re.findall(r"\] (\S+)", m[1])))
+        elif m := _CHANNELS.search(msg):
+            self.fact(tid, "coll_channels", int(m[1]))
+            self.fact(tid, "nvls_channels", int(m[2]) if m[2] is not None else None)
+            self.fact(tid, "p2p_channels", int(m[3]))
+            self.fact(tid, "p2p_channels_per_peer", int(m[4]))
+        elif m := _NVLS_COMM.search(msg):
+            self.comm(m[1], tid)["nvls_comm"] = True
+        elif m := _NVLS_SUPPORT.search(msg):
+            self.fact(tid, "nvls_support", m[1] is None)
+        elif m := _NETWORK.search(msg):
+            self.fact(tid, "network", m[1])
+            if m[1] not in self.log["networks"]:
+                self.log["networks"].append(m[1])
+        elif m := _VERSION.search(msg):
+            self.log["nccl_version"], self.log["cuda_version"] = m[1], m[2]
+        elif m := _DRIVER.search(msg):
+            self.log["cuda_driver_version"] = _driver(m[1])
+        elif m := _ENV.search(msg):
+            value = m[2][:-1] if re.fullmatch(r"-?\d+\.", m[2]) else m[2]  # misc/param.cc prints "%lld."
+            self.log["env"][m[1]] = value
+        elif msg.startswith("NET/IB : No device found"):
+            self.log["ib_absent"] = True
+        elif msg.startswith("NET/IB : Using"):
+            self.log["ib_devices"] = _INTERFACES.findall(msg.split(";")[0])
+        elif msg.startswith("NET/Socket : Using"):
+            self.log["socket_interfaces"] = _INTERFACES.findall(msg)
+
+    def freeze(self, global_rank: int | None, path: str | None) -> NcclRankLog:
+        comms = {}
+        for pointer, values in self.comms.items():
+            values = dict(values)
+            parent, color = values.pop("parent", None), values.pop("color", None)
+            child_count = values.pop("child_count", None)
+            comm_id = values.get("comm_id")
+            if comm_id is not None and int(comm_id, 16) != 0:
+                values["group_id"] = comm_id
+            elif parent in comms and comms[parent].group_id is not None:
+                count = f"/{child_count}" if child_count is not None else ""
+                values["group_id"] = f"{comms[parent].group_id}/split{count}:color{color}:n{values.get('n_ranks')}"
+            for key in ("connections", "rings"):
+                values[key] = tuple(values[key])
+            comms[pointer] = NcclComm(**values)
+        log = self.log
+        return NcclRankLog(
+            global_rank=global_rank, path=path, hosts=tuple(log["hosts"]), pids=tuple(log["pids"]),
+            nccl_version=log.get("nccl_version"), cuda_version=log.get("cuda_version"),
+            cuda_driver_version=log.get("cuda_driver_version"), networks=tuple(log["networks"]),
+            ib_devices=tuple(log["ib_devices"]), ib_absent=log["ib_absent"],
+            socket_interfaces=tuple(log["socket_interfaces"]), env=dict(log["env"]), comms=comms,
+            warnings=tuple(log["warnings"]))
+
+
+def parse_nccl_log(text: str, global_rank: int | None = None, path: str | None = None) -> NcclRankLog:
+    """Parse one process's NCCL log text; lines NCCL did not write, or that this does not know, are skipped."""
+    builder = _Builder()
+    for raw in text.splitlines():
+        prefix = _PREFIX.search(raw)
+        if prefix is None:
+            # NCCL <= 2.21 prints a bare "NCCL version ..." to stdout, which some launchers merge in.
+            if m := _VERSION.search(raw):
+                builder.log["nccl_version"], builder.log["cuda_version"] = m[1], m[2]
+            continue
+        builder.line(prefix["host"], int(prefix["pid"]), prefix["tid"], prefix["level"], raw[prefix.end():])
+    return builder.freeze(global_rank, path)
+
+
+def rank_from_name(name: str) -> int | None:
+    """``nccl.rank3.node-a.4242.log`` -> 3 (the name the diagnostics callback gives ``NCCL_DEBUG_FILE``)."""
+    m = re.search(r"rank(\d+)", name)
+    return int(m[1]) if m else None
+
+
+def nccl_log_files(folder: str | Path, *, recursive: bool = False) -> list[Path]:
+    """Every ``nccl*.log`` in ``folder``, and any other ``*.log`` whose text holds ``NCCL INFO``."""
+    folder = Path(folder)
+    candidates = sorted(folder.rglob("*.log") if recursive else folder.glob("*.log"))
+    found = []
+    for path in candidates:
+        if not path.is_file():
+            continue
+        if path.name.startswith("nccl") or "NCCL INFO" in path.read_text(errors="replace"):
+            found.append(path)
+    return found
+
+
+def parse_nccl_dir(folder: str | Path, *, recursive: bool = False) -> list[NcclRankLog]:
+    """Parse every NCCL log in ``folder``, sorted by global rank (files without one last)."""
+    logs = [parse_nccl_log(p.read_text(errors="replace"), rank_from_name(p.name), str(p))
+            for p in nccl_log_files(folder, recursive=recursive)]
+    return sorted(logs, key=lambda log: (log.global_rank is None, log.global_rank or 0, log.path or ""))

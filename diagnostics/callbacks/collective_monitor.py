@@ -1,0 +1,184 @@
+"""`CollectiveMonitor`: collective capture and hang triage for `NDParallel` runs.
+
+Before the process group starts it sets each rank's NCCL log file, the flight recorder and (optionally)
+``TORCH_DISTRIBUTED_DEBUG``. When the run fails (a rank times out, raises, or the watchdog names a dead rank),
+every live rank writes its flight-recorder dump, every thread's stack and its point-to-point ledger, the ranks
+exchange them (store, else the shared folder), and each prints the verdict of `diagnostics.analysis.hang`;
+the lowest captured rank writes ``hang.json``, rank 0 the TensorBoard card. Files: ``<dir>/diagnostics/``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import itertools
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from diagnostics.analysis.hang import hang_report
+from diagnostics.collect.environment import apply_environment, wanted_environment
+from diagnostics.collect.exchange import CaptureExchange
+from diagnostics.collect.flight_recorder import entries_of, read_dump, with_groups, write_dump
+from diagnostics.collect.ledger import PointToPointLedger
+from diagnostics.collect.stacks import stacks_text, thread_stacks
+from diagnostics.records import CAPTURE_FILE, HANG_FILE, GroupRecord, RankCapture, to_json, write_atomic
+from diagnostics.report.hang_card import hang_markdown, hang_text
+from diagnostics.report.topology_card import topology_markdown
+
+_fits = itertools.count()  # every rank counts its fits alike: one store prefix per fit
+
+
+class CollectiveMonitor(Callback):
+    def __init__(self, log_dir: str | None = None, flight_recorder_entries: int | None = None,
+                 distributed_debug: Literal["INFO", "DETAIL"] | None = None, gather_timeout: float = 8.0) -> None:
+        """``log_dir``: where ``diagnostics/`` goes (default: the Trainer's ``default_root_dir``, the same on every
+        rank before any logger has a version). ``flight_recorder_entries``: the ring's size (default 2000; 0 turns
+        it off). ``distributed_debug``: sets ``TORCH_DISTRIBUTED_DEBUG`` (``DETAIL`` checks every collective's
+        shapes across ranks: a mismatch stops at once, at a cost). ``gather_timeout``: how long a failing rank
+        waits for the others' captures."""
+        if distributed_debug not in (None, "INFO", "DETAIL"):
+            raise ValueError(f"`CollectiveMonitor(distributed_debug={distributed_debug!r})` is not a level."
+                             " HINT: use None, \"INFO\" or \"DETAIL\".")
+        if flight_recorder_entries is not None and flight_recorder_entries < 0:
+            raise ValueError(f"`CollectiveMonitor(flight_recorder_entries={flight_recorder_entries})` must be >= 0.")
+        self._log_dir, self._entries, self._debug = log_dir, flight_recorder_entries, distributed_debug
+        self.gather_timeout = gather_timeout
+        self.folder: Path | None = None
+        self.rank, self.world_size, self.backend = 0, 1, ""
+        self.kept: dict[str, str] = {}
+        self.groups: tuple[GroupRecord, ...] = ()
+        self.coordinates: dict[str, dict[str, int]] = {}
+        self.roles: dict[str, list[list[int]]] = {}
+        self.ledger = PointToPointLedger()
+        self.exchange: CaptureExchange | None = None
+        self.report = None
+        self._trainer: Trainer | None = None
+        self._lock, self._captured, self._topology_written = threading.Lock(), False, False
+
+    # ---- before and after the process group ------------------------------------------------------------------
+
+    def on_nd_before_process_group(self, strategy: Any, event: Any) -> None:
+        self.rank, self.world_size, self.backend = event.rank, event.world_size, event.backend
+        self.folder = Path(self._log_dir or event.root_dir).resolve() / "diagnostics"
+        mine = self.folder / f"rank{self.rank}"
+        mine.mkdir(parents=True, exist_ok=True)
+        stale = [mine / CAPTURE_FILE, mine / "stacks.txt", mine / "hang.md"]
+        for path in stale + ([self.folder / HANG_FILE] if self.rank == 0 else []):
+            path.unlink(missing_ok=True)  # a capture from an earlier run in this folder must not be read as this one's
+        wanted = wanted_environment(event.backend, self.rank, self.folder, self._entries, self._debug)
+        _, self.kept = apply_environment(wanted, os.environ)
+        if self.kept and self.rank == 0:
+            print("lightning-nd diagnostics: keeping your " + ", ".join(f"{k}={v}" for k, v in self.kept.items())
+                  + f" (CollectiveMonitor would set {', '.join(f'{k}={wanted[k]}' for k in self.kept)})",
+                  file=sys.stderr)
+        if not faulthandler.is_enabled():  # a rank killed by an abort (gloo's size check) still leaves its stacks
+            self._fault_file = open(mine / "faulthandler.txt", "w")
+            faulthandler.enable(self._fault_file, all_threads=True)
+
+    def on_nd_process_groups_created(self, strategy: Any, event: Any) -> None:
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        self.groups = tuple(GroupRecord(g.name, g.desc, g.role, tuple(g.ranks)) for g in event.groups)
+        store = _get_default_store().clone() if dist.is_initialized() and self.world_size > 1 else None
+        prefix = f"lightning_nd/diagnostics/{next(_fits)}/"
+        assert self.folder is not None
+        self.exchange = CaptureExchange(store, prefix, self.folder, self.rank, self.world_size)
+        self.exchange.put(f"host/{self.rank}", f"{socket.gethostname()}|{os.getpid()}")
+
+    def on_nd_layout_ready(self, strategy: Any, event: Any) -> None:
+        self.coordinates = {str(h.rank): dict(h.coordinates) for h in event.layout.ranks}
+        self.roles = {role: [list(g) for g in groups] for role, groups in event.layout.roles.items()}
+        if self.rank == 0 and self.folder is not None:
+            write_atomic(self.folder / "layout.json", event.layout.to_json(indent=1))
+
+    def on_nd_point_to_point(self, strategy: Any, event: Any) -> None:
+        step = self._trainer.global_step if self._trainer is not None else 0
+        self.ledger.add(event.op, event.peer, event.role, event.state, step, event.tag, event.bytes, event.time_s)
+
+    # ---- Lightning hooks --------------------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._trainer = trainer
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if self._topology_written or self.folder is None:
+            return
+        self._topology_written = True  # after the first step: NCCL creates its communicators lazily
+        if self.rank == 0 and self.exchange is not None:
+            self._log_text(trainer, "diagnostics/topology", self._topology())
+
+    def _topology(self) -> str:
+        hosts = {}
+        for rank in range(self.world_size):
+            value = self.exchange.read(f"host/{rank}")
+            host, _, pid = (value or f"{socket.gethostname()}|{os.getpid()}").partition("|")
+            hosts[rank] = (host, int(pid))
+        address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        card = topology_markdown(self.backend, address, _store_host(), hosts, self.roles)
+        nccl = self.folder / "nccl"
+        if "nccl" in self.backend and nccl.is_dir():
+            from diagnostics.analysis.nccl_findings import nccl_findings, topology_table
+            from diagnostics.analysis.nccl_log import parse_nccl_dir
+            from diagnostics.report.nccl_card import nccl_markdown
+
+            logs = parse_nccl_dir(nccl)
+            card += "\n\n" + nccl_markdown(logs, nccl_findings(logs, self.roles), topology_table(logs, self.roles))
+        return card
+
+    # ---- the failure ------------------------------------------------------------------------------------------
+
+    def on_nd_failure_verdict(self, strategy: Any, event: Any) -> None:
+        with self._lock:
+            if self._captured or self.folder is None:
+                return
+            self._captured = True
+        raised = event.thread == threading.main_thread().name  # this rank's own step raised
+        capture = self._capture(f"rank {event.culprit} {event.reason}", raised)
+        assert self.exchange is not None
+        self.exchange.publish(capture)
+        dead = {event.culprit} if event.reason.startswith("died") else set()
+        captures = self.exchange.gather(dead, self.gather_timeout)
+        self.report = hang_report(captures, self.world_size, dead, capture.reason)
+        print(hang_text(self.report, str(self.folder)), file=sys.stderr, flush=True)
+        card = hang_markdown(self.report, str(self.folder))
+        write_atomic(self.folder / f"rank{self.rank}" / "hang.md", card)  # this rank's view, even if it is alone
+        if self.rank == min(captures, default=self.rank):
+            write_atomic(self.folder / HANG_FILE, to_json(self.report))
+        if self.rank == 0 and self._trainer is not None:
+            self._log_text(self._trainer, "diagnostics/hang", card)
+        self.exchange.done()
+        if self.rank == _store_host():
+            self.exchange.wait_until_read([r for r in range(self.world_size) if r not in dead], seconds=3.0)
+
+    def _capture(self, reason: str, raised: bool) -> RankCapture:
+        assert self.folder is not None
+        dump = read_dump()
+        stacks, main = thread_stacks()
+        mine = self.folder / f"rank{self.rank}"
+        write_atomic(mine / "stacks.txt", stacks_text(stacks))
+        if dump is not None and not (self.folder / "fr" / f"fr_rank_{self.rank}").exists():  # NCCL may have dumped
+            write_dump(with_groups(dump, self.groups, self.rank), self.folder / "fr", self.rank)
+        step = self._trainer.global_step if self._trainer is not None else 0
+        return RankCapture(self.rank, self.world_size, reason, step, time.time(), entries_of(dump) if dump else (),
+                           self.ledger.records(), stacks, main, self.groups, self.coordinates,
+                           store_host=_store_host(), flight_recorder=dump is not None, raised=raised)
+
+    @staticmethod
+    def _log_text(trainer: Trainer, tag: str, text: str) -> None:
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text(tag, text, global_step=trainer.global_step)
+                logger.experiment.flush()
+
+
+def _store_host() -> int | None:
+    """Rank 0's process hosts the store under Lightning's launcher; torchrun's agent hosts it otherwise."""
+    return None if os.environ.get("TORCHELASTIC_RUN_ID") else 0

@@ -1,0 +1,89 @@
+"""The flight recorder's ring of collectives (torch's ``_dump_fr_trace``), read as `CollectiveEntry` records and
+written back as a dump that torch's own analyzer (``python -m torch.distributed.flight_recorder.fr_trace``) reads.
+
+On gloo torch 2.13 leaves ``pg_config`` as ``{'': {'name': '', 'ranks': '[]'}}``; the analyzer then fails with
+``KeyError``. The dump is written with the real groups (name, desc, ranks) from the strategy's records.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from diagnostics.records import CollectiveEntry, Frame, GroupRecord, RankCapture
+
+DUMP_PREFIX = "fr_rank_"
+"""Dump files are ``fr/fr_rank_<R>``: the analyzer infers the prefix from such a folder."""
+
+
+def read_dump() -> dict[str, Any] | None:
+    """This process's flight-recorder dump (collectives and stacks, retired ones too); None when it is off."""
+    import torch
+
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+    if dump is None:
+        return None
+    try:
+        return pickle.loads(dump(True, True, False))
+    except Exception:  # off (buffer size 0) or a build without it: the capture says so
+        return None
+
+
+def entries_of(dump: dict[str, Any]) -> tuple[CollectiveEntry, ...]:
+    entries = []
+    for entry in dump.get("entries", ()):
+        if entry.get("is_p2p"):
+            continue
+        group = entry.get("process_group") or ("", "")
+        name = entry.get("profiling_name") or ""
+        entries.append(CollectiveEntry(
+            group=str(group[0]), seq=int(entry.get("collective_seq_id", -1)), op=name.split(":", 1)[-1],
+            input_sizes=tuple(tuple(int(d) for d in size) for size in entry.get("input_sizes", ())),
+            input_dtypes=tuple(str(d) for d in entry.get("input_dtypes", ())),
+            retired=bool(entry.get("retired")) or entry.get("state") == "completed",
+            started_ns=entry.get("time_created_ns"),
+            frames=tuple(Frame(f.get("filename", "?"), int(f.get("line", 0)), f.get("name", "?"))
+                         for f in entry.get("frames", ()))))
+    return tuple(entries)
+
+
+def with_groups(dump: dict[str, Any], groups: Iterable[GroupRecord], rank: int) -> dict[str, Any]:
+    """The dump with ``pg_config`` naming every group's desc and ranks (what torch's analyzer keys on).
+
+    Groups made by splitting (a mesh dim's groups) share one name across their member sets (both tp groups of a
+    2 x 2 mesh are ``'15'``); the analyzer keys groups by name alone, so here each is named ``<name>:<ranks>``."""
+    ranks_of = {g.name: g.ranks for g in groups}
+
+    def unique(name: str) -> str:
+        return f"{name}:{','.join(map(str, ranks_of.get(name, (rank,))))}"
+
+    config = {unique(g.name): {"name": unique(g.name), "desc": g.desc, "ranks": str(list(g.ranks))} for g in groups}
+    entries = []
+    for entry in dump.get("entries", ()):
+        name, desc = (entry.get("process_group") or ("", ""))[:2]
+        config.setdefault(unique(str(name)), {"name": unique(str(name)), "desc": str(desc), "ranks": str([rank])})
+        entries.append({**entry, "process_group": (unique(str(name)), desc)})
+    return {**dump, "entries": entries, "pg_config": config, "pg_status": {}, "rank": rank}
+
+
+def capture_of_dump(dump: dict[str, Any], rank: int, world_size: int, captured_at: float) -> RankCapture:
+    """A capture from a flight-recorder dump alone (torch's own, from an NCCL run): entries and groups, no stacks."""
+    groups = []
+    for name, config in (dump.get("pg_config") or {}).items():
+        ranks = tuple(int(r) for r in str(config.get("ranks", "[]")).strip("[]").split(",") if r.strip())
+        desc = str(config.get("desc", ""))
+        groups.append(GroupRecord(str(name), desc, desc.removeprefix("mesh_") or str(name), ranks or (rank,)))
+    return RankCapture(rank, world_size, "flight-recorder dump", 0, captured_at, entries_of(dump), (), {}, "",
+                       tuple(groups))
+
+
+def write_dump(dump: dict[str, Any], folder: Path, rank: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{DUMP_PREFIX}{rank}"
+    temporary = folder / f".{DUMP_PREFIX}{rank}.{os.getpid()}.tmp"
+    temporary.write_bytes(pickle.dumps(dump))
+    os.replace(temporary, path)
+    return path

@@ -1,0 +1,1 @@
+"""Markdown cards and console text from the analyses: what TensorBoard and the console show."""

@@ -1,0 +1,143 @@
+"""Real faults in real 4-rank runs with `CollectiveMonitor` on (`tests/distributed/hang_scenarios.py`): every rank
+exits non-zero within ``timeout`` + 30 s with the default 60 s heartbeat, and ``hang.json`` names the rank, the mesh
+dim and the op (for a stuck rank, its line). ``TORCH_DISTRIBUTED_DEBUG`` is off in every run (removed from the
+ranks' environment): no fault is turned into an early desync error by it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.distributed.hang_scenarios import TIMEOUT_S
+from tests.launcher import start
+
+WORLD = 4
+SCENARIO = Path(__file__).resolve().parents[1] / "distributed" / "hang_scenarios.py"
+ENVIRONMENT = {"PYTHONFAULTHANDLER": None, "TORCH_DISTRIBUTED_DEBUG": None}
+
+
+def _line(text: str) -> int:
+    """The scenario's line that holds ``text`` (so the expected frames follow the file)."""
+    return next(i for i, line in enumerate(SCENARIO.read_text().splitlines(), 1) if text in line)
+
+
+def _run(root: Path, fault: str, layout: dict, victim: int) -> dict:
+    procs = start("tests.distributed.hang_scenarios:run", WORLD, root / "out", environment=ENVIRONMENT, fault=fault,
+                  layout=layout, victim=victim, folder=str(root / "logs"), stamp=str(root / "stamp"))
+    ended: dict[int, tuple[int, float]] = {}
+    deadline = time.monotonic() + 240
+    while len(ended) < WORLD and time.monotonic() < deadline:
+        for rank, (proc, _) in enumerate(procs):
+            if rank not in ended and proc.poll() is not None:
+                ended[rank] = (proc.returncode, time.time())
+        time.sleep(0.05)
+    for proc, log in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    logs = {rank: (root / "out" / f"rank{rank}.log").read_text() for rank in range(WORLD)}
+    assert len(ended) == WORLD, f"ranks {set(range(WORLD)) - set(ended)} still ran:\n{logs}"
+    assert (root / "stamp").exists(), f"the fault never happened:\n{logs[victim][-3000:]}"
+    fault_at = float((root / "stamp").read_text())
+    print(f"{fault} {layout} victim {victim}: exits", {r: (c, round(t - fault_at, 1)) for r, (c, t) in ended.items()})
+    for rank, (code, at) in ended.items():
+        assert code != 0, f"rank {rank} exited 0:\n{logs[rank][-3000:]}"
+        assert at - fault_at <= TIMEOUT_S + 30, f"rank {rank} exited {at - fault_at:.1f} s after the fault"
+    diagnostics = root / "logs" / "diagnostics"
+    assert (diagnostics / "hang.json").exists(), "\n".join(log[-2000:] for log in logs.values())
+    report = json.loads((diagnostics / "hang.json").read_text())
+    live = [rank for rank, (code, _) in ended.items() if code > 0]
+    for rank in live:  # every live rank wrote its files and printed the verdict
+        assert "lightning-nd diagnostics: hang verdict" in logs[rank], logs[rank][-3000:]
+        for name in ("capture.json", "stacks.txt"):
+            assert (diagnostics / f"rank{rank}" / name).is_file(), (rank, name)
+        assert (diagnostics / "fr" / f"fr_rank_{rank}").is_file(), rank
+    return {"report": report, "logs": logs, "ended": ended, "diagnostics": diagnostics}
+
+
+def _culprit(report: dict, rank: int) -> dict:
+    culprits = {c["rank"]: c for c in report["culprits"]}
+    assert list(culprits) == [rank], report["summary"]
+    return culprits[rank]
+
+
+def test_rank_that_skips_a_collective_under_dp_shard(tmp_path):
+    run = _run(tmp_path, "skip", {"dp_shard": 4}, victim=2)
+    culprit = _culprit(run["report"], 2)
+    assert culprit["kind"] == "skipped" and culprit["dim"] == "dp_shard" and culprit["op"] == "all_reduce"
+    skipped = _line("dist.all_reduce(torch.ones(4), group=group)")  # the first of the two syncs
+    assert culprit["frame"].endswith(f"hang_scenarios.py:{skipped} in misbehave")
+    assert "rank 2 (dp_shard 2) skipped all_reduce" in run["report"]["summary"][0]
+
+
+def test_rank_zero_killed_under_dp_shard_store_gone(tmp_path):
+    run = _run(tmp_path, "kill", {"dp_shard": 4}, victim=0)
+    culprit = _culprit(run["report"], 0)
+    assert culprit["kind"] == "dead" and culprit["dim"] == "dp_shard" and run["report"]["dead"] == [0]
+    assert run["ended"][0][0] == -9 and run["report"]["captured"] == [1, 2, 3]
+    for rank in (1, 2, 3):  # the store died with rank 0: each survivor still names it
+        assert "lightning-nd: rank 0 died or is unreachable: the rendezvous store" in run["logs"][rank]
+
+
+def test_rank_stuck_in_python_under_dp_shard_x_tp(tmp_path):
+    run = _run(tmp_path, "stuck", {"dp_shard": 2, "tp": 2}, victim=3)
+    culprit = _culprit(run["report"], 3)
+    assert culprit["kind"] == "stuck" and culprit["dim"] in ("tp", "fsdp")
+    assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
+    assert "rank 3 (dp_shard 1, tp 1) never joined" in run["report"]["summary"][0]
+    # torch's own analyzer reads our gloo dumps and finds rank 3 missing too
+    torch_says = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                                 str(run["diagnostics"] / "fr")], capture_output=True, text=True, timeout=120)
+    said = torch_says.stdout + torch_says.stderr  # its report goes to the log (stderr)
+    assert torch_says.returncode == 0 and "Traceback" not in said, said[-3000:]
+    missing = re.findall(r"missing ranks: \{([\d, ]+)\}\n.*?expected ranks: \{([\d, ]+)\}", said, re.S)
+    assert any("3" in ranks.split(", ") and "3" in expected.split(", ") for ranks, expected in missing), said[-3000:]
+    _assert_cards(tmp_path / "logs")
+
+
+def _assert_cards(folder: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = next(folder.glob("tb/version_*"))
+    accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0})
+    accumulator.Reload()
+    tags = accumulator.Tags()["tensors"]
+    assert "diagnostics/hang/text_summary" in tags and "diagnostics/topology/text_summary" in tags, tags
+    card = accumulator.Tensors("diagnostics/hang/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert "| 3 | stuck |" in card, card
+    topology = accumulator.Tensors("diagnostics/topology/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert "| backend | gloo |" in topology and "hosted by rank 0's process" in topology, topology
+
+
+def test_rank_that_issues_another_size_under_dp_shard_x_tp(tmp_path):
+    run = _run(tmp_path, "size", {"dp_shard": 2, "tp": 2}, victim=1)
+    culprit = _culprit(run["report"], 1)
+    assert culprit["kind"] == "mismatch" and culprit["dim"] == "tp" and culprit["op"] == "all_reduce"
+    assert "all_reduce(8; Float)" in culprit["detail"] and "all_reduce(4; Float)" in culprit["detail"]
+    assert run["ended"][0][0] == -6 and 0 in run["report"]["dead"]  # gloo aborted the rank that received more
+
+
+def test_pipeline_stage_that_never_sends(tmp_path):
+    run = _run(tmp_path, "never_send", {"pp": 2, "dp_shard": 2}, victim=0)
+    culprit = _culprit(run["report"], 0)
+    assert culprit["kind"] == "never_sent" and culprit["dim"] == "pp" and culprit["group_ranks"] == [0, 2]
+    assert "never sent fwd/0 of step 2 to rank 2" in culprit["detail"]
+
+
+def test_rank_killed_mid_step_under_pp_x_dp_shard(tmp_path):
+    run = _run(tmp_path, "kill", {"pp": 2, "dp_shard": 2}, victim=1)
+    culprit = _culprit(run["report"], 1)
+    assert culprit["kind"] == "dead" and run["report"]["dead"] == [1] and run["ended"][1][0] == -9
+    assert culprit["dim"] in ("pp", "dp_shard", "fsdp")
+
+
+def test_stage_stuck_in_python_under_pp_x_dp_shard(tmp_path):
+    run = _run(tmp_path, "stuck", {"pp": 2, "dp_shard": 2}, victim=2)
+    culprit = _culprit(run["report"], 2)
+    assert culprit["kind"] in ("stuck", "never_sent")
+    assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
