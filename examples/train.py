@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diagnostics import LayoutCard  # noqa: E402
+from diagnostics import CollectiveMonitor, LayoutCard  # noqa: E402
 from examples.data import TokenDataModule  # noqa: E402
 from examples.lit import CausalLM  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -48,8 +48,10 @@ def main(cfg: DictConfig) -> float:
     strategy = NDParallel.from_config(OmegaConf.to_container(cfg.parallel, resolve=True))
     logger = TensorBoardLogger(save_dir=cfg.log_dir, name="", version="")
     checkpoints = ModelCheckpoint(**OmegaConf.to_container(cfg.checkpoint, resolve=True))
+    monitors = [CollectiveMonitor(log_dir=cfg.log_dir, distributed_debug=cfg.diagnostics.distributed_debug)
+                if cfg.diagnostics.collectives else None]
     trainer = Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy, logger=logger,
-                      callbacks=[LayoutCard(), checkpoints])
+                      callbacks=[LayoutCard(), checkpoints, *filter(None, monitors)])
     module = CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr)
     trainer.fit(module, datamodule=TokenDataModule(**OmegaConf.to_container(cfg.data, resolve=True)),
                 ckpt_path=cfg.ckpt_path)

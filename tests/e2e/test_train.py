@@ -71,6 +71,9 @@ def test_readme_main_job_trains_and_writes_tensorboard(tmp_path):
     assert "| `model.layers.*.self_attn.q_proj` | colwise | pattern | 4 |" in card and "Rank 0 (" in card
     layout = Layout.from_json((tmp_path / "tensorboard" / "layout.json").read_text())  # the run's plan, for offline tools
     assert layout.dims["tp"] == 2 and [t.technique for t in layout.techniques] == ["tensor_parallel", "fsdp"]
+    topology = make_ndarray(accumulator.Tensors("diagnostics/topology/text_summary")[0].tensor_proto)[0].decode()
+    assert "| backend | gloo |" in topology and "| tp | 2 x 2 ranks | none |" in topology, topology
+    assert not (tmp_path / "tensorboard" / "diagnostics" / "hang.json").exists()  # a healthy run leaves no verdict
 
 
 def test_hydra_sweep_runs_every_layout(tmp_path):

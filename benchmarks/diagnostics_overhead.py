@@ -1,0 +1,78 @@
+"""Step time with the diagnostics on vs off, same layout, same model and data, interleaved rounds on 4 CPU processes:
+the ratio of medians is what the monitors cost a healthy run (target <= 1.03).
+
+    python benchmarks/diagnostics_overhead.py                      # CPU, gloo
+    python benchmarks/diagnostics_overhead.py --accelerator=cuda   # 4 GPUs, nccl
+
+"on" runs every diagnostics callback there is (today `CollectiveMonitor`: the point-to-point ledger, the store
+records, the topology card after the first step; each later monitor adds itself to `MONITORS`). The flight
+recorder's ring is torch's default (2000 entries) in both columns, so its cost is not in the ratio; setting
+``TORCH_FR_BUFFER_SIZE=0`` would remove it from both. A step's time is the wall time between the starts of
+consecutive steps, after two warm-up steps; medians over all rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from lightning.pytorch import Trainer
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import Bench, StepTimer, build_model  # noqa: E402
+from benchmarks.launch import run_on_ranks  # noqa: E402
+from benchmarks.overhead import ACCELERATOR, MICROBATCHES, STEPS, WARMUP, batches  # noqa: E402
+
+WORLD_SIZE = 4
+ROUNDS = 4
+LAYOUTS = {"dp_shard=4": (1, 4, 1), "dp_shard=2 x tp=2": (1, 2, 2), "pp=2 x dp_shard=2": (2, 2, 1)}
+
+
+def monitors(folder: str) -> list:
+    from diagnostics import CollectiveMonitor
+
+    return [CollectiveMonitor(log_dir=folder)]
+
+
+def run(pp: int, dp_shard: int, tp: int, data, folder: str | None) -> list[float]:
+    from lightning_nd import NDParallel
+
+    timer = StepTimer(WARMUP)
+    strategy = NDParallel(pp=pp, dp_shard=dp_shard, tp=tp, pp_microbatches=MICROBATCHES if pp > 1 else None)
+    trainer = Trainer(strategy=strategy, accelerator=ACCELERATOR, devices=WORLD_SIZE, max_steps=len(data),
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[timer, *(monitors(folder) if folder else [])], use_distributed_sampler=False)
+    trainer.fit(Bench(build_model), train_dataloaders=DataLoader(data, batch_size=None))
+    return timer.step_times
+
+
+def main() -> None:
+    import os
+
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name, (pp, dp_shard, tp) in LAYOUTS.items():
+            data = batches((rank // tp) % dp_shard, STEPS + WARMUP)
+            times: dict[str, list[float]] = {"off": [], "on": []}
+            for round_ in range(ROUNDS):  # alternate which goes first: drift hits both alike
+                order = ("off", "on") if round_ % 2 == 0 else ("on", "off")
+                for variant in order:
+                    times[variant] += run(pp, dp_shard, tp, data, folder if variant == "on" else None)
+            rows.append((name, statistics.median(times["off"]), statistics.median(times["on"])))
+            dist.barrier()
+    if rank == 0:
+        print(f"\n{'layout':20} {'off':>10} {'on':>10} {'on/off':>8}")
+        for name, off, on in rows:
+            print(f"{name:20} {off * 1e3:>8.1f}ms {on * 1e3:>8.1f}ms {on / off:>8.3f}")
+        print(f"max on/off (target <= 1.03): {max(on / off for _, off, on in rows):.3f}")
+
+
+if __name__ == "__main__":
+    run_on_ranks(main, WORLD_SIZE)
