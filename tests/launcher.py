@@ -64,6 +64,24 @@ def launch(target: str, world_size: int, out_dir: Path, timeout: float = 600, **
     return [torch.load(out_dir / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
 
 
+def exits(procs: list[tuple[subprocess.Popen, Any]], timeout: float) -> dict[int, tuple[int, float]]:
+    """Each rank's exit code and wall-clock exit time (``time.time()``), waiting at most ``timeout`` seconds; ranks
+    still running then are killed and left out (the caller asserts on who is missing)."""
+    ended: dict[int, tuple[int, float]] = {}
+    deadline = time.monotonic() + timeout
+    while len(ended) < len(procs) and time.monotonic() < deadline:
+        for rank, (proc, _) in enumerate(procs):
+            if rank not in ended and proc.poll() is not None:
+                ended[rank] = (proc.returncode, time.time())
+        time.sleep(0.05)
+    for proc, log in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    return ended
+
+
 def _tail(log: Path, rank: int, first: bool) -> str:
     """The end of a rank's log; for the rank that failed first, also from its first traceback on."""
     text = log.read_text()

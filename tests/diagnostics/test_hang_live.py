@@ -9,11 +9,10 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.distributed.hang_scenarios import TIMEOUT_S
-from tests.launcher import start
+from tests.launcher import exits, start
 
 WORLD = 4
 SCENARIO = Path(__file__).resolve().parents[1] / "distributed" / "hang_scenarios.py"
@@ -28,18 +27,7 @@ def _line(text: str) -> int:
 def _run(root: Path, fault: str, layout: dict, victim: int) -> dict:
     procs = start("tests.distributed.hang_scenarios:run", WORLD, root / "out", environment=ENVIRONMENT, fault=fault,
                   layout=layout, victim=victim, folder=str(root / "logs"), stamp=str(root / "stamp"))
-    ended: dict[int, tuple[int, float]] = {}
-    deadline = time.monotonic() + 240
-    while len(ended) < WORLD and time.monotonic() < deadline:
-        for rank, (proc, _) in enumerate(procs):
-            if rank not in ended and proc.poll() is not None:
-                ended[rank] = (proc.returncode, time.time())
-        time.sleep(0.05)
-    for proc, log in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+    ended = exits(procs, timeout=240)
     logs = {rank: (root / "out" / f"rank{rank}.log").read_text() for rank in range(WORLD)}
     assert len(ended) == WORLD, f"ranks {set(range(WORLD)) - set(ended)} still ran:\n{logs}"
     assert (root / "stamp").exists(), f"the fault never happened:\n{logs[victim][-3000:]}"

@@ -5,14 +5,13 @@ resumes the run with the same losses as an uninterrupted one."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from lightning_nd.checkpoint import is_complete, latest_checkpoint, read_sharded
 from tests.distributed.checkpoint_scenarios import FAST_FAILURE, STEPS
-from tests.launcher import launch, start
+from tests.launcher import exits, launch, start
 
 WORLD = 4
 
@@ -21,18 +20,7 @@ def _die(scenario: str, root: Path, rank: int, step: int) -> dict[int, tuple[int
     """Run a dying scenario; each rank's exit code and exit time after the victim's death."""
     procs = start(f"tests.distributed.checkpoint_scenarios:{scenario}", WORLD, root / "out", ckpt_dir=str(root / "ckpt"),
                   stamp=str(root / "stamp"), rank=rank, step=step)
-    ended: dict[int, tuple[int, float]] = {}
-    deadline = time.monotonic() + 300
-    while len(ended) < WORLD and time.monotonic() < deadline:
-        for r, (proc, _) in enumerate(procs):
-            if r not in ended and proc.poll() is not None:
-                ended[r] = (proc.returncode, time.time())
-        time.sleep(0.05)
-    for proc, log in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
+    ended = exits(procs, timeout=300)
     assert len(ended) == WORLD, f"ranks {set(range(WORLD)) - set(ended)} still ran 300 s later"
     died = float((root / "stamp").read_text())
     return {r: (code, at - died) for r, (code, at) in ended.items()}
