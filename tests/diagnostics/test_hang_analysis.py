@@ -162,3 +162,29 @@ def test_environment_keeps_what_the_user_set(tmp_path: Path):
     assert kept == {"NCCL_DEBUG": "WARN"} and environ["NCCL_DEBUG"] == "WARN" and "NCCL_DEBUG" not in applied
     assert environ["NCCL_DEBUG_SUBSYS"] == "INIT,ENV,NET,GRAPH"
     assert set(wanted_environment("gloo", 0, tmp_path)) == {"TORCH_FR_BUFFER_SIZE"}
+
+
+def _torch_entry(seq: int, line: int, retired: bool = True) -> dict:
+    """One entry as torch's flight recorder dumps it (NCCL runs write these files themselves)."""
+    return {"record_id": seq, "pg_id": 1, "process_group": ("1", "mesh_dp_shard"), "collective_seq_id": seq,
+            "p2p_seq_id": 0, "op_id": seq, "profiling_name": "nccl:all_reduce", "time_created_ns": seq * 10**9,
+            "input_sizes": [[4]], "input_dtypes": ["Float"], "output_sizes": [[4]], "output_dtypes": ["Float"],
+            "state": "completed" if retired else "started", "retired": retired, "is_p2p": False, "timeout_ms": 600000,
+            "frames": [{"name": "training_step", "filename": "/home/me/train.py", "line": line}]}
+
+
+def test_the_cli_decides_from_flight_recorder_dumps_alone(tmp_path, capsys):
+    import pickle
+
+    config = {"1": {"name": "1", "desc": "mesh_dp_shard", "ranks": "[0, 1, 2, 3]"}}
+    for rank in range(4):
+        entries = [_torch_entry(seq, 40 + seq) for seq in range(1, 6)]
+        if rank != 1:
+            entries.append(_torch_entry(6, 46, retired=False))
+        dump = {"version": "2.10", "pg_config": config, "pg_status": {}, "entries": entries}
+        (tmp_path / f"fr_rank_{rank}").write_bytes(pickle.dumps(dump))
+    assert main(["hang", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "rank 1 never joined all_reduce #6 on the dp_shard group [0, 1, 2, 3]; its stack was not captured" in out
+    (tmp_path / "fr_rank_2").write_bytes(b"not a pickle")
+    assert main(["hang", str(tmp_path)]) == 2 and "fr_rank_2" in capsys.readouterr().err
