@@ -76,12 +76,47 @@ def _nccl(args: argparse.Namespace) -> int:
     return 1 if any(f.severity == "error" for f in findings) else 0
 
 
-def _hang(args: argparse.Namespace) -> int:
+def _coordinates(layout: str | None, folders: list[Path]) -> dict[str, dict[str, int]]:
+    """Every rank's mesh coordinates from ``--layout`` or the first ``layout.json`` in the folders or two parents up
+    (what a dump alone lacks: without them pipeline stages would be compared with each other)."""
+    places = [Path(layout)] if layout else [p / LAYOUT_FILE for f in folders for p in (f, *list(f.parents)[:2])]
+    path = next((p for p in places if p.is_file()), None)
+    if path is None:
+        return {}
+    try:
+        return {str(r["rank"]): dict(r["coordinates"]) for r in json.loads(path.read_text())["ranks"]}
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise _Unusable(f"cannot read rank coordinates from {path} ({type(error).__name__}: {error}); pass"
+                        f" `--layout` the run's {LAYOUT_FILE}") from error
+
+
+def _captures(folders: list[Path], coordinates: dict[str, dict[str, int]]) -> dict:
+    """The captures in the folders, and for ranks without one, a flight-recorder dump (``fr_rank_<R>``)."""
     import pickle
 
-    from diagnostics.analysis.hang import hang_report
     from diagnostics.collect.flight_recorder import DUMP_PREFIX, capture_of_dump
     from diagnostics.records import read_captures
+
+    captures: dict = {}
+    for folder in folders:
+        captures.update(read_captures(folder))
+    for path in (p for f in folders for p in (*f.glob(f"{DUMP_PREFIX}*"), *f.glob(f"fr/{DUMP_PREFIX}*"))):
+        suffix = path.name.removeprefix(DUMP_PREFIX)
+        if not suffix.isdigit() or int(suffix) in captures:
+            continue
+        try:
+            dump = pickle.loads(path.read_bytes())
+        except Exception as error:  # a truncated or foreign file: say which
+            raise _Unusable(f"cannot read the flight-recorder dump {path}: {type(error).__name__}: {error}") from error
+        captures[int(suffix)] = capture_of_dump(dump, int(suffix), len(coordinates), path.stat().st_mtime,
+                                                coordinates)
+    return captures
+
+
+def _hang(args: argparse.Namespace) -> int:
+    import re
+
+    from diagnostics.analysis.hang import hang_report
     from diagnostics.report.hang_card import hang_text
 
     given = Path(args.dumpdir).resolve()
@@ -89,24 +124,13 @@ def _hang(args: argparse.Namespace) -> int:
     if not folders:
         raise _Unusable(f"{given} is not a folder; pass the run's diagnostics dir (`<dir>/diagnostics`, holding"
                         " `rank<R>/capture.json`) or a folder of flight-recorder dumps (`fr_rank_<R>`)")
-    captures: dict = {}
-    for folder in folders:
-        captures.update(read_captures(folder))
-    dumps = [p for folder in folders for p in (*folder.glob(f"{DUMP_PREFIX}*"), *folder.glob(f"fr/{DUMP_PREFIX}*"))]
-    for path in dumps:
-        rank = int(path.name.removeprefix(DUMP_PREFIX)) if path.name.removeprefix(DUMP_PREFIX).isdigit() else None
-        if rank is None or rank in captures:
-            continue
-        try:
-            dump = pickle.loads(path.read_bytes())
-        except Exception as error:  # a truncated or foreign file: say which
-            raise _Unusable(f"cannot read the flight-recorder dump {path}: {type(error).__name__}: {error}") from error
-        captures[rank] = capture_of_dump(dump, rank, 0, path.stat().st_mtime)
+    captures = _captures(folders, _coordinates(args.layout, folders))
     if not captures:
-        raise _Unusable(f"no capture in {given} (looked for `rank<R>/capture.json` and `{DUMP_PREFIX}<R>` there, in"
+        raise _Unusable(f"no capture in {given} (looked for `rank<R>/capture.json` and `fr_rank_<R>` there, in"
                         " `diagnostics/` and `fr/`); pass the folder a `CollectiveMonitor` run wrote")
     world_size = max(max(c.world_size for c in captures.values()), max(captures) + 1)
-    report = hang_report(captures, world_size, reason=next(iter(captures.values())).reason)
+    dead = {int(m.group(1)) for c in captures.values() if (m := re.match(r"rank (\d+) died", c.reason))}
+    report = hang_report(captures, world_size, dead, reason=next(iter(captures.values())).reason)
     print(hang_text(report, str(folders[-1])))
     return 1 if report.culprits else 0
 
@@ -120,6 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     nccl.set_defaults(handler=_nccl)
     hang = commands.add_parser("hang", help="the hang verdict from the captures and dumps a failed run left")
     hang.add_argument("dumpdir", help="the run's diagnostics dir (or its parent), or a folder of fr_rank_<R> dumps")
+    hang.add_argument("--layout", help=f"the run's {LAYOUT_FILE}, for the ranks' coordinates (default: found in"
+                                       " DUMPDIR or up to two parents)")
     hang.set_defaults(handler=_hang)
     return parser
 

@@ -93,15 +93,13 @@ class RankCapture:
     groups: tuple[GroupRecord, ...]
     coordinates: dict[str, dict[str, int]] = field(default_factory=dict)
     """Every rank's mesh coordinates (``{"3": {"pp": 0, "dp_shard": 1, "tp": 1}}``), from the Layout."""
-    heartbeats: dict[str, int] = field(default_factory=dict)
-    """Each rank's heartbeat count as this rank last read it from the store (empty when the store is gone)."""
-    store_host: int | None = 0
-    """The rank whose process hosts the rendezvous store (None under torchrun: its agent holds it)."""
     flight_recorder: bool = True
     """False when the flight recorder was off (``TORCH_FR_BUFFER_SIZE=0``) or could not be read."""
     raised: bool = False
-    """This rank's own step raised (a timeout, a broken connection, an error): its main thread's stack is the
-    capture's, and the collective it waited in is marked retired by then."""
+    """This rank's own step raised a communication error (a timeout, a broken connection): it was waiting. Its
+    main thread's stack is then the capture's, and the collective it waited in is marked retired by then."""
+    error: str = ""
+    """This rank's own error when it failed by itself (not a communication error): it is a culprit."""
 
 
 @dataclass(frozen=True)
@@ -190,10 +188,11 @@ def read_captures(folder: Path) -> dict[int, RankCapture]:
     return captures
 
 
-def capture_dict(capture: RankCapture) -> dict[str, Any]:
-    return _plain(capture)
+def to_dict(record: Any) -> Any:
+    """A record as plain JSON-able values."""
+    return _plain(record)
 
 
 __all__ = ["CAPTURE_FILE", "HANG_FILE", "CollectiveEntry", "Culprit", "Frame", "GroupRecord", "HangReport",
-           "PointToPointRecord", "RankCapture", "capture_dict", "capture_from_dict", "read_captures",
-           "report_from_dict", "to_json", "write_atomic"]
+           "PointToPointRecord", "RankCapture", "capture_from_dict", "read_captures",
+           "report_from_dict", "to_dict", "to_json", "write_atomic"]

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from diagnostics.records import CollectiveEntry, GroupRecord, RankCapture
 
-Signature = tuple
+UNEVEN_OPS = ("all_to_all", "alltoall", "gather", "scatter")
+"""Ops whose sizes differ between the ranks of one call by design (MoE token exchange, a root's buffers)."""
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,11 @@ class Finding:
     skipped: int = 0
 
 
-def signature(entry: CollectiveEntry) -> Signature:
-    return entry.op, entry.input_sizes, entry.input_dtypes, tuple((f.file, f.line) for f in entry.frames)
+def signature(entry: CollectiveEntry) -> tuple:
+    """What must agree between the ranks of one call: op, sizes (not for uneven ops), dtypes, call site."""
+    uneven = entry.op.startswith(UNEVEN_OPS[:2]) or entry.op in UNEVEN_OPS[2:]
+    sizes = () if uneven else entry.input_sizes
+    return entry.op, sizes, entry.input_dtypes, tuple((f.file, f.line) for f in entry.frames)
 
 
 def group_traces(captures: dict[int, RankCapture]) -> list[GroupTrace]:
@@ -56,14 +60,14 @@ def group_traces(captures: dict[int, RankCapture]) -> list[GroupTrace]:
     known: dict[tuple[str, tuple[int, ...]], GroupRecord] = {}
     entries: dict[tuple[str, tuple[int, ...]], dict[int, dict[int, CollectiveEntry]]] = {}
     for rank, capture in captures.items():
-        mine = {g.name: g for g in capture.groups}
+        by_name = {g.name: g for g in capture.groups}
         for group in capture.groups:
             key = (group.name, group.ranks)
             if key not in known or _preference(group.role) < _preference(known[key].role):
                 known[key] = group  # one process group serving several roles: name it by the most specific
             entries.setdefault(key, {}).setdefault(rank, {})
         for entry in capture.entries:
-            group = mine.get(entry.group)
+            group = by_name.get(entry.group)
             if group is not None:
                 entries[(group.name, group.ranks)][rank][entry.seq] = entry
     return [GroupTrace(key[0], known[key].role, key[1], entries[key]) for key in sorted(known, key=str)
@@ -78,7 +82,7 @@ def _preference(role: str) -> int:
     return 0 if role.split(".")[0] in MESH_DIMS else 2 if role == "world" else 1
 
 
-def _majority(group: GroupTrace, seq: int, votes: dict[tuple, Counter], context: tuple) -> Signature | None:
+def _majority(group: GroupTrace, seq: int, votes: dict[tuple, Counter], context: tuple) -> tuple | None:
     """The group's majority signature at ``seq``; without one (a tie, or a single member captured), the same
     position in the other groups of its dim and pipeline stages, when those agree with each other."""
     own = Counter(signature(seqs[seq]) for seqs in group.entries.values() if seq in seqs)
@@ -103,7 +107,7 @@ def _context(group: GroupTrace, stage_of: dict[int, int]) -> tuple:
 def _role_votes(traces: list[GroupTrace], stage_of: dict[int, int]) -> tuple[dict[tuple, Counter], dict]:
     """Signatures by (dim, stages, seq) over every group, and one entry of each signature."""
     votes: dict[tuple, Counter] = {}
-    examples: dict[Signature, CollectiveEntry] = {}
+    examples: dict[tuple, CollectiveEntry] = {}
     for group in traces:
         context = _context(group, stage_of)
         for seqs in group.entries.values():
@@ -129,7 +133,10 @@ def compare_groups(traces: list[GroupTrace], stage_of: dict[int, int] | None = N
             diverged = next((s for s in range(first, last + 1) if s in seqs and reference.get(s) is not None
                              and signature(seqs[s]) != reference[s]), None)
             if diverged is None:
-                if last < front and example.get(last + 1) is not None:
+                tie = _unsettled_tie(group, reference, rank)
+                if tie is not None:
+                    findings.append(tie)
+                elif last < front and example.get(last + 1) is not None:
                     findings.append(Finding(rank, "behind", group, last + 1, example[last + 1], None))
                 continue
             shift = _shift(seqs, reference, diverged, last, front)
@@ -140,7 +147,20 @@ def compare_groups(traces: list[GroupTrace], stage_of: dict[int, int] | None = N
     return findings
 
 
-def _shift(seqs: dict[int, CollectiveEntry], reference: dict[int, Signature | None], diverged: int, last: int,
+def _unsettled_tie(group: GroupTrace, reference: dict[int, tuple | None], rank: int) -> Finding | None:
+    """Two members disagree, no majority and no other group of the dim to settle it: both are named."""
+    for seq in sorted(reference):
+        if reference[seq] is not None or seq not in group.entries[rank]:
+            continue
+        issued = group.entries[rank][seq]
+        other = next((seqs[seq] for member, seqs in group.entries.items() if member != rank and seq in seqs
+                      and signature(seqs[seq]) != signature(issued)), None)
+        if other is not None:
+            return Finding(rank, "mismatch", group, seq, other, issued)
+    return None
+
+
+def _shift(seqs: dict[int, CollectiveEntry], reference: dict[int, tuple | None], diverged: int, last: int,
            front: int) -> int:
     """The number of collectives a rank skipped: the smallest k for which its entries from ``diverged`` on are the
     majority's from ``diverged + k`` on (where the majority got that far; past it the rank went on alone)."""

@@ -47,7 +47,7 @@ def _op(entry: CollectiveEntry | None) -> str:
     return entry.op if entry is not None else "?"
 
 
-def _at(entry: CollectiveEntry | None) -> str | None:
+def _call_site(entry: CollectiveEntry | None) -> str | None:
     frame = user_frame(entry.frames) if entry is not None else None
     return str(frame) if frame else None
 
@@ -56,13 +56,13 @@ def _call(entry: CollectiveEntry | None) -> str:
     if entry is None:
         return "nothing"
     sizes = ", ".join("x".join(map(str, size)) or "scalar" for size in entry.input_sizes)
-    return f"{entry.op}({sizes}; {','.join(entry.input_dtypes)}) at {_at(entry)}"
+    return f"{entry.op}({sizes}; {','.join(entry.input_dtypes)}) at {_call_site(entry)}"
 
 
 def _busy(rank: int, captures: dict[int, RankCapture], traces: list[GroupTrace]) -> bool:
     """The rank is itself blocked in a collective or a receive: it waits for someone else."""
     capture = captures[rank]
-    if capture.raised:
+    if capture.raised and not capture.error:
         return True
     if any("/torch/distributed/" in frame.file for frame in capture.stacks.get(capture.main_thread, ())):
         return True
@@ -79,7 +79,7 @@ def _waits_in(group: GroupTrace, rank: int) -> bool:
     seqs = group.entries.get(rank) or {}
     if not seqs or max(seqs) != group.front:
         return False
-    return any(max(other, default=0) < group.front for member, other in group.entries.items() if member != rank)
+    return any(other and max(other) < group.front for member, other in group.entries.items() if member != rank)
 
 
 def _where(capture: RankCapture) -> str | None:
@@ -93,20 +93,21 @@ def _from_finding(finding: Finding, captures: dict[int, RankCapture]) -> Culprit
     if finding.kind == "mismatch":
         issued, expected = finding.issued, finding.expected
         detail = f"it issued {_call(issued)} where its peers issued {_call(expected)}"
-        return Culprit(rank, "mismatch", group.role, group.ranks, _op(issued), finding.seq, _at(issued), waited, detail)
+        return Culprit(rank, "mismatch", group.role, group.ranks, _op(issued), finding.seq, _call_site(issued), waited, detail)
     if finding.kind == "skipped":
         detail = (f"its later collectives paired with its peers' earlier ones ({finding.skipped} behind), so"
                   " they carried the wrong data or failed")
         return Culprit(rank, "skipped", group.role, group.ranks, _op(finding.expected), finding.seq,
-                       _at(finding.expected), waited, detail)
+                       _call_site(finding.expected), waited, detail)
     where = _where(captures[rank])
     return Culprit(rank, "stuck", group.role, group.ranks, _op(finding.expected), finding.seq, where, waited,
                    f"never joined it; its main thread is at {where}")
 
 
-def _from_unmatched(item: Unmatched, captures: dict[int, RankCapture], roles: dict[int, dict[str, tuple]]) -> Culprit:
+def _from_unmatched(item: Unmatched, captures: dict[int, RankCapture], roles: dict[int, dict[str, tuple]],
+                    traces: list[GroupTrace]) -> Culprit:
     group = roles.get(item.rank, {}).get(item.role, (item.rank, item.peer))
-    idle = item.rank in captures and not _busy(item.rank, captures, [])
+    idle = item.rank in captures and not _busy(item.rank, captures, traces)
     where = _where(captures[item.rank]) if idle else None
     verb = "never sent" if item.kind == "never_sent" else "never received"
     direction = "to" if item.kind == "never_sent" else "from"
@@ -115,25 +116,33 @@ def _from_unmatched(item: Unmatched, captures: dict[int, RankCapture], roles: di
                    None, where, None, detail)
 
 
-def _dead(rank: int, captures: dict[int, RankCapture], traces: list[GroupTrace]) -> Culprit:
-    mine = [group for group in traces if rank in group.ranks and group.role != "world"] or \
-           [group for group in traces if rank in group.ranks]
-    waiting = [(group, entry) for group in mine for r in group.entries if (entry := pending(group, r)) is not None]
+def _absent(rank: int, captures: dict[int, RankCapture], traces: list[GroupTrace], died: bool) -> Culprit:
+    """A rank without a capture, named from its peers' entries: dead (the watchdog said so), or silent."""
+    kind, what = ("dead", "died") if died else ("no_capture", "left no capture")
+    groups = [group for group in traces if rank in group.ranks and group.role != "world"] or \
+             [group for group in traces if rank in group.ranks]
+    waiting = [(group, entry) for group in groups for r in group.entries if (entry := pending(group, r)) is not None]
     if waiting:
         group, entry = min(waiting, key=lambda item: item[1].started_ns or 0)
         # its peers got to #seq, so #seq-1 completed, and a collective completes only once every member joined
         joined = next((seqs[entry.seq - 1] for seqs in group.entries.values() if entry.seq - 1 in seqs), None)
         last = f"; it last joined {_call(joined)} #{joined.seq}" if joined else ""
-        detail = f"died; its peers waited for it in {_call(entry)} #{entry.seq}{last}"
-        return Culprit(rank, "dead", group.role, group.ranks, entry.op, entry.seq, _at(entry),
+        detail = f"{what}; its peers waited for it in {_call(entry)} #{entry.seq}{last}"
+        return Culprit(rank, kind, group.role, group.ranks, entry.op, entry.seq, _call_site(entry),
                        _waited(group, captures, rank), detail)
-    group = mine[0] if mine else None
+    group = groups[0] if groups else None
     seqs = [e for member in (group.entries.values() if group else ()) for e in member.values()]
     last = max(seqs, key=lambda e: e.seq) if seqs else None
-    detail = (f"died; the last collective its peers recorded with it: {_call(last)} #{last.seq}" if last
-              else "died")
-    return Culprit(rank, "dead", group.role if group else "world", group.ranks if group else (), _op(last),
-                   last.seq if last else None, _at(last), None, detail)
+    detail = f"{what}; the last collective its peers recorded with it: {_call(last)} #{last.seq}" if last else what
+    return Culprit(rank, kind, group.role if group else "world", group.ranks if group else (), _op(last),
+                   last.seq if last else None, _call_site(last), None, detail)
+
+
+def _failed(capture: RankCapture) -> Culprit:
+    """A rank whose own step raised (not a communication error): it stopped, its peers then waited for it."""
+    group = next((g for g in capture.groups if g.role != "world"), None)
+    return Culprit(capture.rank, "failed", group.role if group else "world", group.ranks if group else (), "-", None,
+                   None, None, f"failed by itself: {capture.error}")
 
 
 def _role_groups(captures: dict[int, RankCapture]) -> dict[int, dict[str, tuple]]:
@@ -160,26 +169,32 @@ def _sentence(culprit: Culprit, coordinates: dict[str, dict[str, int]]) -> str:
     if culprit.kind in ("never_sent", "never_received"):
         where = f"; it is at {culprit.frame}" if culprit.frame else ""
         return f"{who} {culprit.detail} ({culprit.dim} group {list(culprit.group_ranks)}){where}"
+    if culprit.kind == "failed":
+        return f"{who} {culprit.detail}"
     return f"{who} {culprit.detail} {on}{waited}"
 
 
 def hang_report(captures: dict[int, RankCapture], world_size: int, dead: Iterable[int] = (),
                 reason: str = "") -> HangReport:
-    """Who is at fault and where, in mesh terms, from every capture there is (pure: recorded data only)."""
+    """Who is at fault and where, in mesh terms, from every capture there is (pure: recorded data only).
+    ``dead``: ranks the watchdog found dead; other ranks without a capture are named as such, not as dead."""
     traces = group_traces(captures)
     coordinates = next((c.coordinates for c in captures.values() if c.coordinates), {})
     stage_of = {int(rank): coords.get("pp", 0) for rank, coords in coordinates.items()}
     findings = compare_groups(traces, stage_of)
     p2p = unmatched(captures)
     roles = _role_groups(captures)
-    dead = sorted(set(dead) | ({r for r in range(world_size) if r not in captures} if captures else set()))
-    strong = [_from_finding(f, captures) for f in findings if f.kind in ("mismatch", "skipped")]
-    strong += [_from_unmatched(u, captures, roles) for u in p2p if u.kind == "never_sent" and u.skipped]
-    stuck = [_from_finding(f, captures) for f in findings if f.kind == "behind" and not _busy(f.rank, captures, traces)]
-    stuck += [_from_unmatched(u, captures, roles) for u in p2p
-              if not u.skipped and u.rank in captures and not _busy(u.rank, captures, traces)]
-    dying = [_dead(rank, captures, traces) for rank in dead]
-    culprits = strong or stuck or dying
+    dead = sorted(set(dead))
+    missing = [rank for rank in range(world_size) if rank not in captures]
+    evidence = [_failed(c) for c in captures.values() if c.error]
+    evidence += [_from_finding(f, captures) for f in findings if f.kind in ("mismatch", "skipped")]
+    evidence += [_from_unmatched(u, captures, roles, traces) for u in p2p if u.kind == "never_sent" and u.skipped]
+    elsewhere = [_from_finding(f, captures) for f in findings
+                 if f.kind == "behind" and not _busy(f.rank, captures, traces)]
+    elsewhere += [_from_unmatched(u, captures, roles, traces) for u in p2p
+                  if not u.skipped and u.rank in captures and not _busy(u.rank, captures, traces)]
+    absent = [_absent(rank, captures, traces, rank in dead) for rank in sorted(set(dead) | set(missing))]
+    culprits = evidence or elsewhere or absent
     if not culprits:  # everyone waits for someone: name the ranks that are behind, and where they wait
         culprits = [_from_finding(f, captures) for f in findings if f.kind == "behind"]
     unique: dict[int, Culprit] = {}
@@ -187,6 +202,7 @@ def hang_report(captures: dict[int, RankCapture], world_size: int, dead: Iterabl
         unique.setdefault(culprit.rank, culprit)
     culprits = sorted(unique.values(), key=lambda c: c.rank)
     summary = [_sentence(c, coordinates) for c in culprits]
-    summary += [f"{_sentence(d, coordinates)} (a consequence)" for d in dying if d.rank not in unique]
-    return HangReport(tuple(culprits), tuple(dead), tuple(sorted(captures)),
-                      tuple(r for r in range(world_size) if r not in captures), tuple(summary), reason)
+    summary += [f"{_sentence(a, coordinates)} (a consequence)" for a in absent if a.rank not in unique]
+    summary += [f"rank {c.rank} had no flight recorder (TORCH_FR_BUFFER_SIZE=0?): judged from its stack only"
+                for c in captures.values() if not c.flight_recorder]
+    return HangReport(tuple(culprits), tuple(dead), tuple(sorted(captures)), tuple(missing), tuple(summary), reason)

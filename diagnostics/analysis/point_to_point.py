@@ -24,8 +24,6 @@ class Unmatched:
     step: int
     tags: tuple[str, ...]
     """What is missing, e.g. ``("fwd/0",)``: the forward activations of microbatch 0."""
-    waiting_since: float | None
-    """When the peer issued the operation nobody answered (``time.perf_counter`` of the peer)."""
     skipped: bool = False
     """The sender went on to send later microbatches in the same direction: it skipped these, it was not blocked.
     A sender that is itself waiting on a receive and sent nothing later is a consequence, not the cause."""
@@ -53,15 +51,13 @@ def unmatched(captures: dict[int, RankCapture]) -> list[Unmatched]:
             sent = _issued(other.point_to_point, "send", rank, step)
             missing = received - sent
             if missing and sum(received.values()) > sum(sent.values()):
-                waits = [r.time_s for r in capture.point_to_point if r.op == "recv" and r.peer == peer
-                         and r.step == step and r.state == "issued"]
                 role = next(r.role for r in capture.point_to_point if r.peer == peer)
                 found.append(Unmatched(peer, rank, "never_sent", role, step, tuple(sorted(missing)),
-                                       max(waits) if waits else None, _sent_later(sent, missing)))
+                                       _sent_later(sent, missing)))
             extra = sent - received
             if extra and sum(sent.values()) > sum(received.values()) and not (received - sent):
                 role = next(r.role for r in other.point_to_point if r.peer == rank)
-                found.append(Unmatched(rank, peer, "never_received", role, step, tuple(sorted(extra)), None))
+                found.append(Unmatched(rank, peer, "never_received", role, step, tuple(sorted(extra))))
     return found
 
 

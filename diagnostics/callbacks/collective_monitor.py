@@ -16,16 +16,19 @@ import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from lightning_nd.strategy.failure_monitor import COMMUNICATION_ERRORS
+
 from diagnostics.analysis.hang import hang_report
 from diagnostics.collect.environment import apply_environment, wanted_environment
 from diagnostics.collect.exchange import CaptureExchange
-from diagnostics.collect.flight_recorder import entries_of, read_dump, with_groups, write_dump
+from diagnostics.collect.flight_recorder import DUMP_PREFIX, entries_of, read_dump, with_groups, write_dump
 from diagnostics.collect.ledger import PointToPointLedger
 from diagnostics.collect.stacks import stacks_text, thread_stacks
 from diagnostics.records import CAPTURE_FILE, HANG_FILE, GroupRecord, RankCapture, to_json, write_atomic
@@ -37,7 +40,7 @@ _fits = itertools.count()  # every rank counts its fits alike: one store prefix 
 
 class CollectiveMonitor(Callback):
     def __init__(self, log_dir: str | None = None, flight_recorder_entries: int | None = None,
-                 distributed_debug: Literal["INFO", "DETAIL"] | None = None, gather_timeout: float = 8.0) -> None:
+                 distributed_debug: Literal["INFO", "DETAIL"] | None = None, gather_timeout: float = 12.0) -> None:
         """``log_dir``: where ``diagnostics/`` goes (default: the Trainer's ``default_root_dir``, the same on every
         rank before any logger has a version). ``flight_recorder_entries``: the ring's size (default 2000; 0 turns
         it off). ``distributed_debug``: sets ``TORCH_DISTRIBUTED_DEBUG`` (``DETAIL`` checks every collective's
@@ -66,12 +69,14 @@ class CollectiveMonitor(Callback):
 
     def on_nd_before_process_group(self, strategy: Any, event: Any) -> None:
         self.rank, self.world_size, self.backend = event.rank, event.world_size, event.backend
+        self.ledger, self.report, self._captured, self._topology_written = PointToPointLedger(), None, False, False
         self.folder = Path(self._log_dir or event.root_dir).resolve() / "diagnostics"
         mine = self.folder / f"rank{self.rank}"
         mine.mkdir(parents=True, exist_ok=True)
-        stale = [mine / CAPTURE_FILE, mine / "stacks.txt", mine / "hang.md"]
+        stale = [mine / CAPTURE_FILE, mine / "stacks.txt", mine / "hang.md",
+                 self.folder / "fr" / f"{DUMP_PREFIX}{self.rank}", *(self.folder / "nccl").glob(f"nccl.rank{self.rank}.*")]
         for path in stale + ([self.folder / HANG_FILE] if self.rank == 0 else []):
-            path.unlink(missing_ok=True)  # a capture from an earlier run in this folder must not be read as this one's
+            path.unlink(missing_ok=True)  # what an earlier run in this folder left must not be read as this one's
         wanted = wanted_environment(event.backend, self.rank, self.folder, self._entries, self._debug)
         _, self.kept = apply_environment(wanted, os.environ)
         if self.kept and self.rank == 0:
@@ -88,6 +93,8 @@ class CollectiveMonitor(Callback):
 
         self.groups = tuple(GroupRecord(g.name, g.desc, g.role, tuple(g.ranks)) for g in event.groups)
         store = _get_default_store().clone() if dist.is_initialized() and self.world_size > 1 else None
+        if store is not None:
+            store.set_timeout(timedelta(seconds=5))  # a host gone without closing its socket: no long block
         prefix = f"lightning_nd/diagnostics/{next(_fits)}/"
         assert self.folder is not None
         self.exchange = CaptureExchange(store, prefix, self.folder, self.rank, self.world_size)
@@ -141,7 +148,10 @@ class CollectiveMonitor(Callback):
                 return
             self._captured = True
         raised = event.thread == threading.main_thread().name  # this rank's own step raised
-        capture = self._capture(f"rank {event.culprit} {event.reason}", raised)
+        own = raised and event.culprit == self.rank
+        communication = any(words in event.reason.lower() for words in COMMUNICATION_ERRORS)
+        capture = self._capture(f"rank {event.culprit} {event.reason}", raised and (communication or not own),
+                                event.reason if own and not communication else "")
         assert self.exchange is not None
         self.exchange.publish(capture)
         dead = {event.culprit} if event.reason.startswith("died") else set()
@@ -158,18 +168,19 @@ class CollectiveMonitor(Callback):
         if self.rank == _store_host():
             self.exchange.wait_until_read([r for r in range(self.world_size) if r not in dead], seconds=3.0)
 
-    def _capture(self, reason: str, raised: bool) -> RankCapture:
+    def _capture(self, reason: str, raised: bool, error: str) -> RankCapture:
         assert self.folder is not None
         dump = read_dump()
         stacks, main = thread_stacks()
         mine = self.folder / f"rank{self.rank}"
         write_atomic(mine / "stacks.txt", stacks_text(stacks))
-        if dump is not None and not (self.folder / "fr" / f"fr_rank_{self.rank}").exists():  # NCCL may have dumped
+        torch_dumped = "nccl" in self.backend and (self.folder / "fr" / f"{DUMP_PREFIX}{self.rank}").exists()
+        if dump is not None and not torch_dumped:  # on NCCL torch may have dumped on the timeout itself
             write_dump(with_groups(dump, self.groups, self.rank), self.folder / "fr", self.rank)
         step = self._trainer.global_step if self._trainer is not None else 0
         return RankCapture(self.rank, self.world_size, reason, step, time.time(), entries_of(dump) if dump else (),
                            self.ledger.records(), stacks, main, self.groups, self.coordinates,
-                           store_host=_store_host(), flight_recorder=dump is not None, raised=raised)
+                           flight_recorder=dump is not None, raised=raised, error=error)
 
     @staticmethod
     def _log_text(trainer: Trainer, tag: str, text: str) -> None:

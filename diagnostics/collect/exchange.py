@@ -13,9 +13,9 @@ from pathlib import Path
 from diagnostics.records import (
     CAPTURE_FILE,
     RankCapture,
-    capture_dict,
     capture_from_dict,
     read_captures,
+    to_dict,
     to_json,
     write_atomic,
 )
@@ -40,7 +40,7 @@ class CaptureExchange:
     def publish(self, capture: RankCapture) -> Path:
         path = self.folder / f"rank{self.rank}" / CAPTURE_FILE
         write_atomic(path, to_json(capture, indent=None))
-        payload = zlib.compress(json.dumps(capture_dict(capture)).encode())
+        payload = zlib.compress(json.dumps(to_dict(capture)).encode())
         self._store(lambda store: store.set(f"{self.prefix}capture/{self.rank}", payload))
         return path
 

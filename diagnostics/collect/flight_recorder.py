@@ -69,15 +69,19 @@ def with_groups(dump: dict[str, Any], groups: Iterable[GroupRecord], rank: int) 
     return {**dump, "entries": entries, "pg_config": config, "pg_status": {}, "rank": rank}
 
 
-def capture_of_dump(dump: dict[str, Any], rank: int, world_size: int, captured_at: float) -> RankCapture:
-    """A capture from a flight-recorder dump alone (torch's own, from an NCCL run): entries and groups, no stacks."""
+def capture_of_dump(dump: dict[str, Any], rank: int, world_size: int, captured_at: float,
+                    coordinates: dict[str, dict[str, int]] | None = None) -> RankCapture:
+    """A capture from a flight-recorder dump alone (torch's own, from an NCCL run): entries and groups, no stacks;
+    the world size is at least what its groups' ranks say, ``coordinates`` come from the run's ``layout.json``."""
     groups = []
     for name, config in (dump.get("pg_config") or {}).items():
         ranks = tuple(int(r) for r in str(config.get("ranks", "[]")).strip("[]").split(",") if r.strip())
         desc = str(config.get("desc", ""))
-        groups.append(GroupRecord(str(name), desc, desc.removeprefix("mesh_") or str(name), ranks or (rank,)))
-    return RankCapture(rank, world_size, "flight-recorder dump", 0, captured_at, entries_of(dump), (), {}, "",
-                       tuple(groups))
+        role = "world" if desc == "default_pg" else desc.removeprefix("mesh_") or str(name)
+        groups.append(GroupRecord(str(name), desc, role, ranks or (rank,)))
+    world = max(max(rank, *(max(g.ranks) for g in groups)) + 1, world_size) if groups else max(world_size, rank + 1)
+    return RankCapture(rank, world, "flight-recorder dump", 0, captured_at, entries_of(dump), (), {}, "",
+                       tuple(groups), coordinates or {})
 
 
 def write_dump(dump: dict[str, Any], folder: Path, rank: int) -> Path:

@@ -10,8 +10,10 @@ ADVICE = {
     "mismatch": "Ranks of one group called different collectives or sizes at the same point: the shapes depend on"
                 " the rank's data (uneven last batch, padding, a rank-dependent branch). Set"
                 " `CollectiveMonitor(distributed_debug=\"DETAIL\")` to stop at the first such call.",
-    "dead": "The process died (killed, crashed or out of memory): see its log and `rank<R>/faulthandler.txt`;"
-            " resume from the last checkpoint.",
+    "dead": "The process died (killed, crashed or out of memory): see its log, the kernel's (`dmesg`: the OOM"
+            " killer) and, for an abort, `rank<R>/faulthandler.txt`; resume from the last checkpoint.",
+    "no_capture": "The rank left no capture in time: see its log; it may still be running (a stuck host) or gone.",
+    "failed": "The rank raised by itself: its own traceback (its log) is the cause; the others only waited for it.",
     "never_sent": "A pipeline stage skipped a send its neighbour waits for: a rank-dependent branch in the stage,"
                   " or microbatches that differ between stages.",
     "never_received": "A stage sent what its neighbour never asked for: the stages disagree on the schedule.",
@@ -24,7 +26,8 @@ def hang_markdown(report: HangReport, folder: str) -> str:
     lines += ["", "| rank | what | dim | group | op | # | where | peers waited (s) |", "|---|" * 8]
     for c in report.culprits:
         seq, waited = c.seq if c.seq is not None else "-", c.waited_s if c.waited_s is not None else "-"
-        lines.append(f"| {c.rank} | {c.kind} | {c.dim} | {list(c.group_ranks)} | {c.op} | {seq} | {c.frame or '-'} | {waited} |")
+        lines.append(f"| {c.rank} | {c.kind} | {c.dim} | {list(c.group_ranks)} | {c.op} | {seq} | {c.frame or '-'}"
+                     f" | {waited} |")
     lines += ["", "| what to do |", "|---|"]
     lines += [f"| {ADVICE[kind]} |" for kind in dict.fromkeys(c.kind for c in report.culprits) if kind in ADVICE]
     lines += ["", f"Captured ranks: {list(report.captured)}; without a capture: {list(report.missing)}."

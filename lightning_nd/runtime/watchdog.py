@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
+
 def _store_gone(error: Exception) -> tuple[int, str]:
     return 0, f"died or is unreachable: the rendezvous store does not answer ({error})"
 

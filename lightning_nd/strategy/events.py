@@ -30,7 +30,7 @@ from lightning_nd.layout.record import Layout
 
 log = logging.getLogger("lightning_nd")
 
-VERDICT_BUDGET_S = 15.0
+VERDICT_BUDGET_S = 20.0
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,13 @@ from lightning_nd.runtime.timeouts import set_timeout
 from lightning_nd.runtime.watchdog import RankWatchdog
 from lightning_nd.strategy.events import VERDICT_BUDGET_S
 
+
 WATCHDOG = "lightning-nd-watchdog"  # the watchdog thread's name, as a verdict's ``thread``
 
 # What a rank sees when a peer dies under it (gloo, NCCL, the store): wait for the watchdog to name the peer.
 COMMUNICATION_ERRORS = ("connection closed", "connection reset", "broken pipe", "timed out", "nccl error",
                         "distnetworkerror", "distbackenderror")
+
 
 class FailureMonitor:
     def __init__(self, step_timeout: timedelta, init_timeout: timedelta, heartbeat_timeout: timedelta | None,
@@ -105,6 +107,7 @@ class FailureMonitor:
                 self._barrier()  # watched while waiting: no rank leaves (perhaps with the store) before all are here
                 self._watchdog.stop()
             self._watchdog = None
+
 
 def _own_rank() -> int:
     import torch.distributed as dist

@@ -38,7 +38,7 @@ def capture(rank: int, entries: list[CollectiveEntry], groups: list[GroupRecord]
             coordinates=None, world_size: int = 4) -> RankCapture:
     return RankCapture(rank, world_size, "rank 0 failed: timed out", 2, 1_000_000_000_100.0, tuple(entries),
                        tuple(p2p), {"MainThread": stack, "lightning-nd-watchdog": ()}, "MainThread", tuple(groups),
-                       coordinates or {}, store_host=0)
+                       coordinates or {})
 
 
 def history(group: str, upto: int, line: int = 50) -> list[CollectiveEntry]:
@@ -78,9 +78,40 @@ def test_a_size_mismatch_in_a_two_rank_group_is_settled_by_the_dims_other_groups
     assert (culprit.rank, culprit.kind, culprit.dim, culprit.group_ranks) == (1, "mismatch", "tp", (0, 1))
     assert "all_reduce(8; Float)" in culprit.detail and "all_reduce(4; Float)" in culprit.detail
     del captures[0]  # the partner died (gloo aborts a rank that receives more than it expects): still rank 1
-    report = hang_report(captures, 4)
-    assert [c.rank for c in report.culprits] == [1] and report.dead == (0,)
-    assert any("rank 0" in line and "(a consequence)" in line for line in report.summary)
+    report = hang_report(captures, 4, dead=[0])
+    assert [c.rank for c in report.culprits] == [1] and report.dead == (0,) and report.missing == (0,)
+    assert any(line.startswith("rank 0 died") and "(a consequence)" in line for line in report.summary)
+    silent = hang_report(captures, 4)  # not known dead: named as silent, never as dead
+    assert silent.dead == () and any(line.startswith("rank 0 left no capture") for line in silent.summary)
+
+
+def test_a_rank_that_failed_by_itself_is_named_with_its_error_not_its_waiting_peers():
+    captures = {r: capture(r, [*history("1", 4), entry("1", 5, 60)], [DP]) for r in range(4)}
+    captures[1] = RankCapture(**{**captures[1].__dict__, "raised": True, "error": "failed: ValueError: bad batch"})
+    for r in (0, 2, 3):
+        captures[r] = RankCapture(**{**captures[r].__dict__, "raised": True})
+    (culprit,) = hang_report(captures, 4).culprits
+    assert (culprit.rank, culprit.kind) == (1, "failed")
+    assert culprit.detail == "failed by itself: failed: ValueError: bad batch"
+
+
+def test_uneven_all_to_all_sizes_are_no_mismatch():
+    ep = GroupRecord("9", "mesh_ep", "ep", (0, 1, 2, 3))
+    def routed(rank, retired=True):
+        return CollectiveEntry("9", 3, "all_to_all_single", ((10 + rank, 64),), ("Float",), retired, 1,
+                               (TORCH, Frame("/home/me/moe.py", 30, "forward")))
+    captures = {r: capture(r, [*history("9", 2), routed(r, retired=False)], [ep]) for r in (0, 1, 3)}
+    captures[2] = capture(2, history("9", 2), [ep], stack=SLEEP)
+    (culprit,) = hang_report(captures, 4).culprits
+    assert (culprit.rank, culprit.kind, culprit.op) == (2, "stuck", "all_to_all_single")
+
+
+def test_two_ranks_that_disagree_with_nobody_to_settle_it_are_both_named():
+    tp = GroupRecord("5", "mesh_tp", "tp", (0, 1))
+    captures = {r: capture(r, [*history("5", 3), entry("5", 4, 80, size=4 + 4 * r)], [tp], world_size=2)
+                for r in (0, 1)}
+    report = hang_report(captures, 2)
+    assert [(c.rank, c.kind) for c in report.culprits] == [(0, "mismatch"), (1, "mismatch")]
 
 
 def test_other_pipeline_stages_are_not_compared_with_each_other():
@@ -188,3 +219,21 @@ def test_the_cli_decides_from_flight_recorder_dumps_alone(tmp_path, capsys):
     assert "rank 1 never joined all_reduce #6 on the dp_shard group [0, 1, 2, 3]; its stack was not captured" in out
     (tmp_path / "fr_rank_2").write_bytes(b"not a pickle")
     assert main(["hang", str(tmp_path)]) == 2 and "fr_rank_2" in capsys.readouterr().err
+
+
+def test_the_cli_keeps_pipeline_stages_apart_with_the_runs_layout(tmp_path, capsys):
+    import pickle
+
+    for rank in (1, 2, 3):  # rank 0's dump is missing; each stage's dp group moves its own layers' sizes
+        name, members = ("10", "[0, 1]") if rank < 2 else ("11", "[2, 3]")
+        entries = [{**_torch_entry(seq, 40), "process_group": (name, "mesh_dp_shard"),
+                    "input_sizes": [[100 if rank < 2 else 200]]} for seq in (1, 2)]
+        dump = {"pg_config": {name: {"name": name, "desc": "mesh_dp_shard", "ranks": members}}, "entries": entries}
+        (tmp_path / f"fr_rank_{rank}").write_bytes(pickle.dumps(dump))
+    assert main(["hang", str(tmp_path)]) == 1
+    assert "rank 1 disagrees" in capsys.readouterr().out  # without coordinates the stages look like one dim
+    layout = {"ranks": [{"rank": r, "coordinates": {"pp": r // 2, "dp_shard": r % 2}} for r in range(4)]}
+    (tmp_path / "layout.json").write_text(json.dumps(layout))
+    assert main(["hang", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "disagrees" not in out and "rank 0 (pp 0, dp_shard 0) left no capture" in out

@@ -67,6 +67,7 @@ def test_rank_zero_killed_under_dp_shard_store_gone(tmp_path):
     run = _run(tmp_path, "kill", {"dp_shard": 4}, victim=0)
     culprit = _culprit(run["report"], 0)
     assert culprit["kind"] == "dead" and culprit["dim"] == "dp_shard" and run["report"]["dead"] == [0]
+    assert culprit["op"] == "all_gather"  # its peers were in the forward's first FSDP all-gather
     assert run["ended"][0][0] == -9 and run["report"]["captured"] == [1, 2, 3]
     for rank in (1, 2, 3):  # the store died with rank 0: each survivor still names it
         assert "lightning-nd: rank 0 died or is unreachable: the rendezvous store" in run["logs"][rank]
@@ -75,7 +76,9 @@ def test_rank_zero_killed_under_dp_shard_store_gone(tmp_path):
 def test_rank_stuck_in_python_under_dp_shard_x_tp(tmp_path):
     run = _run(tmp_path, "stuck", {"dp_shard": 2, "tp": 2}, victim=3)
     culprit = _culprit(run["report"], 3)
-    assert culprit["kind"] == "stuck" and culprit["dim"] in ("tp", "fsdp")
+    # rank 3 is awaited by its tp partner (a TP all-reduce) and by its fsdp partner (an all-gather): either is right
+    assert culprit["kind"] == "stuck"
+    assert (culprit["dim"], culprit["op"]) in {("tp", "all_reduce"), ("fsdp", "all_gather")}
     assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
     assert "rank 3 (dp_shard 1, tp 1) never joined" in run["report"]["summary"][0]
     # torch's own analyzer reads our gloo dumps and finds rank 3 missing too
@@ -114,6 +117,7 @@ def test_pipeline_stage_that_never_sends(tmp_path):
     run = _run(tmp_path, "never_send", {"pp": 2, "dp_shard": 2}, victim=0)
     culprit = _culprit(run["report"], 0)
     assert culprit["kind"] == "never_sent" and culprit["dim"] == "pp" and culprit["group_ranks"] == [0, 2]
+    assert culprit["op"] == "send"
     assert "never sent fwd/0 of step 2 to rank 2" in culprit["detail"]
 
 
@@ -121,11 +125,11 @@ def test_rank_killed_mid_step_under_pp_x_dp_shard(tmp_path):
     run = _run(tmp_path, "kill", {"pp": 2, "dp_shard": 2}, victim=1)
     culprit = _culprit(run["report"], 1)
     assert culprit["kind"] == "dead" and run["report"]["dead"] == [1] and run["ended"][1][0] == -9
-    assert culprit["dim"] in ("pp", "dp_shard", "fsdp")
+    assert (culprit["dim"], culprit["op"]) == ("fsdp", "all_gather")  # its stage partner waited in the forward
 
 
 def test_stage_stuck_in_python_under_pp_x_dp_shard(tmp_path):
     run = _run(tmp_path, "stuck", {"pp": 2, "dp_shard": 2}, victim=2)
     culprit = _culprit(run["report"], 2)
-    assert culprit["kind"] in ("stuck", "never_sent")
+    assert (culprit["kind"], culprit["dim"], culprit["op"]) == ("stuck", "fsdp", "all_gather")
     assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
