@@ -93,7 +93,8 @@ def _from_finding(finding: Finding, captures: dict[int, RankCapture]) -> Culprit
     if finding.kind == "mismatch":
         issued, expected = finding.issued, finding.expected
         detail = f"it issued {_call(issued)} where its peers issued {_call(expected)}"
-        return Culprit(rank, "mismatch", group.role, group.ranks, _op(issued), finding.seq, _call_site(issued), waited, detail)
+        return Culprit(rank, "mismatch", group.role, group.ranks, _op(issued), finding.seq, _call_site(issued),
+                       waited, detail)
     if finding.kind == "skipped":
         detail = (f"its later collectives paired with its peers' earlier ones ({finding.skipped} behind), so"
                   " they carried the wrong data or failed")

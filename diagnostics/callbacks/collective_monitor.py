@@ -71,10 +71,11 @@ class CollectiveMonitor(Callback):
         self.rank, self.world_size, self.backend = event.rank, event.world_size, event.backend
         self.ledger, self.report, self._captured, self._topology_written = PointToPointLedger(), None, False, False
         self.folder = Path(self._log_dir or event.root_dir).resolve() / "diagnostics"
-        mine = self.folder / f"rank{self.rank}"
-        mine.mkdir(parents=True, exist_ok=True)
-        stale = [mine / CAPTURE_FILE, mine / "stacks.txt", mine / "hang.md",
-                 self.folder / "fr" / f"{DUMP_PREFIX}{self.rank}", *(self.folder / "nccl").glob(f"nccl.rank{self.rank}.*")]
+        own_folder = self.folder / f"rank{self.rank}"
+        own_folder.mkdir(parents=True, exist_ok=True)
+        stale = [own_folder / CAPTURE_FILE, own_folder / "stacks.txt", own_folder / "hang.md",
+                 self.folder / "fr" / f"{DUMP_PREFIX}{self.rank}",
+                 *(self.folder / "nccl").glob(f"nccl.rank{self.rank}.*")]
         for path in stale + ([self.folder / HANG_FILE] if self.rank == 0 else []):
             path.unlink(missing_ok=True)  # what an earlier run in this folder left must not be read as this one's
         wanted = wanted_environment(event.backend, self.rank, self.folder, self._entries, self._debug)
@@ -84,7 +85,7 @@ class CollectiveMonitor(Callback):
                   + f" (CollectiveMonitor would set {', '.join(f'{k}={wanted[k]}' for k in self.kept)})",
                   file=sys.stderr)
         if not faulthandler.is_enabled():  # a rank killed by an abort (gloo's size check) still leaves its stacks
-            self._fault_file = open(mine / "faulthandler.txt", "w")
+            self._fault_file = open(own_folder / "faulthandler.txt", "w")
             faulthandler.enable(self._fault_file, all_threads=True)
 
     def on_nd_process_groups_created(self, strategy: Any, event: Any) -> None:
@@ -172,8 +173,7 @@ class CollectiveMonitor(Callback):
         assert self.folder is not None
         dump = read_dump()
         stacks, main = thread_stacks()
-        mine = self.folder / f"rank{self.rank}"
-        write_atomic(mine / "stacks.txt", stacks_text(stacks))
+        write_atomic(self.folder / f"rank{self.rank}" / "stacks.txt", stacks_text(stacks))
         torch_dumped = "nccl" in self.backend and (self.folder / "fr" / f"{DUMP_PREFIX}{self.rank}").exists()
         if dump is not None and not torch_dumped:  # on NCCL torch may have dumped on the timeout itself
             write_dump(with_groups(dump, self.groups, self.rank), self.folder / "fr", self.rank)
