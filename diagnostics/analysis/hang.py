@@ -120,6 +120,9 @@ def _from_unmatched(item: Unmatched, captures: dict[int, RankCapture], roles: di
 def _absent(rank: int, captures: dict[int, RankCapture], traces: list[GroupTrace], died: bool) -> Culprit:
     """A rank without a capture, named from its peers' entries: dead (the watchdog said so), or silent."""
     kind, what = ("dead", "died") if died else ("no_capture", "left no capture")
+    awaited = [(c.rank, r) for c in captures.values() for r in pending_receives(c) if r.peer == rank]  # ledgers
+    what += f" ({'; '.join(f'rank {r} waited for its {p.tag or p.op} (step {p.step})' for r, p in awaited)})" \
+        if awaited else ""
     groups = [group for group in traces if rank in group.ranks and group.role != "world"] or \
              [group for group in traces if rank in group.ranks]
     waiting = [(group, entry) for group in groups for r in group.entries if (entry := pending(group, r)) is not None]
@@ -131,6 +134,11 @@ def _absent(rank: int, captures: dict[int, RankCapture], traces: list[GroupTrace
         detail = f"{what}; its peers waited for it in {_call(entry)} #{entry.seq}{last}"
         return Culprit(rank, kind, group.role, group.ranks, entry.op, entry.seq, _call_site(entry),
                        _waited(group, captures, rank), detail)
+    if not groups and awaited:  # no collective with it recorded: its pipeline (or ring) group says where
+        role = awaited[0][1].role
+        members = next((g.ranks for c in captures.values() for g in c.groups if g.role == role and rank in g.ranks),
+                       (rank, awaited[0][0]))
+        return Culprit(rank, kind, role, members, "send", None, None, None, what)
     group = groups[0] if groups else None
     seqs = [e for member in (group.entries.values() if group else ()) for e in member.values()]
     last = max(seqs, key=lambda e: e.seq) if seqs else None

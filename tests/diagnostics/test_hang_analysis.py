@@ -168,6 +168,16 @@ def test_a_stage_that_skipped_a_send_is_named_not_the_stage_it_blocked():
     assert culprit.detail == "never sent fwd/0 of step 2 to rank 1"
 
 
+def test_a_dead_stage_is_named_with_what_its_neighbour_waited_for():
+    pp = GroupRecord("3", "mesh_pp", "pp", (0, 1))
+    receiver = [_p2p("recv", 0, "issued", "fwd/0"), _p2p("recv", 0, "completed", "fwd/0"),
+                _p2p("recv", 0, "issued", "fwd/1")]
+    report = hang_report({1: capture(1, [], [pp], p2p=receiver, world_size=2)}, 2, dead=[0])
+    (culprit,) = report.culprits
+    assert (culprit.rank, culprit.kind, culprit.dim) == (0, "dead", "pp")
+    assert culprit.detail == "died (rank 1 waited for its fwd/1 (step 2))"
+
+
 def test_records_round_trip_through_json_and_the_cli_reads_a_run_folder(tmp_path, capsys):
     captures = {r: capture(r, [*history("1", 9), entry("1", 10, 60, retired=False)], [DP]) for r in (0, 1, 3)}
     captures[2] = capture(2, history("1", 9), [DP], stack=SLEEP)
