@@ -24,9 +24,10 @@ def _line(text: str) -> int:
     return next(i for i, line in enumerate(SCENARIO.read_text().splitlines(), 1) if text in line)
 
 
-def _run(root: Path, fault: str, layout: dict, victim: int) -> dict:
+def _run(root: Path, fault: str, layout: dict, victim: int, tensorboard: bool = False) -> dict:
     procs = start("tests.distributed.hang_scenarios:run", WORLD, root / "out", environment=ENVIRONMENT, fault=fault,
-                  layout=layout, victim=victim, folder=str(root / "logs"), stamp=str(root / "stamp"))
+                  layout=layout, victim=victim, folder=str(root / "logs"), stamp=str(root / "stamp"),
+                  tensorboard=tensorboard)
     ended = exits(procs, timeout=240)
     logs = {rank: (root / "out" / f"rank{rank}.log").read_text() for rank in range(WORLD)}
     assert len(ended) == WORLD, f"ranks {set(range(WORLD)) - set(ended)} still ran:\n{logs}"
@@ -74,7 +75,7 @@ def test_rank_zero_killed_under_dp_shard_store_gone(tmp_path):
 
 
 def test_rank_stuck_in_python_under_dp_shard_x_tp(tmp_path):
-    run = _run(tmp_path, "stuck", {"dp_shard": 2, "tp": 2}, victim=3)
+    run = _run(tmp_path, "stuck", {"dp_shard": 2, "tp": 2}, victim=3, tensorboard=True)
     culprit = _culprit(run["report"], 3)
     # rank 3 is awaited by its tp partner (a TP all-reduce) and by its fsdp partner (an all-gather): either is right
     assert culprit["kind"] == "stuck"

@@ -24,7 +24,7 @@ from lightning_nd import NDParallel
 from tests.models import VOCAB, build
 
 FAULT_STEP = 2
-TIMEOUT_S = 8
+TIMEOUT_S = 5
 WORLD = int(os.environ.get("WORLD_SIZE", 1))
 
 
@@ -78,13 +78,16 @@ def never_send(victim: int, stamp: str, stage_chunk: int = 0) -> None:
     _PipelineStageBase.get_fwd_send_ops = get_fwd_send_ops
 
 
-def run(fault: str, layout: dict[str, Any], victim: int, folder: str, stamp: str) -> dict[str, Any]:
+def run(fault: str, layout: dict[str, Any], victim: int, folder: str, stamp: str,
+        tensorboard: bool = False) -> dict[str, Any]:
+    """``tensorboard``: log there (the cards are read back); off elsewhere, importing it costs each rank a second."""
     if fault == "never_send":
         never_send(victim, stamp)
     monitor = CollectiveMonitor(log_dir=folder)
     trainer = Trainer(
         strategy=NDParallel(**layout, timeout=TIMEOUT_S), accelerator="cpu", devices=WORLD, max_steps=6,
-        callbacks=[monitor], logger=TensorBoardLogger(folder, name="tb"), enable_checkpointing=False,
+        callbacks=[monitor], logger=TensorBoardLogger(folder, name="tb") if tensorboard else False,
+        enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )
     dp = trainer.strategy.dims.batch_size_multiplier
