@@ -49,10 +49,11 @@ class Finding:
 
 
 def signature(entry: CollectiveEntry) -> tuple:
-    """What must agree between the ranks of one call: op, sizes (not for uneven ops), dtypes, call site."""
+    """What must agree between the ranks of one call: op, sizes and dtypes (not for uneven ops: a scatter's
+    non-root ranks have no input at all), call site."""
     uneven = entry.op.startswith(UNEVEN_OPS[:2]) or entry.op in UNEVEN_OPS[2:]
-    sizes = () if uneven else entry.input_sizes
-    return entry.op, sizes, entry.input_dtypes, tuple((f.file, f.line) for f in entry.frames)
+    buffers = () if uneven else (entry.input_sizes, entry.input_dtypes)
+    return entry.op, buffers, tuple((f.file, f.line) for f in entry.frames)
 
 
 def group_traces(captures: dict[int, RankCapture]) -> list[GroupTrace]:
@@ -148,9 +149,10 @@ def compare_groups(traces: list[GroupTrace], stage_of: dict[int, int] | None = N
 
 
 def _unsettled_tie(group: GroupTrace, reference: dict[int, tuple | None], rank: int) -> Finding | None:
-    """Two members disagree, no majority and no other group of the dim to settle it: both are named."""
-    for seq in sorted(reference):
-        if reference[seq] is not None or seq not in group.entries[rank]:
+    """Two members disagree where the group stopped (its front), with no majority and no other group of the dim to
+    settle it: both are named. Earlier ties are left alone: the run went past them, so they are not what broke."""
+    for seq in (group.front,):
+        if reference.get(seq, 0) is not None or seq not in group.entries[rank]:
             continue
         issued = group.entries[rank][seq]
         other = next((seqs[seq] for member, seqs in group.entries.items() if member != rank and seq in seqs

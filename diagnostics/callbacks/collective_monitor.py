@@ -23,8 +23,6 @@ from typing import Any, Literal
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from lightning_nd.strategy.failure_monitor import COMMUNICATION_ERRORS
-
 from diagnostics.analysis.hang import hang_report
 from diagnostics.collect.environment import apply_environment, wanted_environment
 from diagnostics.collect.exchange import CaptureExchange
@@ -149,10 +147,9 @@ class CollectiveMonitor(Callback):
                 return
             self._captured = True
         raised = event.thread == threading.main_thread().name  # this rank's own step raised
-        own = raised and event.culprit == self.rank
-        communication = any(words in event.reason.lower() for words in COMMUNICATION_ERRORS)
-        capture = self._capture(f"rank {event.culprit} {event.reason}", raised and (communication or not own),
-                                event.reason if own and not communication else "")
+        own_error = raised and event.culprit == self.rank and not event.communication
+        capture = self._capture(f"rank {event.culprit} {event.reason}", raised and not own_error,
+                                event.reason if own_error else "")
         assert self.exchange is not None
         self.exchange.publish(capture)
         dead = {event.culprit} if event.reason.startswith("died") else set()

@@ -159,6 +159,8 @@ class FailureVerdict(Event):
     rank: int
     """The rank delivering it."""
     thread: str
+    communication: bool = False
+    """This rank's own step broke on a communication error (a timeout, a lost peer): it was waiting, not at fault."""
 
 
 ALL_EVENTS = (BeforeProcessGroup, ProcessGroupsCreated, LayoutReady, StepPhase, StageTiming, PointToPoint,

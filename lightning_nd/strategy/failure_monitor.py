@@ -37,7 +37,7 @@ class FailureMonitor:
         self._stepped = self._failed = False
         self._verdict_lock, self._delivered, self._delivery_done = threading.Lock(), False, threading.Event()
 
-    def _on_verdict(self, culprit: int, reason: str, thread: str) -> None:
+    def _on_verdict(self, culprit: int, reason: str, thread: str, communication: bool = False) -> None:
         """Deliver the run's verdict once (the main thread and the watchdog may both come to it). The second comer
         waits for the first delivery to end (at most ``VERDICT_BUDGET_S``): a main thread that went on to exit
         would end the process while the watchdog's listeners still write their captures."""
@@ -48,7 +48,7 @@ class FailureMonitor:
             self._delivery_done.wait(VERDICT_BUDGET_S)
             return
         try:
-            self._deliver(culprit, reason, thread)
+            self._deliver(culprit, reason, thread, communication)
         finally:
             self._delivery_done.set()
 
@@ -84,20 +84,20 @@ class FailureMonitor:
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True
         watchdog = self._watchdog
-        text = f"{type(exception).__name__}: {exception}"
+        summary, text = _describe(exception)
+        communication = any(words in text.lower() for words in COMMUNICATION_ERRORS)
+        thread = threading.current_thread().name
         if watchdog is None:
-            self._on_verdict(_own_rank(), f"failed: {text.splitlines()[0][:300]}", threading.current_thread().name)
+            self._on_verdict(_own_rank(), f"failed: {summary}", thread, communication)
             return
-        found = None
-        if any(words in text.lower() for words in COMMUNICATION_ERRORS):
-            # Perhaps a peer's death seen first as a broken connection or a timeout: the heartbeats tell.
-            found = watchdog.confirm_death()
+        # Perhaps a peer's death seen first as a broken connection or a timeout: the heartbeats tell.
+        found = watchdog.confirm_death() if communication else None
         if found is not None and found[0] != watchdog.rank:
             watchdog.announce(*found)
-            self._on_verdict(found[0], found[1], threading.current_thread().name)
+            self._on_verdict(found[0], found[1], thread, communication)
         else:
-            watchdog.report_failure(text.splitlines()[0][:300])
-            self._on_verdict(watchdog.rank, f"failed: {text.splitlines()[0][:300]}", threading.current_thread().name)
+            watchdog.report_failure(summary)
+            self._on_verdict(watchdog.rank, f"failed: {summary}", thread, communication)
         watchdog.halt()  # this rank is done with this run, even if the process carries on (a retry)
         watchdog.linger()
 
@@ -107,6 +107,18 @@ class FailureMonitor:
                 self._barrier()  # watched while waiting: no rank leaves (perhaps with the store) before all are here
                 self._watchdog.stop()
             self._watchdog = None
+
+
+def _describe(exception: BaseException) -> tuple[str, str]:
+    """One line for the verdict, and the text of the whole chain: a wrapper (the pipeline schedule re-raises a
+    peer's broken connection as a bare ``RuntimeError``) must not hide its cause."""
+    chain: list[BaseException] = []
+    while exception is not None and all(exception is not seen for seen in chain):
+        chain.append(exception)
+        exception = exception.__cause__ or exception.__context__
+    lines = [(e, line.strip()) for e in chain for line in str(e).splitlines() if line.strip()]
+    summary = f"{type(lines[0][0]).__name__}: {lines[0][1]}" if lines else type(chain[0]).__name__
+    return summary[:300], "\n".join(f"{type(e).__name__}: {e}" for e in chain)
 
 
 def _own_rank() -> int:

@@ -120,9 +120,9 @@ def out_of_memory(strategy: Any, exception: BaseException) -> None:
         strategy.events.emit(OutOfMemory(strategy.global_rank, str(exception).splitlines()[0][:500], stage))
 
 
-def deliver_verdict(strategy: Any, culprit: int, reason: str, thread: str) -> None:
+def deliver_verdict(strategy: Any, culprit: int, reason: str, thread: str, communication: bool = False) -> None:
     """The failure verdict reaches the listeners, then the loggers are flushed, before the process exits."""
-    strategy.events.emit(FailureVerdict(culprit, reason, strategy.global_rank, thread))
+    strategy.events.emit(FailureVerdict(culprit, reason, strategy.global_rank, thread, communication))
     module = strategy.lightning_module
     for logger in (module.trainer.loggers if module is not None and module._trainer is not None else ()):
         try:
