@@ -38,23 +38,26 @@ def _find_logs(folder: Path) -> list[NcclRankLog]:
     return []
 
 
-def _roles(layout: str | None, folder: Path, logs: list[NcclRankLog]) -> dict[str, list[list[int]]] | None:
-    """``roles`` of ``--layout``, else of the first ``layout.json`` in LOGDIR, the logs' folder or two levels up."""
-    if layout is not None:
-        path = Path(layout)
-    else:
-        log_dir = Path(logs[0].path).resolve().parent if logs and logs[0].path else folder
-        places = [p for start in (folder, log_dir) for p in (start, *list(start.parents)[:2])]
-        path = next((p / LAYOUT_FILE for p in places if (p / LAYOUT_FILE).is_file()), None)
-        if path is None:
-            return None
+def _from_layout(layout: str | None, starts: list[Path], what: str, read):
+    """``read`` of ``--layout``, else of the first ``layout.json`` in ``starts`` or up to two levels above them;
+    None when there is none (the run's log dir holds it; the monitor copies it into ``diagnostics/``)."""
+    places = [p / LAYOUT_FILE for start in starts for p in (start, *list(start.parents)[:2])]
+    path = Path(layout) if layout else next((p for p in places if p.is_file()), None)
+    if path is None:
+        return None
     try:
-        roles = json.loads(path.read_text())["roles"]
+        value = read(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError) as error:
-        raise _Unusable(f"cannot read mesh roles from {path} ({type(error).__name__}: {error}); pass"
+        raise _Unusable(f"cannot read {what} from {path} ({type(error).__name__}: {error}); pass"
                         f" `--layout` the run's {LAYOUT_FILE} (written into the run's log dir)") from error
-    print(f"mesh roles from {path}", file=sys.stderr)
-    return roles
+    print(f"{what} from {path}", file=sys.stderr)
+    return value
+
+
+def _roles(layout: str | None, folder: Path, logs: list[NcclRankLog]) -> dict[str, list[list[int]]] | None:
+    """The mesh roles, looked for beside LOGDIR and beside the logs."""
+    log_dir = Path(logs[0].path).resolve().parent if logs and logs[0].path else folder
+    return _from_layout(layout, [folder, log_dir], "mesh roles", lambda values: values["roles"])
 
 
 def _nccl(args: argparse.Namespace) -> int:
@@ -77,17 +80,11 @@ def _nccl(args: argparse.Namespace) -> int:
 
 
 def _coordinates(layout: str | None, folders: list[Path]) -> dict[str, dict[str, int]]:
-    """Every rank's mesh coordinates from ``--layout`` or the first ``layout.json`` in the folders or two parents up
-    (what a dump alone lacks: without them pipeline stages would be compared with each other)."""
-    places = [Path(layout)] if layout else [p / LAYOUT_FILE for f in folders for p in (f, *list(f.parents)[:2])]
-    path = next((p for p in places if p.is_file()), None)
-    if path is None:
-        return {}
-    try:
-        return {str(r["rank"]): dict(r["coordinates"]) for r in json.loads(path.read_text())["ranks"]}
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise _Unusable(f"cannot read rank coordinates from {path} ({type(error).__name__}: {error}); pass"
-                        f" `--layout` the run's {LAYOUT_FILE}") from error
+    """Every rank's mesh coordinates: what a dump alone lacks (without them pipeline stages would be compared)."""
+    def read(values: dict) -> dict[str, dict[str, int]]:
+        return {str(r["rank"]): dict(r["coordinates"]) for r in values["ranks"]}
+
+    return _from_layout(layout, folders, "rank coordinates", read) or {}
 
 
 def _captures(folders: list[Path], coordinates: dict[str, dict[str, int]]) -> dict:

@@ -131,18 +131,19 @@ class HangReport:
     reason: str = ""
 
 
-def _plain(value: Any) -> Any:
+def to_dict(value: Any) -> Any:
+    """A record (or anything holding records) as plain JSON-able values."""
     if hasattr(value, "__dataclass_fields__"):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+        return {f.name: to_dict(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [to_dict(v) for v in value]
     if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): to_dict(v) for k, v in value.items()}
     return value
 
 
 def to_json(record: Any, indent: int | None = 1) -> str:
-    return json.dumps(_plain(record), indent=indent)
+    return json.dumps(to_dict(record), indent=indent)
 
 
 def _frames(values: list[dict[str, Any]]) -> tuple[Frame, ...]:
@@ -186,11 +187,6 @@ def read_captures(folder: Path) -> dict[int, RankCapture]:
             continue
         captures[capture.rank] = capture
     return captures
-
-
-def to_dict(record: Any) -> Any:
-    """A record as plain JSON-able values."""
-    return _plain(record)
 
 
 __all__ = ["CAPTURE_FILE", "HANG_FILE", "CollectiveEntry", "Culprit", "Frame", "GroupRecord", "HangReport",

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from diagnostics.records import CollectiveEntry, GroupRecord, RankCapture
 
-UNEVEN_OPS = ("all_to_all", "alltoall", "gather", "scatter")
-"""Ops whose sizes differ between the ranks of one call by design (MoE token exchange, a root's buffers)."""
+UNEVEN_PREFIXES = ("all_to_all", "alltoall")  # MoE token exchange: each rank's splits are its own
+ROOTED_OPS = ("gather", "scatter")  # only the root holds the whole buffer
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class Finding:
 def signature(entry: CollectiveEntry) -> tuple:
     """What must agree between the ranks of one call: op, sizes and dtypes (not for uneven ops: a scatter's
     non-root ranks have no input at all), call site."""
-    uneven = entry.op.startswith(UNEVEN_OPS[:2]) or entry.op in UNEVEN_OPS[2:]
+    uneven = entry.op.startswith(UNEVEN_PREFIXES) or entry.op in ROOTED_OPS
     buffers = () if uneven else (entry.input_sizes, entry.input_dtypes)
     return entry.op, buffers, tuple((f.file, f.line) for f in entry.frames)
 

@@ -117,7 +117,8 @@ def _from_unmatched(item: Unmatched, captures: dict[int, RankCapture], roles: di
                    None, where, None, detail)
 
 
-def _absent(rank: int, captures: dict[int, RankCapture], traces: list[GroupTrace], died: bool) -> Culprit:
+def _absent(rank: int, captures: dict[int, RankCapture], traces: list[GroupTrace],
+            roles: dict[int, dict[str, tuple]], died: bool) -> Culprit:
     """A rank without a capture, named from its peers' entries: dead (the watchdog said so), or silent."""
     kind, what = ("dead", "died") if died else ("no_capture", "left no capture")
     awaited = [(c.rank, r) for c in captures.values() for r in pending_receives(c) if r.peer == rank]  # ledgers
@@ -136,8 +137,7 @@ def _absent(rank: int, captures: dict[int, RankCapture], traces: list[GroupTrace
                        _waited(group, captures, rank), detail)
     if not groups and awaited:  # no collective with it recorded: its pipeline (or ring) group says where
         role = awaited[0][1].role
-        members = next((g.ranks for c in captures.values() for g in c.groups if g.role == role and rank in g.ranks),
-                       (rank, awaited[0][0]))
+        members = roles.get(rank, {}).get(role, (rank, awaited[0][0]))
         return Culprit(rank, kind, role, members, "send", None, None, None, what)
     group = groups[0] if groups else None
     seqs = [e for member in (group.entries.values() if group else ()) for e in member.values()]
@@ -202,7 +202,7 @@ def hang_report(captures: dict[int, RankCapture], world_size: int, dead: Iterabl
                  if f.kind == "behind" and not _busy(f.rank, captures, traces)]
     elsewhere += [_from_unmatched(u, captures, roles, traces) for u in p2p
                   if not u.skipped and u.rank in captures and not _busy(u.rank, captures, traces)]
-    absent = [_absent(rank, captures, traces, rank in dead) for rank in sorted(set(dead) | set(missing))]
+    absent = [_absent(rank, captures, traces, roles, rank in dead) for rank in sorted(set(dead) | set(missing))]
     culprits = evidence or elsewhere or absent
     if not culprits:  # everyone waits for someone: name the ranks that are behind, and where they wait
         culprits = [_from_finding(f, captures) for f in findings if f.kind == "behind"]

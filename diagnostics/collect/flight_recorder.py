@@ -79,7 +79,7 @@ def capture_of_dump(dump: dict[str, Any], rank: int, world_size: int, captured_a
         desc = str(config.get("desc", ""))
         role = "world" if desc == "default_pg" else desc.removeprefix("mesh_") or str(name)
         groups.append(GroupRecord(str(name), desc, role, ranks or (rank,)))
-    world = max(max(rank, *(max(g.ranks) for g in groups)) + 1, world_size) if groups else max(world_size, rank + 1)
+    world = max([world_size, rank + 1, *(max(g.ranks) + 1 for g in groups)])
     return RankCapture(rank, world, "flight-recorder dump", 0, captured_at, entries_of(dump), (), {}, "",
                        tuple(groups), coordinates or {})
 

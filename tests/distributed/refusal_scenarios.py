@@ -45,6 +45,8 @@ class Steps(Callback):
 
 
 def _refused(layout: dict[str, Any], module: CausalLM) -> dict[str, Any]:
+    """One Trainer.fit that must be refused; only in ranks started by tests.launcher, never inside pytest."""
+    assert "RANK" in os.environ, "run by tests.launcher in its own processes, never inside pytest"
     steps = Steps()
     trainer = Trainer(strategy=NDParallel(**layout), accelerator="cpu", devices=2, max_steps=2, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
