@@ -5,20 +5,9 @@
 Every collective a rank issues during one step (FSDP's all-gathers and reduce-scatters, TP's
 all-reduces, ...) is seen by a dispatch mode and charged to the mesh dim whose process group it used,
 as the bytes a ring algorithm moves per rank: all-reduce 2B(n-1)/n, all-gather and reduce-scatter
-B(n-1)/n (B = the full tensor). The analytic minimum per dim:
-- FSDP (zero 3): parameters gathered in forward and again in backward, gradients reduce-scattered:
-  3P(n-1)/n for P bytes of parameters; zero 2 gathers once: 2P(n-1)/n.
-- TP without SP: per block one all-reduce of the activations after attention and one after the MLP,
-  and the same two in backward; the embedding's all-reduce, the head's all-gather of logits and the
-  all-reduce of its input gradient.
-- PP: point-to-point, counted as the bytes a rank sends: the first stage sends every microbatch's
-  activations forward, the second sends their gradients back: batch x seq x hidden x 4 bytes each.
-- CP (ring attention): every rank must see the other ranks' K and V once per attention forward and
-  send their gradients back once in backward: per layer 2 x (cp-1) x its local K/V bytes sent.
-- EP (all-to-all, counted as the rows a rank sends to the others): per MoE layer the token copies
-  (tokens x top-k) go to their experts and come back, forward and backward: 4 x tokens x k x hidden x 4
-  bytes x (ep-1)/ep for routing spread evenly; and FSDP over the ranks that hold the same experts
-  (expert_dp): 2 x their bytes x (n-1)/n at zero 2.
+B(n-1)/n (B = the full tensor); point-to-point: the bytes a rank sends; all-to-all: the rows it sends to
+the others. The analytic minimum per dim is the cost model's `comm_per_step` on the run's own Layout
+(`lightning_nd/cost/comm.py` states each dim's formula).
 """
 
 from __future__ import annotations
@@ -111,36 +100,6 @@ class OneStep(Callback):
             self.mode.__exit__(None, None, None)
 
 
-def analytic(dim: str, zero_stage: int, dims, fsdp_param_bytes: float, expert_bytes: float = 0.0) -> float:
-    """Minimum ring bytes per rank per step on one mesh dim (see the module docstring)."""
-    if dim == "expert_dp":  # FSDP over the ranks holding the same experts (zero 2): one all-gather, one reduce-scatter
-        n = dims.dp_replicate * dims.dp_shard * dims.cp // dims.ep
-        return 2 * expert_bytes * (n - 1) / n
-    if dim == "pp":
-        return BATCH * SEQ * CONFIG["hidden_size"] * 4
-    if dim == "ep":  # per MoE layer: dispatch + combine, forward and backward
-        tokens = BATCH * SEQ * MOE["num_experts_per_tok"]
-        return CONFIG["num_hidden_layers"] * 4 * tokens * CONFIG["hidden_size"] * 4 * (dims.ep - 1) / dims.ep
-    if dim == "cp":
-        head_dim = CONFIG["hidden_size"] // CONFIG["num_attention_heads"]
-        local_kv = 2 * BATCH * CONFIG["num_key_value_heads"] * (SEQ // dims.cp) * head_dim * 4
-        return CONFIG["num_hidden_layers"] * 2 * (dims.cp - 1) * local_kv
-    n = {"fsdp": dims.dp_shard * dims.cp, "dp_replicate": dims.dp_replicate, "tp": dims.tp}[dim]
-    if dim == "fsdp":
-        return (3 if zero_stage == 3 else 2) * fsdp_param_bytes * (n - 1) / n
-    if dim == "dp_replicate":  # HSDP: all-reduce of this rank's gradient shard across replicas
-        return 2 * fsdp_param_bytes / (dims.dp_shard * dims.cp) * (n - 1) / n
-    activation = BATCH * SEQ * CONFIG["hidden_size"] * 4
-    logits = BATCH * SEQ * CONFIG["vocab_size"] * 4
-    return (4 * CONFIG["num_hidden_layers"] + 2) * 2 * activation * (n - 1) / n + logits * (n - 1) / n
-
-
-def _tp_local_bytes(param, tp: int) -> float:
-    names = getattr(param, "device_mesh", None) and param.device_mesh.mesh_dim_names or ()
-    split = "tp" in names and not param.placements[names.index("tp")].is_replicate()
-    return param.numel() * 4 / (tp if split else 1)
-
-
 def dims_of(layout: dict) -> int:
     """Batch ranks of a layout (the sampler's replicas): the world size over pp, tp and cp."""
     return WORLD_SIZE // (layout.get("pp", 1) * layout.get("tp", 1) * layout.get("cp", 1))
@@ -151,30 +110,25 @@ def measure(layout: dict) -> dict[str, tuple[float, float]]:
     from examples.lit import CausalLM
     from examples.models.llama import Llama, LlamaConfig
     from lightning_nd import NDParallel
-    from lightning_nd.parallel.expert import expert_parameters
+    from lightning_nd.cost.comm import comm_per_step
+    from lightning_nd.cost.shape import Workload, model_shape
 
     probe = OneStep()
     trainer = Trainer(strategy=NDParallel(**layout), accelerator="cpu", devices=WORLD_SIZE, max_steps=2,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
-    module = CausalLM(model=Llama(LlamaConfig(**CONFIG, **(MOE if layout.get("ep", 1) > 1 else {}))))
+    config = LlamaConfig(**CONFIG, **(MOE if layout.get("ep", 1) > 1 else {}))
+    module = CausalLM(model=Llama(config))
     trainer.fit(module, datamodule=TokenDataModule(
         vocab_size=CONFIG["vocab_size"], seq_len=SEQ, num_samples=BATCH * dims_of(layout) * 2, batch_size=BATCH))
-    mesh, dims = trainer.strategy.device_mesh, trainer.strategy.dims
-    # What FSDP gathers: each parameter as TP leaves it on this rank (a TP shard, or whole).
-    experts = {id(p) for p in expert_parameters(module)}  # outside FSDP: the ep all-to-all moves their tokens
-    expert_bytes = sum(p.numel() // dims.ep * 4 for p in expert_parameters(module))  # this ep rank's experts
-    fsdp_param_bytes = sum(_tp_local_bytes(p, dims.tp) for p in module.parameters() if id(p) not in experts)
-    names = {"fsdp": "fsdp", "dp_replicate": "dp_replicate", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep",
-             "expert_dp": "expert_dp"}
+    with torch.device("meta"):
+        shape = model_shape(Llama(config))
+    minimum = comm_per_step(trainer.strategy.layout, shape, Workload(seq_len=SEQ, batch=BATCH), dist.get_rank())
+    mesh = trainer.strategy.device_mesh
     rows = {}
-    for dim, mesh_name in names.items():
-        if mesh_name not in mesh.names:  # ep's mesh exists only when ep > 1
-            continue
-        ranks = tuple(sorted(mesh.ranks(mesh_name)))
-        if len(ranks) > 1:
-            minimum = analytic(dim, trainer.strategy.layout.options["zero_stage"], dims, fsdp_param_bytes, expert_bytes)
-            rows[dim] = (probe.mode.by_group.get(ranks, 0.0), minimum)
+    for dim, traffic in minimum.items():
+        ranks = tuple(sorted(mesh.ranks(dim)))
+        rows[dim] = (probe.mode.by_group.get(ranks, 0.0), traffic.bytes)
     if int(os.environ.get("RANK", 0)) == 0 and os.environ.get("COMM_DETAIL"):
         print(layout, {k: int(v) for k, v in probe.mode.by_kind.items()})
     return rows

@@ -1,0 +1,138 @@
+"""Activation memory of one transformer block, after Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", section 4), and what a rank keeps of it.
+
+The paper counts the tensors a block saves for backward, per token, by where they live: in the residual
+stream (whole on every tp rank, split along the sequence by sequence parallelism), inside attention and the
+MLP (split by tp), and the attention scores (a x s per token, gone with a fused/flash kernel). `korthikanti_*`
+are the paper's closed forms, for its GPT block (fp16, dropout, materialised scores); `saved_tensors` lists the
+same for the blocks this project runs, read off their code (`examples/models`): a gated (SwiGLU) block saves
+8h + 2kv + 4I values and one fp32 logsumexp per head and token; a plain (GELU) block 8h + 2I and the same
+logsumexp. Differences from the paper: no dropout; SDPA saves its output and logsumexp, not the scores; under
+torch's sequence parallel the all-gathered input of a column-parallel matmul is saved whole (the paper
+re-gathers it in backward).
+
+Recomputation: ``full`` keeps each block's input only, and recomputes one block at a time in backward;
+``selective`` keeps what `parallel/activation.py` marks must-save: the outputs of matmuls and of attention,
+plus the block input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_nd.cost.shape import ModelShape
+
+LSE_BYTES = 4  # SDPA's logsumexp is fp32 whatever the activations' dtype
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequence_parallel: bool = False,
+                            recompute: str = "none") -> float:
+    """Bytes one GPT layer keeps for backward in fp16 (the paper's equations 1-4 and section 5)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    scores = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    if sequence_parallel:
+        return s * b * h * (34 / t + scores)
+    if recompute == "selective":
+        return s * b * h * (10 + 24 / t)
+    return s * b * h * (10 + 24 / t + scores)
+
+
+@dataclass(frozen=True)
+class Saved:
+    """A group of tensors a block saves, per token: ``elements`` values of ``bytes`` each."""
+
+    what: str
+    elements: int
+    bytes: int
+    split: str
+    """``tp``: cut by tensor parallelism; ``residual``: whole on each tp rank, cut by sequence parallelism;
+    ``gathered``: whole on each tp rank even under sequence parallelism."""
+
+
+def saved_tensors(shape: ModelShape, element_bytes: int, recompute: str = "none", *, cp: int = 1,
+                  local_seq: int = 0, ep: int = 1) -> tuple[Saved, ...]:
+    """What one block saves per token (see the module docstring). ``cp`` > 1: attention is the ring of
+    `nn/ring_attention.py` over ``local_seq`` tokens per rank, which materialises its scores."""
+    h, e = shape.hidden, element_bytes
+    if recompute == "full":
+        return (Saved("block input", h, e, "residual"),)
+    attention = _attention(shape, e, cp, local_seq, recompute)
+    mlp = _mlp(shape, e, recompute, ep)
+    if recompute == "selective":
+        return (Saved("block input", h, e, "residual"), *attention, *mlp,
+                # row-parallel matmuls (attention output, a dense MLP's down) return partial sums, whole on each
+                # tp rank (experts keep their down projection's output per copy, above)
+                Saved("row-parallel matmul outputs", (1 if shape.experts else 2) * h, e, "gathered"))
+    return (
+        Saved("norm inputs", 2 * h, e, "residual"),
+        Saved("normed (gated block: RMSNorm keeps its product)", 2 * h if shape.mlp == "gated" else 0, e, "residual"),
+        Saved("norm outputs, matmul inputs", 2 * h, e, "gathered"),
+        *attention, *mlp,
+    )
+
+
+def _attention(shape: ModelShape, e: int, cp: int, local_seq: int, recompute: str) -> tuple[Saved, ...]:
+    h, heads = shape.hidden, shape.heads
+    if cp == 1:  # SDPA (flash on CPU and CUDA): query, keys, values, output, fp32 logsumexp
+        return (Saved("query and attention output", 2 * h, e, "tp"), Saved("keys and values", 2 * shape.kv_dim, e, "tp"),
+                Saved("logsumexp", heads, LSE_BYTES, "tp"))
+    # Ring attention, per hop: scores and probabilities [heads, local_seq] per token in fp32, the hop's K and V
+    # as the broadcasting matmuls copy them (expanded to every query head: h each), and (after the first hop)
+    # the log-sum-exp merge's two partial outputs; selective keeps the matmuls' outputs: one score tensor and
+    # one partial output per hop.
+    scores = 1 if recompute == "selective" else 2
+    merges = cp if recompute == "selective" else 2 * (cp - 1)
+    return (Saved("query (rotated) and the ring's output", 2 * h, e, "tp"),
+            Saved("keys and values of every hop, expanded", 2 * h * cp, e, "tp"),
+            Saved("scores and probabilities of every hop", scores * heads * local_seq * cp, 4, "tp"),
+            Saved("merged partial outputs", merges * h, 4, "tp"))
+
+
+def _mlp(shape: ModelShape, e: int, recompute: str, ep: int) -> tuple[Saved, ...]:
+    inner, h = shape.intermediate, shape.hidden
+    gated = shape.mlp == "gated"
+    if not shape.experts:
+        elements = (2 if gated else 1) * inner if recompute == "selective" else (4 if gated else 2) * inner
+        return (Saved("MLP matmul outputs" if recompute == "selective" else "MLP intermediates", elements, e, "tp"),)
+    # Mixture of experts (`nn/moe.py`, `parallel/expert.py`), per copy of a token (k of them): the copy gathered
+    # for its expert (h), the expert's gate/up output (2I), activation and product (2I), its output (h) and the
+    # weighted output the scatter-add keeps (h); under ep the expert's output is kept by the out-of-place
+    # add that collects it and the copy that comes back by the weighting (h more). Selective keeps the
+    # matmuls' 2I + h. The router keeps fp32 logits and softmax twice (gate, auxiliary loss) per expert, and
+    # four int64 indices per copy. Experts are not split by tp: each tp rank runs them whole.
+    k = shape.top_k
+    per_copy = (2 * inner + h) if recompute == "selective" else ((3 + (ep > 1)) * h + (4 if gated else 2) * inner)
+    return (Saved("expert copies of each token", k * per_copy, e, "gathered"),
+            Saved("router logits and scores", (1 if recompute == "selective" else 3) * shape.experts, 4, "gathered"),
+            Saved("routing indices", 0 if recompute == "selective" else 4 * k, 8, "gathered"))
+
+
+def block_bytes(shape: ModelShape, tokens: int, element_bytes: int, *, tp: int = 1, sequence_parallel: bool = False,
+                recompute: str = "none", cp: int = 1, local_seq: int = 0, ep: int = 1) -> int:
+    """Bytes one block keeps between its forward and its backward, for ``tokens`` tokens on this rank
+    (micro-batch x local sequence), with its tp split and recomputation mode."""
+    total = 0
+    for saved in saved_tensors(shape, element_bytes, recompute, cp=cp, local_seq=local_seq, ep=ep):
+        divisor = tp if saved.split == "tp" or (saved.split == "residual" and sequence_parallel) else 1
+        total += tokens * saved.elements * saved.bytes // divisor
+    return total
+
+
+def block_backward_bytes(shape: ModelShape, tokens: int, element_bytes: int, *, tp: int = 1) -> int:
+    """The gradients alive at once inside one block's backward: the incoming gradient (h) and, in the MLP's
+    backward, those of its two branches (2I per token, k copies under MoE)."""
+    copies = shape.top_k if shape.experts else 1
+    return tokens * (shape.hidden + 2 * shape.intermediate * copies // tp) * element_bytes
+
+
+def head_bytes(shape: ModelShape, tokens: int, element_bytes: int, *, tp: int = 1, loss_parallel: bool = False) -> int:
+    """The last stage's extra: the final norm's saved input and output, and the fp32 log-probabilities the
+    cross-entropy keeps (a vocabulary shard each under loss_parallel)."""
+    vocab = shape.vocab // (tp if loss_parallel else 1)
+    return tokens * (2 * shape.hidden * element_bytes + vocab * 4)
+
+
+def logits_bytes(shape: ModelShape, tokens: int, *, tp: int = 1, loss_parallel: bool = False) -> int:
+    """One fp32 [tokens, vocab] tensor: the loss's gradient buffers in backward are two of these."""
+    return tokens * shape.vocab // (tp if loss_parallel else 1) * 4

@@ -1,0 +1,171 @@
+"""Bytes one rank moves per optimizer step on each mesh dim: ``comm_per_step(layout, shape, workload, rank)``.
+
+Counted as a ring algorithm moves them, per rank: all-reduce 2B(n-1)/n, all-gather and reduce-scatter B(n-1)/n
+(B = the full tensor, n = the group's ranks); point-to-point: the bytes a rank sends; all-to-all: the rows it
+sends to the others. ``benchmarks/comm_volume.py`` checks each dim against the collectives a run issues.
+
+- fsdp (``dp_shard x cp``): all-gathers of the parameters as TP leaves them on this rank (in ``param_dtype``),
+  a reduce-scatter of their gradients (in ``reduce_dtype``). Per micro-step (accumulation), zero 3 gathers in
+  forward and again in backward, zero 2 once; zero 1 gathers and reduces once per optimizer step. Under pp the
+  pipeline reduces once per batch for all its microbatches and zero 2 gathers once; zero 3 frees the blocks
+  after every microbatch's forward, so up to 2 x microbatches gathers (an upper bound).
+- dp_replicate (HSDP): one all-reduce of the gradient shard per reduce-scatter.
+- expert_dp: FSDP over the ranks holding the same experts, by the fsdp rule on this rank's expert shards.
+- tp: per block two activation all-reduces forward and two backward (attention and MLP), the embedding's, the
+  head's input-gradient all-reduce and the all-gather of its logits (none under loss_parallel). Under sequence
+  parallel each all-reduce becomes an all-gather and a reduce-scatter: the same ring bytes.
+- pp: per micro-step the activations of all microbatches forward to the next stage and their gradients back,
+  for each neighbour stage on another pp rank; a weight tied between the first and last stage adds one
+  all-reduce of its gradient per step.
+- cp (ring attention): per block 2 x (cp-1) x the local K and V bytes (K/V forward, their gradients backward).
+- ep: per MoE block 4 all-to-alls (dispatch and combine, forward and backward) of tokens x top_k rows of
+  ``hidden`` elements, (ep-1)/ep of them sent off-rank (routing spread evenly).
+
+Tokens per rank = batch x seq_len / cp; activations are ``workload.activation_bytes`` per element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_nd.cost.model_state import DTYPE_BYTES
+from lightning_nd.cost.shape import ModelShape, Workload
+from lightning_nd.layout.record import Layout, RankHolding
+
+COMM_DIMS = ("fsdp", "dp_replicate", "tp", "pp", "cp", "ep", "expert_dp")
+
+
+@dataclass(frozen=True)
+class DimTraffic:
+    """What one rank moves per optimizer step over one mesh dim."""
+
+    dim: str
+    """The mesh role: fsdp, dp_replicate, tp, pp, cp, ep or expert_dp."""
+    bytes: int
+    """Ring bytes per rank (point-to-point and all-to-all: the bytes it sends)."""
+    group_size: int
+    what: str
+    """The collectives, in words."""
+
+
+def comm_per_step(layout: Layout, shape: ModelShape, workload: Workload, rank: int = 0) -> dict[str, DimTraffic]:
+    """Bytes ``rank`` moves per optimizer step on each mesh dim whose group has more than one rank."""
+    run = _Run(layout, shape, workload, layout.rank(rank))
+    traffic = {}
+    for dim in COMM_DIMS:
+        size = _group_size(layout, dim, rank) if dim in layout.roles else 1
+        if size > 1:
+            moved, what = PRICES[dim](run, size)
+            traffic[dim] = DimTraffic(dim, moved, size, what)
+    return traffic
+
+
+def _group_size(layout: Layout, role: str, rank: int) -> int:
+    return len(next(group for group in layout.roles[role] if rank in group))
+
+
+class _Run:
+    """What every dim's price reads: this rank's stages and shards, the step's tokens and options."""
+
+    def __init__(self, layout: Layout, shape: ModelShape, workload: Workload, holding: RankHolding) -> None:
+        self.layout, self.shape, self.holding = layout, shape, holding
+        self.micro_steps = workload.accumulation
+        self.tokens = workload.batch * workload.seq_len // layout.dims["cp"]
+        self.activation_bytes = workload.activation_bytes
+        pipeline = layout.pipeline
+        if pipeline is None:
+            self.blocks, self.has_embedding, self.has_head = len(layout.blocks), True, True
+        else:
+            units = {unit for stage in holding.stages for unit in pipeline.split.stages[stage]}
+            self.blocks = len(units & set(pipeline.split.blocks))
+            self.has_embedding, self.has_head = 0 in holding.stages, pipeline.num_stages - 1 in holding.stages
+        self.gathers, self.reduces = _fsdp_passes(layout.options["zero_stage"], layout.dims["pp"],
+                                                  layout.options["pp_microbatches"], self.micro_steps)
+
+    def full_bytes(self, role: str, size: int, dtype: str | None) -> int:
+        """Bytes of this rank's shards over ``role`` made whole (FSDP's padded shards x ``size``), in ``dtype``
+        (None: each parameter's own)."""
+        total = 0
+        for shard in self.holding.params:
+            if any(token.startswith(f"{role}:") for token in shard.placement.split()):
+                own = DTYPE_BYTES[shard.dtype]
+                total += shard.padded_bytes // own * size * (DTYPE_BYTES[dtype] if dtype else own)
+        return total
+
+
+def _fsdp_passes(zero_stage: int, pp: int, microbatches: int, micro_steps: int) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of every parameter per optimizer step."""
+    if pp > 1:
+        return (2 * microbatches if zero_stage == 3 else 1) * micro_steps, micro_steps
+    if zero_stage == 1:
+        return 1, 1
+    return (2 if zero_stage == 3 else 1) * micro_steps, micro_steps
+
+
+def _sharded(run: _Run, size: int, role: str) -> tuple[int, str]:
+    options = run.layout.options
+    gathered = run.full_bytes(role, size, options["param_dtype"])
+    reduced = run.full_bytes(role, size, options["reduce_dtype"])
+    moved = (run.gathers * gathered + run.reduces * reduced) * (size - 1) // size
+    return moved, f"all-gather params x{run.gathers} + reduce-scatter grads x{run.reduces}"
+
+
+def _fsdp(run: _Run, size: int) -> tuple[int, str]:
+    return _sharded(run, size, "fsdp")
+
+
+def _expert_dp(run: _Run, size: int) -> tuple[int, str]:
+    moved, what = _sharded(run, size, "expert_dp")
+    return moved, f"experts: {what}"
+
+
+def _dp_replicate(run: _Run, size: int) -> tuple[int, str]:
+    shard = run.full_bytes("fsdp", 1, run.layout.options["reduce_dtype"])
+    return run.reduces * 2 * shard * (size - 1) // size, f"all-reduce grad shards x{run.reduces}"
+
+
+def _tp(run: _Run, size: int) -> tuple[int, str]:
+    options, shape = run.layout.options, run.shape
+    activation = run.tokens * shape.hidden * run.activation_bytes
+    all_reduces = 4 * run.blocks + run.has_embedding + run.has_head
+    gathers_logits = run.has_head and not options["loss_parallel"]
+    logits = run.tokens * shape.vocab * run.activation_bytes if gathers_logits else 0
+    moved = run.micro_steps * (2 * all_reduces * activation + logits) * (size - 1) // size
+    kind = "all-gather + reduce-scatter" if options["sequence_parallel"] else "all-reduce"
+    return moved, f"{kind} activations x{all_reduces} per micro-step" + (" + all-gather logits" if logits else "")
+
+
+def _pp(run: _Run, size: int) -> tuple[int, str]:
+    pipeline, stages = run.layout.pipeline, run.holding.stages
+    assert pipeline is not None
+    owner = {stage: pp_rank for pp_rank, owned in enumerate(pipeline.ranks) for stage in owned}
+    sends = sum((stage + 1 < pipeline.num_stages and owner[stage + 1] != owner[stage])
+                + (stage > 0 and owner[stage - 1] != owner[stage]) for stage in stages)
+    moved = run.micro_steps * sends * run.tokens * run.shape.hidden * run.activation_bytes
+    what = f"send activations or their grads to another stage x{sends} per micro-step"
+    last = pipeline.num_stages - 1
+    if owner[0] != owner[last] and (0 in stages or last in stages):
+        names = {f"{pipeline.attribute}.{name}" for pair in pipeline.split.tied for name in pair}
+        tied = sum(shard.bytes for shard in run.holding.params if shard.name in names)
+        if tied:  # an all-reduce over the pair of ranks holding the two copies: 2B(2-1)/2
+            moved, what = moved + tied, what + " + all-reduce tied weights' grads"
+    return moved, what
+
+
+def _cp(run: _Run, size: int) -> tuple[int, str]:
+    tp = run.layout.dims["tp"]
+    local_kv = 2 * run.tokens * run.shape.kv_dim // tp * run.activation_bytes
+    moved = run.micro_steps * run.blocks * 2 * (size - 1) * local_kv
+    return moved, "ring attention: send K/V forward and their grads backward"
+
+
+def _ep(run: _Run, size: int) -> tuple[int, str]:
+    shape = run.shape
+    moe_blocks = run.blocks if shape.experts else 0
+    rows = run.tokens * shape.top_k * shape.hidden * run.activation_bytes
+    moved = run.micro_steps * moe_blocks * 4 * rows * (size - 1) // size
+    return moved, f"all-to-all tokens x{4 * moe_blocks} per micro-step (dispatch + combine, forward + backward)"
+
+
+PRICES = {"fsdp": _fsdp, "dp_replicate": _dp_replicate, "tp": _tp, "pp": _pp, "cp": _cp, "ep": _ep,
+          "expert_dp": _expert_dp}

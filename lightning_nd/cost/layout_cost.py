@@ -1,0 +1,57 @@
+"""`cost_layout`: everything the cost model says about one `Layout`, per rank, as one JSON-able record.
+
+Memory per rank (`memory.py`), bytes per step per mesh dim (`comm.py`), and with a hardware preset the
+pipeline bubble and a step-time estimate (`step_time.py`). Ranks that hold the same pieces and sit at the
+same pipeline position cost the same, so each distinct holding is priced once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from lightning_nd.cost.comm import DimTraffic, comm_per_step
+from lightning_nd.cost.hardware import Hardware
+from lightning_nd.cost.memory import RankMemory, rank_memory
+from lightning_nd.cost.shape import ModelShape, Workload
+from lightning_nd.cost.step_time import StepTime, step_time
+from lightning_nd.layout.record import Layout
+
+
+@dataclass(frozen=True)
+class LayoutCost:
+    ranks: tuple[RankMemory, ...]
+    comm: dict[str, DimTraffic]
+    time: StepTime | None
+
+    @property
+    def peak(self) -> RankMemory:
+        """The rank with the highest expected peak (the first of equals)."""
+        return max(self.ranks, key=lambda memory: memory.peak_bytes)
+
+    def to_dict(self) -> dict:
+        return {
+            "ranks": [memory.to_dict() for memory in self.ranks],
+            "peak_rank": self.peak.rank, "peak_bytes": self.peak.peak_bytes,
+            "comm_bytes": {dim: traffic.bytes for dim, traffic in self.comm.items()},
+            "comm": {dim: asdict(traffic) for dim, traffic in self.comm.items()},
+            "step_time": asdict(self.time) if self.time is not None else None,
+        }
+
+
+def cost_layout(layout: Layout, shape: ModelShape, workload: Workload, *, optimizer: str = "adamw",
+                hardware: Hardware | None = None, gpus_per_node: int | None = None) -> LayoutCost:
+    priced: dict[tuple, RankMemory] = {}
+    ranks = []
+    for holding in layout.ranks:
+        key = (holding.coordinates["pp"], tuple(id(p) for p in holding.params))
+        if key not in priced:
+            priced[key] = rank_memory(layout, shape, workload, holding.rank, optimizer=optimizer)
+        ranks.append(_as_rank(priced[key], holding.rank))
+    comm = comm_per_step(layout, shape, workload)
+    time = step_time(layout, shape, workload, hardware, gpus_per_node or layout.dims["world_size"]) if (
+        hardware is not None) else None
+    return LayoutCost(tuple(ranks), comm, time)
+
+
+def _as_rank(memory: RankMemory, rank: int) -> RankMemory:
+    return memory if memory.rank == rank else RankMemory(**{**asdict(memory), "rank": rank})

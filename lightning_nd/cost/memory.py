@@ -1,0 +1,125 @@
+"""Expected memory per rank for one training step: model state, activations, and the peak.
+
+`rank_memory(layout, shape, workload, rank)` prices what ``rank`` holds (`model_state.py`) and keeps for
+backward (`activations.py`) and returns the peak of the three moments a step's memory can top out at:
+
+- the forward's end: parameters, optimizer state, the previous step's gradients (Lightning sets them to None
+  after the forward, before backward), FSDP's gathered parameters, and every activation in flight;
+- backward's start on the stage with the loss: the same without gradients, plus two fp32 [tokens, vocab]
+  buffers (the gradients of the log-probabilities and of the logits);
+- the optimizer step: parameters, gradients, optimizer state and the step's temporaries (torch's foreach
+  AdamW makes one list of the parameters' size, the denominator).
+
+Microbatches in flight under pp follow the schedules: gpipe keeps all m, 1F1B on pp rank r keeps p - r,
+interleaved (and, as an approximation, the other multi-stage schedules) keeps (v - 1) p + 2 (p - 1 - r) + 1
+chunks of 1/v of the rank's blocks, looped BFS all m v.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from lightning_nd.cost.activations import block_backward_bytes, block_bytes, head_bytes, logits_bytes
+from lightning_nd.cost.model_state import model_state
+from lightning_nd.cost.shape import ModelShape, Workload
+from lightning_nd.layout.record import Layout
+
+FOREACH_TEMPORARIES = {"adamw": 1, "adam": 1, "sgd": 0, "sgd_momentum": 0, "adagrad": 1, "rmsprop": 1}
+"""Parameter-sized lists torch's foreach step allocates at once (Adam/AdamW/Adagrad/RMSprop: sqrt of the
+second moment; SGD updates in place)."""
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Expected bytes on one rank (``peak_bytes``: the largest of the step's three moments, `peak_moment`)."""
+
+    rank: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    """Everything kept for backward at the forward's end (all microbatches in flight under pp)."""
+    temporaries_bytes: int
+    """What the peak moment adds beyond the four above: FSDP's gathered parameters, the loss's gradient
+    buffers, or the optimizer's temporaries."""
+    peak_bytes: int
+    peak_moment: str
+    """forward_end, backward_start or optimizer_step."""
+    microbatches_in_flight: int
+    blocks: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def tokens_per_microbatch(layout: Layout, workload: Workload) -> int:
+    """Tokens one rank's blocks see in one forward: the micro-batch (pp splits the batch) x the local sequence."""
+    microbatches = layout.options["pp_microbatches"] if layout.dims["pp"] > 1 else 1
+    return max(1, workload.batch // microbatches) * (workload.seq_len // layout.dims["cp"])
+
+
+def in_flight(layout: Layout, pp_rank: int) -> tuple[int, int]:
+    """(chunks in flight on this pp rank, chunks its blocks make): activations of that many chunk-microbatches."""
+    p, options = layout.dims["pp"], layout.options
+    if p == 1:
+        return 1, 1
+    m, v, schedule = options["pp_microbatches"], options["pp_stages_per_rank"], options["pp_schedule"]
+    if schedule == "gpipe":
+        return m, 1
+    if schedule == "1f1b":
+        return min(m, p - pp_rank), 1
+    if schedule == "looped_bfs":
+        return m * v, v
+    return min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1), v
+
+
+def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int, *,
+                optimizer: str = "adamw") -> RankMemory:
+    """The expected memory of ``rank`` in one training step of ``workload`` under ``layout``."""
+    state = model_state(layout, rank, optimizer)
+    holding, options, dims = layout.rank(rank), layout.options, layout.dims
+    names = {p.name for p in holding.params}
+    blocks = sum(1 for block in layout.blocks if any(name.startswith(block + ".") for name in names))
+    chunks, chunks_per_stage = in_flight(layout, holding.coordinates["pp"])
+    tokens, element = tokens_per_microbatch(layout, workload), workload.activation_bytes
+    tp, recompute, pp = dims["tp"], options["activation_checkpointing"], dims["pp"] > 1
+    split = {"tp": tp, "sequence_parallel": options["sequence_parallel"], "cp": dims["cp"],
+             "local_seq": workload.seq_len // dims["cp"], "ep": dims["ep"]}
+    per_block = block_bytes(shape, tokens, element, recompute=recompute, **split)
+    block_activations = chunks * (blocks // chunks_per_stage) * per_block
+    has_loss = layout.pipeline is None or layout.pipeline.num_stages - 1 in holding.stages
+    loss_parallel = options["loss_parallel"]
+    head = 0
+    if has_loss:
+        losses_in_flight = options["pp_microbatches"] if pp and options["pp_schedule"] == "gpipe" else 1
+        head = losses_in_flight * head_bytes(shape, tokens, element, tp=tp, loss_parallel=loss_parallel)
+    if pp and not has_loss:  # the schedule keeps each microbatch's stage output until its gradient comes back
+        head = chunks * tokens * shape.hidden * element
+    activations = block_activations + head
+    base = state.params_allocated_bytes + state.optimizer_bytes
+    # Under pp, FSDP accumulates the stage's gradients unsharded over the microbatches (the schedule turns its
+    # reduction off until the last; without FSDP they accumulate in place), and the previous step's gradients
+    # are gone before the schedule runs.
+    # Otherwise each unit's gradients are unsharded, then copied into the reduce-scatter's input, one unit at a time.
+    unsharded_grads = (state.gathered_bytes or state.grads_bytes) if pp else 2 * state.largest_unit_bytes
+    old_grads = 0 if pp else state.grads_bytes
+    recomputed = block_bytes(shape, tokens, element, **split) if recompute == "full" and blocks else 0
+    loss_grads = 2 * logits_bytes(shape, tokens, tp=tp, loss_parallel=loss_parallel) if has_loss else 0
+    in_block = block_backward_bytes(shape, tokens, element, tp=tp) if blocks else 0
+    held = {"forward_end": old_grads + activations, "backward_start": activations,
+            "backward_block": block_activations, "optimizer_step": state.grads_bytes}
+    transient = {
+        "forward_end": state.gathered_bytes,
+        "backward_start": state.gathered_bytes + loss_grads + (unsharded_grads if pp else 0),
+        "backward_block": state.gathered_bytes + recomputed + in_block + unsharded_grads,
+        "optimizer_step": FOREACH_TEMPORARIES[optimizer] * state.params_bytes,
+    }
+    moment = max(transient, key=lambda name: held[name] + transient[name])
+    return RankMemory(rank, state.params_bytes, state.grads_bytes, state.optimizer_bytes, activations,
+                      transient[moment], base + held[moment] + transient[moment], moment, chunks, blocks)
+
+
+def peak_rank(layout: Layout, shape: ModelShape, workload: Workload, *, optimizer: str = "adamw") -> RankMemory:
+    """The rank with the highest expected peak (the first of equals)."""
+    ranks = [rank_memory(layout, shape, workload, r, optimizer=optimizer) for r in range(len(layout.ranks))]
+    return max(ranks, key=lambda memory: memory.peak_bytes)

@@ -1,0 +1,117 @@
+"""Model state per rank: parameters, gradients and optimizer state, as FSDP2 holds them here, and the ZeRO
+paper's accounting of the same for comparison with the literature.
+
+As this project allocates it (`parallel/fsdp.py`): every parameter a rank holds is its local shard
+(`Layout.ranks[r].params`: after pp, tp, ep and FSDP cut it; FSDP pads its storage to the first shard's size)
+in the parameter's own dtype, fp32 under ``bf16-mixed`` (FSDP casts to bf16 only for compute, so the sharded
+fp32 parameters are the master weights); the gradient of each is a tensor of the same shape and dtype; the
+optimizer keeps its moments in that dtype too (AdamW: two), plus a 0-dim fp32 step counter per tensor where
+torch's optimizer keeps one. FSDP also gathers full (unsharded over FSDP) parameters in ``param_dtype`` for
+compute: one unit at a time at zero 3, every unit of the stage from forward to backward at zero 1 and 2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_nd.layout.record import Layout, RankHolding
+
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 0, "sgd_momentum": 1, "adagrad": 1, "rmsprop": 1}
+"""Tensors of a parameter's shape each optimizer keeps (torch's implementations; SGD without momentum none)."""
+STEP_COUNTERS = {"adamw": True, "adam": True, "sgd": False, "sgd_momentum": False, "adagrad": True, "rmsprop": True}
+STEP_COUNTER_BYTES = 4
+ZERO_PAPER_K = 12
+"""The ZeRO paper's optimizer bytes per parameter under mixed-precision Adam: fp32 master, momentum, variance."""
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """One rank's model state, in bytes."""
+
+    params_bytes: int
+    """Local shards, as ``to_local()`` sees them (``params_allocated_bytes`` adds FSDP's padding)."""
+    grads_bytes: int
+    optimizer_bytes: int
+    params_allocated_bytes: int
+    gathered_bytes: int
+    """Full parameters FSDP holds gathered at the forward's end (in param_dtype): every unit of the stage at
+    zero 1 and 2; at zero 3 the root unit and the last block only."""
+    largest_unit_bytes: int
+    """The largest FSDP unit's gathered parameters: what zero 3 gathers at once, and its gradients in backward."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_allocated_bytes + self.grads_bytes + self.optimizer_bytes
+
+
+def check_optimizer(name: str) -> str:
+    if name not in OPTIMIZER_STATES:
+        raise ValueError(f"`optimizer={name!r}` is not one the cost model knows. HINT: use one of"
+                         f" {', '.join(OPTIMIZER_STATES)} (sgd_momentum = SGD with momentum > 0).")
+    return name
+
+
+def model_state(layout: Layout, rank: int, optimizer: str = "adamw") -> ModelState:
+    """What ``rank`` holds of the model and its optimizer in ``layout``."""
+    holding = layout.rank(rank)
+    states = OPTIMIZER_STATES[check_optimizer(optimizer)]
+    params = holding.param_bytes
+    counters = len(holding.params) * STEP_COUNTER_BYTES if STEP_COUNTERS[optimizer] else 0
+    units = gathered_units(layout, holding)
+    zero_stage = layout.options["zero_stage"]
+    kept = units if zero_stage in (1, 2) else [units[0], units[-1]] if len(units) > 1 else units
+    return ModelState(
+        params_bytes=params, grads_bytes=params, optimizer_bytes=states * params + counters,
+        params_allocated_bytes=holding.padded_param_bytes, gathered_bytes=sum(kept) if fsdp_on(layout) else 0,
+        largest_unit_bytes=max(units, default=0) if fsdp_on(layout) else 0,
+    )
+
+
+def fsdp_on(layout: Layout) -> bool:
+    return any(t.technique in ("fsdp", "hsdp") for t in layout.techniques)
+
+
+def gathered_units(layout: Layout, holding: RankHolding) -> list[int]:
+    """Bytes of each FSDP unit of this rank when gathered (root unit first, then the blocks in order), in the
+    dtype FSDP gathers: one unit per block, the rest of the stage in the root unit."""
+    gather_bytes = DTYPE_BYTES.get(layout.options.get("param_dtype") or "", 0)
+    root, blocks = 0, {}
+    for shard in holding.params:
+        size = _fsdp_size(layout, shard.placement)
+        elements = shard.bytes // DTYPE_BYTES.get(shard.dtype, 4) * size
+        full = elements * (gather_bytes or DTYPE_BYTES.get(shard.dtype, 4))
+        block = _block_of(layout, shard.name)
+        if block is None:
+            root += full
+        else:
+            blocks[block] = blocks.get(block, 0) + full
+    return [root, *blocks.values()]
+
+
+def _fsdp_size(layout: Layout, placement: str) -> int:
+    dims = layout.dims
+    if "expert_dp:Shard" in placement:
+        return dims["dp_replicate"] * dims["dp_shard"] * dims["cp"] // dims["ep"]
+    if "fsdp:Shard" in placement:
+        return dims["dp_shard"] * dims["cp"]
+    return 1
+
+
+def _block_of(layout: Layout, name: str) -> str | None:
+    for block in layout.blocks:
+        if name.startswith(block + "."):
+            return block
+    return None
+
+
+def zero_paper_bytes(params: int, devices: int, k: int = ZERO_PAPER_K) -> dict[str, float]:
+    """Model-state bytes per device under the ZeRO paper's accounting (Rajbhandari et al. 2020, section 3 and
+    Table 1): fp16 parameters (2 bytes), fp16 gradients (2) and K bytes of optimizer state per parameter, over
+    ``devices`` data-parallel ranks. Keys: the paper's names."""
+    return {
+        "DP": (2 + 2 + k) * params,
+        "P_os": (2 + 2) * params + k * params / devices,
+        "P_os+g": 2 * params + (2 + k) * params / devices,
+        "P_os+g+p": (2 + 2 + k) * params / devices,
+    }
