@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule
 from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 
 
 MODEL_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
@@ -88,6 +89,17 @@ def tensors_in(value) -> list[torch.Tensor]:
     return []
 
 
+class StepTracker(MemTracker):
+    """`MemTracker` that lets a top-level module run forward several times in one step (a pipeline stage runs once
+    per microbatch): its per-module statistics restart, the peak over the step is kept."""
+
+    def _pre_fw_hook(self, module, inputs) -> None:
+        parents = set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)}
+        if module in self.memory_tracking and not self._mod_tracker.is_bw and parents <= {"Global"}:
+            del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
+
 class PeakMemory(Callback):
     """The peak of one training step (``step``: its batch index) as torch's `MemTracker` counts it, on this rank:
     ``peak_bytes`` and ``by_kind`` (Parameter, Gradient, Optstate, Activation, Temp, ... at that peak)."""
@@ -98,7 +110,7 @@ class PeakMemory(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx == self.step:
-            self.tracker = _StepTracker()
+            self.tracker = StepTracker()
             self.tracker.track_external(pl_module, *trainer.optimizers)
             self.tracker.__enter__()
 
@@ -109,22 +121,3 @@ class PeakMemory(Callback):
             self.by_kind = {kind: value for kind, value in snapshot.items() if value}
             self.peak_bytes = snapshot["Total"]
 
-
-def _step_tracker_class():
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class StepTracker(MemTracker):
-        """`MemTracker` that lets a top-level module run forward several times in one step (a pipeline stage
-        runs once per microbatch): its per-module statistics restart, the peak over the step is kept."""
-
-        def _pre_fw_hook(self, module, inputs) -> None:
-            parents = set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)}
-            if module in self.memory_tracking and not self._mod_tracker.is_bw and parents <= {"Global"}:
-                del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
-
-    return StepTracker
-
-
-def _StepTracker():  # noqa: N802 - builds the class on first use: torch's private tools load only when measuring
-    return _step_tracker_class()()
