@@ -14,6 +14,7 @@ Who delivers what, and when:
   strategy's own collectives: loss and metric reductions, the clipping norm), `RoutingCounts` (each MoE
   layer after each training step), `CheckpointSaved` / `CheckpointLoaded`: on the main thread. Steps are
   the Trainer's ``global_step``.
+- `MemoryPlanned`: at the first training batch, on the main thread (the pre-flight: `strategy/preflight.py`).
 - `OutOfMemory`, then `FailureVerdict` (once per rank): before the process exits. A rank's own failure, or
   a peer's death seen first by the main thread, is delivered on the main thread; a peer's death seen by the
   watchdog (``thread`` = ``lightning-nd-watchdog``) is delivered while the watchdog waits at most
@@ -142,6 +143,24 @@ class CheckpointLoaded(Event):
 
 
 @dataclass(frozen=True)
+class MemoryPlanned(Event):
+    hook: ClassVar[str] = "on_nd_memory_planned"
+    rank: int
+    expected: dict[str, Any]
+    """This rank's `lightning_nd.cost.memory.RankMemory` for the first batch's shape, as a dict."""
+    peak: dict[str, Any]
+    """The same for the rank with the highest expected peak."""
+    workload: dict[str, Any]
+    """seq_len, batch (samples per forward on a batch rank), accumulation, precision."""
+    optimizer: str
+    alternatives: tuple[dict[str, Any], ...]
+    """Changes that lower the peak: action, options, sizes (None: the same dims), detail, peak_bytes (the highest
+    rank's), and the step they make: batch (samples per forward), accumulation."""
+    capacity_bytes: int | None
+    """The accelerator's memory (CUDA), None on CPU."""
+
+
+@dataclass(frozen=True)
 class OutOfMemory(Event):
     hook: ClassVar[str] = "on_nd_out_of_memory"
     rank: int
@@ -164,7 +183,7 @@ class FailureVerdict(Event):
 
 
 ALL_EVENTS = (BeforeProcessGroup, ProcessGroupsCreated, LayoutReady, StepPhase, StageTiming, PointToPoint,
-              CollectiveWait, RoutingCounts, CheckpointSaved, CheckpointLoaded, OutOfMemory, FailureVerdict)
+              CollectiveWait, RoutingCounts, CheckpointSaved, CheckpointLoaded, MemoryPlanned, OutOfMemory, FailureVerdict)
 
 
 @dataclass

@@ -67,10 +67,12 @@ def groups_created(strategy: Any) -> None:
 
 
 def layout_ready(strategy: Any, trainer: Any) -> None:
-    """Hand the Layout to the listeners and write it as ``layout.json`` into the run's log dir (rank 0)."""
+    """Hand the Layout to the listeners and the pre-flight, and write it as ``layout.json`` into the run's log dir
+    (rank 0)."""
     layout = strategy.layout
     if strategy.events.wants(LayoutReady):
         strategy.events.emit(LayoutReady(layout))
+    strategy.preflight.layout_ready(strategy)
     log_dir = trainer.log_dir if trainer.loggers else None  # a collective: every rank asks
     if strategy.global_rank == 0 and log_dir:
         path = Path(log_dir) / LAYOUT_FILE

@@ -1,8 +1,7 @@
-"""`NDParallel`: the Lightning glue. Each hook reads top to bottom and calls the collaborators it owns:
-the plan (`layout/plan.py`, made once at ``connect``), the composer (`parallel/compose.py`), the pipeline
-engine, the checkpointer, the failure monitor and the event bus (`events.py`). This file: construction,
-the plan, the processes, the model's setup, checkpoints and failures; the hooks of each step (every one
-defined once): `step_hooks.py`.
+"""`NDParallel`: the Lightning glue. Each hook reads top to bottom and calls the collaborators it owns: the plan
+(`layout/plan.py`, made once at ``connect``), the composer (`parallel/compose.py`), the pipeline engine, the
+checkpointer, the failure monitor, the pre-flight and the event bus (`events.py`). This file: construction, the
+plan, the processes, the model's setup, checkpoints and failures; every step's hooks: `step_hooks.py`.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from lightning_nd.strategy.checkpointer import Checkpointer
 from lightning_nd.strategy.events import EventBus
 from lightning_nd.strategy.failure_monitor import FailureMonitor
 from lightning_nd.strategy.pipeline_engine import PipelineEngine
+from lightning_nd.strategy.preflight import Preflight
 from lightning_nd.strategy.probe import already_parallel, model_to_check
 from lightning_nd.strategy.step_events import StepEvents
 from lightning_nd.strategy.step_hooks import StepHooks
@@ -109,7 +109,7 @@ class NDParallel(StepHooks):
         self.report: ParallelizeReport | None = None
         self.events = EventBus(self)
         self.step_events = StepEvents(self.events)
-        self.checkpointer = Checkpointer(self)
+        self.checkpointer, self.preflight = Checkpointer(self), Preflight()
         self.failures = FailureMonitor(timeout, init_timeout, heartbeat_timeout, barrier=self.barrier,
                                        resume_hint=self._resume_hint,
                                        on_verdict=lambda *verdict: lifecycle.deliver_verdict(self, *verdict))

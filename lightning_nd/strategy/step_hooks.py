@@ -27,9 +27,12 @@ from lightning_nd.strategy import lifecycle
 class StepHooks(ModelParallelStrategy):
     @override
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        if self.lightning_module.trainer.training:
+        training = self.lightning_module.trainer.training
+        if training:
             self.step_events.batch_arrived()
         batch = super().batch_to_device(batch, device, dataloader_idx)
+        if training:
+            self.preflight.first_batch(self, batch)
         if self.dims.cp > 1:
             batch, self._cp_positions = shard_batch(batch, self.dims.cp, self.device_mesh.local_rank("cp"),
                                                     self.config.cp_shard_keys)

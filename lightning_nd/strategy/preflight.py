@@ -1,0 +1,127 @@
+"""`Preflight`: the expected memory of a run, before the step that would run out of it.
+
+At setup, while the model is still whole, the layouts a memory advice may point to (more tp, pp or cp, FSDP
+instead of HSDP: `cost/alternatives.py`) are planned, when someone will read them (a `MemoryPlanned`
+listener, or CUDA, where the check below runs). At the first training batch, when its shape is known, the
+cost model prices this run and each change; rank 0 logs the expected peak, every listener hears
+`MemoryPlanned`, and on CUDA a peak above the device's memory is a warning naming the cheapest change that
+fits, before the step that would fail.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import asdict, replace
+from typing import Any
+
+import torch
+
+from lightning_nd.cost.alternatives import Change, memory_changes, price
+from lightning_nd.cost.layout_cost import cost_layout
+from lightning_nd.cost.shape import Workload, model_shape
+from lightning_nd.layout.describe import human_bytes
+from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.layout.plan import plan_layout
+from lightning_nd.layout.record import Layout
+from lightning_nd.strategy.events import MemoryPlanned
+
+log = logging.getLogger("lightning_nd")
+
+OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam", "Adagrad": "adagrad", "RMSprop": "rmsprop"}
+
+
+class Preflight:
+    def __init__(self) -> None:
+        self._planned: dict[tuple, Layout] = {}
+        self._done = False
+
+    def layout_ready(self, strategy: Any) -> None:
+        """Plan the other layouts a change of dims would make (the composer has not touched the model yet)."""
+        self._done = False
+        if not (strategy.events.wants(MemoryPlanned) or torch.cuda.is_available()):
+            return
+        layout = strategy.layout
+        for change in memory_changes(layout, Workload(seq_len=1, batch=1)):
+            if change.sizes is None:
+                continue
+            try:
+                config = replace(strategy.config, **change.options)
+                dims = ParallelDims(**change.sizes, world_size=layout.dims["world_size"])
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    self._planned[_key(change.sizes)] = plan_layout(strategy.model, dims, config,
+                                                                    precision=layout.options["precision"])
+            except (ValueError, TypeError) as error:  # not a valid layout for this model
+                log.debug("lightning-nd pre-flight: %s is not an option: %s", change.action, error)
+
+    def _planned_layout(self, sizes: dict[str, int], options: dict[str, Any]) -> Layout:
+        if _key(sizes) not in self._planned:
+            raise ValueError(f"{sizes} was not a valid layout for this model")
+        return self._planned[_key(sizes)]
+
+    def first_batch(self, strategy: Any, batch: Any) -> None:
+        if self._done:
+            return
+        self._done = True
+        trainer = strategy.lightning_module.trainer
+        tokens = _token_shape(batch)
+        if tokens is None or strategy.layout_or_none is None:
+            return
+        layout = strategy.layout
+        try:
+            shape = model_shape(strategy.model, layout.options.get("block_classes"))
+        except ValueError as error:
+            log.info("lightning-nd pre-flight skipped: %s", error)
+            return
+        workload = Workload(seq_len=tokens[1], batch=tokens[0], accumulation=trainer.accumulate_grad_batches,
+                            precision=str(trainer.precision))
+        optimizer = optimizer_name(trainer.optimizers[0]) if trainer.optimizers else "adamw"
+        cost = cost_layout(layout, shape, workload, optimizer=optimizer)
+        mine, peak = cost.ranks[strategy.global_rank], cost.peak
+        log.info(f"lightning-nd pre-flight: expected peak {human_bytes(peak.peak_bytes)} on rank {peak.rank}"
+                 f" (parameters {human_bytes(peak.params_bytes)}, gradients {human_bytes(peak.grads_bytes)},"
+                 f" optimizer {human_bytes(peak.optimizer_bytes)}, activations {human_bytes(peak.activations_bytes)})"
+                 f" for batches of {tokens[0]} x {tokens[1]} tokens")
+        capacity = torch.cuda.get_device_properties(strategy.root_device).total_memory if (
+            strategy.root_device.type == "cuda") else None
+        listened = strategy.events.wants(MemoryPlanned)
+        priced = price(layout, memory_changes(layout, workload), shape, workload, self._planned_layout,
+                       optimizer=optimizer) if listened or capacity is not None else []
+        if capacity is not None and peak.peak_bytes > capacity:
+            warnings.warn(_over_capacity(peak.peak_bytes, capacity, priced), stacklevel=2)
+        if listened:
+            alternatives = tuple({**asdict(change), "peak_bytes": memory.peak_bytes, "batch": trial.batch,
+                                  "accumulation": trial.accumulation} for change, memory, trial in priced)
+            strategy.events.emit(MemoryPlanned(strategy.global_rank, mine.to_dict(), peak.to_dict(), asdict(workload),
+                                               optimizer, alternatives, capacity))
+
+
+def optimizer_name(optimizer: Any) -> str:
+    """The cost model's name for a torch optimizer (Lightning may wrap it); AdamW's accounting when unknown."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    name = type(inner).__name__
+    if name == "SGD":
+        return "sgd_momentum" if any(g.get("momentum", 0) for g in inner.param_groups) else "sgd"
+    return OPTIMIZERS.get(name, "adamw")
+
+
+def _token_shape(batch: Any) -> tuple[int, int] | None:
+    """[batch, seq] of the first integer tensor with two dims (the token ids) in the batch."""
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else (batch,)
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.ndim == 2 and not value.is_floating_point():
+            return int(value.shape[0]), int(value.shape[1])
+    return None
+
+
+def _key(sizes: dict[str, int]) -> tuple:
+    return tuple(sorted(sizes.items()))
+
+
+def _over_capacity(peak: int, capacity: int, priced: list[tuple[Change, Any]]) -> str:
+    fitting = sorted((memory.peak_bytes, change.action) for change, memory, _ in priced if memory.peak_bytes <= capacity)
+    advice = (f" HINT: {fitting[0][1]} is expected to peak at {human_bytes(fitting[0][0])}." if fitting else
+              " HINT: none of the usual changes fits alone; plan with `python -m lightning_nd.plan --gpu-memory ...`.")
+    return (f"lightning-nd pre-flight: the expected peak {human_bytes(peak)} exceeds this GPU's"
+            f" {human_bytes(capacity)}: the first steps will likely run out of memory.{advice}")
