@@ -25,6 +25,8 @@ from torch import nn
 from lightning_nd.layout.describe import human_bytes, layout_markdown
 from lightning_nd.layout.dims import DIM_NAMES, ParallelDims, closest_name
 from lightning_nd.layout.record import Layout
+from lightning_nd.plan.planner import add_arguments as add_planner_arguments
+from lightning_nd.plan.planner import cost_markdown, cost_section, run_planner
 from lightning_nd.plan.source import build_model, is_lightning_module
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
@@ -100,36 +102,51 @@ def check_batch_shape(layout: Layout, seq_len: int, micro_batch: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_nd.plan", description=__doc__.split("\n\n")[0])
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="MODULE:FACTORY, a callable returning an nn.Module or a LightningModule")
     source.add_argument("--hf-config", help="a Hugging Face config.json (its `model_type` names the family)")
     source.add_argument("--hf-model-type", help="a Hugging Face model type (llama, mixtral, qwen2, ...)")
     parser.add_argument("--hf-kwargs", default="{}", help="JSON: config fields (with --hf-model-type or --hf-config)")
     parser.add_argument("--devices", type=int, required=True, help="world size (all processes, all nodes)")
-    parser.add_argument("--layout", default="", help="dim sizes, e.g. tp=8,pp=4,dp_shard=2 (dp_shard fills the rest)")
+    parser.add_argument("--layout", help="dim sizes, e.g. tp=8,pp=4,dp_shard=2 (dp_shard fills the rest); without it and"
+                                         " with --gpu-memory, the planner ranks every valid layout")
     parser.add_argument("--options", default="{}", help="JSON: any other NDParallel keyword, e.g. '{\"zero_stage\": 2}'")
-    parser.add_argument("--precision", default="32-true", choices=PRECISIONS, help="the Trainer's precision")
+    parser.add_argument("--precision", choices=PRECISIONS, help="the Trainer's precision (default: 32-true for a"
+                                                                  " layout, bf16-mixed for the planner)")
     parser.add_argument("--gpus-per-node", type=int, help="processes per node (warns when tp/cp/ep cross nodes)")
     parser.add_argument("--seq-len", type=int, help="sequence length: also run the checks a batch triggers")
-    parser.add_argument("--micro-batch", type=int, help="samples per rank in one batch (with --seq-len)")
-    parser.add_argument("--json", action="store_true", help="print the Layout as one JSON document")
+    parser.add_argument("--micro-batch", type=int, help="samples per rank in one batch (with --seq-len); for the"
+                                                        " planner, samples per forward (default 1)")
+    parser.add_argument("--json", action="store_true", help="print the Layout (and its cost) as one JSON document")
+    add_planner_arguments(parser)
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
-        module = build_model(args.model, args.hf_config, args.hf_model_type, json.loads(args.hf_kwargs))
-        layout = dry_run(module, args.devices, parse_layout(args.layout), json.loads(args.options),
-                         precision=args.precision, gpus_per_node=args.gpus_per_node, seq_len=args.seq_len,
-                         micro_batch=args.micro_batch)
+        if args.params is None and not (args.model or args.hf_config or args.hf_model_type):
+            raise ValueError("No model to plan. HINT: pass `--model MODULE:FACTORY`, `--hf-model-type llama` or"
+                             " `--hf-config config.json` (or `--params N` with `--gpu-memory` for model state only).")
+        module = build_model(args.model, args.hf_config, args.hf_model_type, json.loads(args.hf_kwargs)) if (
+            args.params is None) else None
+        if args.layout is None and (args.gpu_memory or args.params is not None):
+            if args.gpu_memory is None:
+                raise ValueError("`--params` plans against a GPU's memory. HINT: add `--gpu-memory 80GB`.")
+            return run_planner(args, module, json.loads(args.options))
+        layout = dry_run(module, args.devices, parse_layout(args.layout or ""), json.loads(args.options),
+                         precision=args.precision or "32-true", gpus_per_node=args.gpus_per_node,
+                         seq_len=args.seq_len, micro_batch=args.micro_batch)
+        cost = cost_section(layout, module, args)
     except (ValueError, TypeError, json.JSONDecodeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:
-        print(layout.to_json())
+        print(json.dumps({**layout.to_dict(), "cost": cost.to_dict()}) if cost is not None else layout.to_json())
         return 0
     total = sum(p.numel() for p in module.parameters())
     print(f"# Dry run: {type(getattr(module, 'model', module)).__name__}, {total:,} parameters"
           f" ({human_bytes(sum(p.numel() * p.element_size() for p in module.parameters()))}), {args.devices} devices\n")
     print(layout_markdown(layout))
+    if cost is not None:
+        print("\n" + cost_markdown(layout, cost, total))
     print(f"Planned in {time.perf_counter() - start:.1f} s; no process group was started.", file=sys.stderr)
     return 0
 
