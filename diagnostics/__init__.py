@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CollectiveMonitor", "LayoutCard"]
+__all__ = ["CollectiveMonitor", "LayoutCard", "MemoryMonitor"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +19,8 @@ def __getattr__(name: str) -> Any:
         from diagnostics.callbacks.layout import LayoutCard
 
         return LayoutCard
+    if name == "MemoryMonitor":
+        from diagnostics.callbacks.memory_monitor import MemoryMonitor
+
+        return MemoryMonitor
     raise AttributeError(f"module 'diagnostics' has no attribute {name!r}")

@@ -1,0 +1,83 @@
+"""A rank of 4 really runs out of memory (`tests/distributed/memory_scenarios.py`): every rank writes its memory
+report and exits non-zero in time; the model state it measured is the shards the Layout says; the advice is
+ranked, and each saving it promises is what a measured re-run with that change saves (within 15%)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.distributed.memory_scenarios import OOM_STEP, TIMEOUT_S
+from tests.launcher import exits, launch, start
+
+WORLD = 4
+VICTIM = 2
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("oom")
+    procs = start("tests.distributed.memory_scenarios:oom", WORLD, root / "out", victim=VICTIM,
+                  folder=str(root / "logs"), stamp=str(root / "stamp"))
+    ended = exits(procs, timeout=180)
+    logs = {rank: (root / "out" / f"rank{rank}.log").read_text() for rank in range(WORLD)}
+    assert len(ended) == WORLD, f"ranks {set(range(WORLD)) - set(ended)} still ran:\n{logs}"
+    assert (root / "stamp").exists(), f"the allocation never happened:\n{logs[VICTIM][-3000:]}"
+    fault_at = (root / "stamp").stat().st_mtime
+    reports = {}
+    for rank, (code, at) in ended.items():
+        assert code != 0, f"rank {rank} exited 0:\n{logs[rank][-3000:]}"
+        assert at - fault_at <= TIMEOUT_S + 30, f"rank {rank} exited {at - fault_at:.1f} s after the allocation"
+        path = root / "logs" / "diagnostics" / f"memory-rank{rank}.json"
+        assert path.is_file(), f"rank {rank} wrote no memory report:\n{logs[rank][-3000:]}"
+        reports[rank] = json.loads(path.read_text())
+    return {"root": root, "logs": logs, "reports": reports}
+
+
+def test_every_rank_reports_the_culprit_and_its_error(crashed):
+    for rank, report in crashed["reports"].items():
+        assert report["culprit"] == VICTIM and report["rank"] == rank
+        assert report["dims"]["dp_replicate"] == 2 and report["dims"]["dp_shard"] == 2
+        assert "lightning-nd" in crashed["logs"][rank] and f"rank {VICTIM}" in crashed["logs"][rank]
+    own = crashed["reports"][VICTIM]
+    assert own["step"] == OOM_STEP
+    assert own["oom"]["device"] == "cpu" and own["oom"]["requested_bytes"] == 1 << 50
+
+
+def test_model_state_measured_is_what_the_layout_holds(crashed):
+    """Parameters, gradients (of the step before) and AdamW state, measured from the live model and optimizer,
+    equal the cost model's figures from the Layout's shards, byte for byte; unknowns are said to be unknown."""
+    for rank, report in crashed["reports"].items():
+        figures = {f["kind"]: f for f in report["figures"]}
+        for kind in ("params", "grads", "optimizer"):
+            assert figures[kind]["measured_bytes"] == figures[kind]["expected_bytes"] > 0, (rank, kind, figures[kind])
+        assert figures["activations"]["measured_bytes"] is None and figures["activations"]["expected_bytes"] > 0
+        assert figures["total"]["source"] == "process peak RSS" and figures["total"]["measured_bytes"] > 0
+
+
+def test_advice_is_ranked_and_shown_in_tensorboard(crashed):
+    advice = crashed["reports"][VICTIM]["advice"]
+    savings = [a["saving_bytes"] for a in advice]
+    assert len(advice) >= 4 and savings == sorted(savings, reverse=True) and min(savings) > 0
+    actions = [a["action"] for a in advice]
+    assert any("activation_checkpointing='full'" in a for a in actions), actions
+    assert any("dp_shard=4" in a for a in actions), actions  # HSDP -> FSDP over all four ranks
+    events = EventAccumulator(str(next((crashed["root"] / "logs" / "tb").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    card = events.Tensors("diagnostics/memory/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert f"rank {VICTIM} ran out of memory" in card and "activation_checkpointing='full'" in card
+
+
+def test_each_advised_saving_is_what_a_measured_rerun_saves(crashed, tmp_path):
+    advice = crashed["reports"][VICTIM]["advice"]
+    changes = [{}] + [a["change"] for a in advice]
+    baseline, *after = launch("tests.distributed.memory_scenarios:measure", WORLD, tmp_path, timeout=600,
+                              changes=changes)[0]
+    print("measured baseline", baseline, {a["action"]: (baseline - peak, a["saving_bytes"])
+                                          for a, peak in zip(advice, after)})
+    for item, peak in zip(advice, after):
+        measured = baseline - peak
+        assert measured == pytest.approx(item["saving_bytes"], rel=0.15), (item["action"], measured, item)
+
