@@ -51,6 +51,11 @@ def tiny_model(model_type: str) -> torch.nn.Module:
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class()
     config = config_class(**{key: value for key, value in TINY.items() if hasattr(defaults, key)})
+    for name, sub in vars(config).items():  # vision and audio towers are built at their full default size otherwise
+        if isinstance(sub, transformers.PretrainedConfig) and name != "text_config":
+            for key, value in TINY.items():
+                if hasattr(sub, key):
+                    setattr(sub, key, value)
     config.dtype, config.use_cache = torch.float32, False
     config._experts_implementation = "eager"  # grouped_mm has no float32 kernel on fake tensors
     for names in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, modeling_auto.MODEL_MAPPING_NAMES):
