@@ -77,16 +77,19 @@ def _attention(shape: ModelShape, e: int, cp: int, local_seq: int, recompute: st
     if cp == 1:  # SDPA (flash on CPU and CUDA): query, keys, values, output, fp32 logsumexp
         return (Saved("query and attention output", 2 * h, e, "tp"), Saved("keys and values", 2 * shape.kv_dim, e, "tp"),
                 Saved("logsumexp", heads, LSE_BYTES, "tp"))
-    # Ring attention, per hop: scores and probabilities [heads, local_seq] per token in fp32, the hop's K and V
-    # as the broadcasting matmuls copy them (expanded to every query head: h each), and (after the first hop)
-    # the log-sum-exp merge's two partial outputs; selective keeps the matmuls' outputs: one score tensor and
-    # one partial output per hop.
-    scores = 1 if recompute == "selective" else 2
-    merges = cp if recompute == "selective" else 2 * (cp - 1)
-    return (Saved("query (rotated) and the ring's output", 2 * h, e, "tp"),
+    # Ring attention, per hop: scores and probabilities [heads, local_seq] per token in fp32, the query and the
+    # hop's K and V as the matmuls copy them (the query comes transposed, K and V are expanded to every query
+    # head: h each), and after the first hop the log-sum-exp merge's two partial outputs (fp32). Selective
+    # keeps the matmuls' outputs instead: the projections, and each hop's raw scores and partial output.
+    per_hop_scores = heads * local_seq * cp
+    if recompute == "selective":
+        return (Saved("query, key and value projections", h + 2 * shape.kv_dim, e, "tp"),
+                Saved("raw scores of every hop", per_hop_scores, 4, "tp"),
+                Saved("partial output of every hop", cp * h, 4, "tp"))
+    return (Saved("the query of every hop and the ring's output", (cp + 1) * h, e, "tp"),
             Saved("keys and values of every hop, expanded", 2 * h * cp, e, "tp"),
-            Saved("scores and probabilities of every hop", scores * heads * local_seq * cp, 4, "tp"),
-            Saved("merged partial outputs", merges * h, 4, "tp"))
+            Saved("scores and probabilities of every hop", 2 * per_hop_scores, 4, "tp"),
+            Saved("merged partial outputs", 2 * (cp - 1) * h, 4, "tp"))
 
 
 def _mlp(shape: ModelShape, e: int, recompute: str, ep: int) -> tuple[Saved, ...]:

@@ -1,8 +1,8 @@
 """`cost_layout`: everything the cost model says about one `Layout`, per rank, as one JSON-able record.
 
 Memory per rank (`memory.py`), bytes per step per mesh dim (`comm.py`), and with a hardware preset the
-pipeline bubble and a step-time estimate (`step_time.py`). Ranks that hold the same pieces and sit at the
-same pipeline position cost the same, so each distinct holding is priced once.
+pipeline bubble and a step-time estimate (`step_time.py`). Ranks whose pieces have the same names, sizes and
+placements at the same pipeline position cost the same (tp and FSDP peers, mostly), so each is priced once.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def cost_layout(layout: Layout, shape: ModelShape, workload: Workload, *, optimi
     priced: dict[tuple, RankMemory] = {}
     ranks = []
     for holding in layout.ranks:
-        key = (holding.coordinates["pp"], tuple(id(p) for p in holding.params))
+        key = (holding.coordinates["pp"], tuple((p.name, p.bytes, p.padded_bytes, p.placement) for p in holding.params))
         if key not in priced:
             priced[key] = rank_memory(layout, shape, workload, holding.rank, optimizer=optimizer)
         ranks.append(_as_rank(priced[key], holding.rank))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from lightning_nd.cost.activations import block_backward_bytes, block_bytes, head_bytes, logits_bytes
-from lightning_nd.cost.model_state import model_state
+from lightning_nd.cost.model_state import block_of, model_state
 from lightning_nd.cost.shape import ModelShape, Workload
 from lightning_nd.layout.record import Layout
 
@@ -78,8 +78,8 @@ def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int
     """The expected memory of ``rank`` in one training step of ``workload`` under ``layout``."""
     state = model_state(layout, rank, optimizer)
     holding, options, dims = layout.rank(rank), layout.options, layout.dims
-    names = {p.name for p in holding.params}
-    blocks = sum(1 for block in layout.blocks if any(name.startswith(block + ".") for name in names))
+    names = frozenset(layout.blocks)
+    blocks = len({block_of(p.name, names) for p in holding.params} - {None})
     chunks, chunks_per_stage = in_flight(layout, holding.coordinates["pp"])
     tokens, element = tokens_per_microbatch(layout, workload), workload.activation_bytes
     tp, recompute, pp = dims["tp"], options["activation_checkpointing"], dims["pp"] > 1

@@ -76,12 +76,12 @@ def gathered_units(layout: Layout, holding: RankHolding) -> list[int]:
     """Bytes of each FSDP unit of this rank when gathered (root unit first, then the blocks in order), in the
     dtype FSDP gathers: one unit per block, the rest of the stage in the root unit."""
     gather_bytes = DTYPE_BYTES.get(layout.options.get("param_dtype") or "", 0)
-    root, blocks = 0, {}
+    root, blocks, names = 0, {}, frozenset(layout.blocks)
     for shard in holding.params:
         size = _fsdp_size(layout, shard.placement)
         elements = shard.bytes // DTYPE_BYTES.get(shard.dtype, 4) * size
         full = elements * (gather_bytes or DTYPE_BYTES.get(shard.dtype, 4))
-        block = _block_of(layout, shard.name)
+        block = block_of(shard.name, names)
         if block is None:
             root += full
         else:
@@ -98,10 +98,13 @@ def _fsdp_size(layout: Layout, placement: str) -> int:
     return 1
 
 
-def _block_of(layout: Layout, name: str) -> str | None:
-    for block in layout.blocks:
-        if name.startswith(block + "."):
-            return block
+def block_of(name: str, blocks: frozenset[str]) -> str | None:
+    """The block (of ``blocks``, whole-model names) a parameter belongs to, from its name's prefixes."""
+    end = name.find(".")
+    while end != -1:
+        if name[:end] in blocks:
+            return name[:end]
+        end = name.find(".", end + 1)
     return None
 
 
