@@ -41,6 +41,7 @@ def test_every_rank_reports_the_culprit_and_its_error(crashed):
         assert report["culprit"] == VICTIM and report["rank"] == rank
         assert report["dims"]["dp_replicate"] == 2 and report["dims"]["dp_shard"] == 2
         assert "lightning-nd" in crashed["logs"][rank] and f"rank {VICTIM}" in crashed["logs"][rank]
+    assert "lightning-nd pre-flight: expected peak" in crashed["logs"][0]  # logged at the first batch
     own = crashed["reports"][VICTIM]
     assert own["step"] == OOM_STEP
     assert own["oom"]["device"] == "cpu" and own["oom"]["requested_bytes"] == 1 << 50

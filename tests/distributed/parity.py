@@ -69,15 +69,33 @@ class ShardBytes(Callback):
         self.planned = {shard.name: (shard.bytes, shard.padded_bytes) for shard in mine.params}
         self.roundtrip = Layout.from_json(layout.to_json()) == layout
 
+    def on_train_end(self, trainer, pl_module) -> None:
+        """The model state after the last step (its gradients still there), local shards, against the cost model."""
+        from lightning_nd.cost.model_state import model_state
+
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+        size = lambda tensors: sum(local(t).numel() * t.element_size() for t in tensors if t is not None)  # noqa: E731
+        optimizer = trainer.optimizers[0]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.state_measured = {"params": size(params), "grads": size(p.grad for p in params),
+                               "optimizer": size(v for s in optimizer.state.values() for v in s.values()
+                                                 if torch.is_tensor(v))}
+        expected = model_state(trainer.strategy.layout, trainer.global_rank)
+        self.state_planned = {"params": expected.params_bytes, "grads": expected.grads_bytes,
+                              "optimizer": expected.optimizer_bytes}
+
 
 def assert_layout_matches_shards(per_rank: list, layout: str) -> None:
     """On every rank, the Layout's bytes per parameter equal the shard measured after parallelize (exactly,
-    unpadded and padded), and the Layout survived a JSON round trip."""
+    unpadded and padded), the Layout survived a JSON round trip, and the cost model's parameter, gradient and
+    optimizer bytes (`lightning_nd.cost.model_state`) equal the local shards after the last step."""
     for rank, result in enumerate(per_rank):
         holdings = result[layout]["parallel"]["holdings"]
         assert holdings["roundtrip"], f"rank {rank}: the Layout changed through JSON"
         assert holdings["planned"] == holdings["measured"], f"rank {rank}: planned != measured"
         assert holdings["measured"], f"rank {rank}: no parameters measured"
+        assert holdings["state_planned"] == holdings["state_measured"], f"rank {rank}: model state {holdings}"
+        assert holdings["state_measured"]["grads"] > 0, f"rank {rank}: no gradients measured"
 
 
 def techniques(parallel: dict) -> dict[str, dict]:
@@ -112,7 +130,8 @@ def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None,
               "applied": [asdict(t) for t in trainer.strategy.report.applied] if trainer.strategy.report else [],
               "timings": trainer.strategy.pipeline_timings,
               "holdings": {"measured": shard_bytes.measured, "planned": shard_bytes.planned,
-                           "roundtrip": shard_bytes.roundtrip}}
+                           "roundtrip": shard_bytes.roundtrip, "state_measured": shard_bytes.state_measured,
+                           "state_planned": shard_bytes.state_planned}}
     if validate:
         val = DataLoader(SyntheticTokens(VOCAB, SEQ_LEN, VAL_BATCHES * batch * dp * accumulate, seed=1), batch_size=batch)
         trainer.limit_val_batches = 1.0  # off while fitting (no validation inside the 5 steps)

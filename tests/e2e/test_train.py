@@ -74,6 +74,11 @@ def test_readme_main_job_trains_and_writes_tensorboard(tmp_path):
     topology = make_ndarray(accumulator.Tensors("diagnostics/topology/text_summary")[0].tensor_proto)[0].decode()
     assert "| backend | gloo |" in topology and "| tp | 2 x 2 ranks | none |" in topology, topology
     assert not (tmp_path / "tensorboard" / "diagnostics" / "hang.json").exists()  # a healthy run leaves no verdict
+    assert not list((tmp_path / "tensorboard" / "diagnostics").glob("memory-rank*.json"))
+    for rank in range(4):  # MemoryMonitor: each rank's model state and peak RSS every 10 steps (on CPU)
+        state = [event.value for event in accumulator.Scalars(f"memory/model_state_bytes/rank{rank}")]
+        assert len(state) == 2 and state[0] == state[1] > 0
+        assert all(event.value > state[0] for event in accumulator.Scalars(f"memory/peak_rss_bytes/rank{rank}"))
 
 
 def test_hydra_sweep_runs_every_layout(tmp_path):

@@ -1,0 +1,102 @@
+"""The planner and the cost of one layout (`python -m lightning_nd.plan`), end to end, without a process group:
+its ranking, its JSON, and for a 70B Llama on 64 GPUs the arithmetic of the tp=8, pp=4, dp_shard=2 row."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from lightning_nd.cost.model_state import model_state
+from lightning_nd.layout.record import Layout
+from lightning_nd.plan.__main__ import main
+from tests.unit.test_dry_run import LLAMA_70B
+
+SMALL = ["--model", "examples.models.llama:Llama", "--devices", "8", "--gpus-per-node", "4", "--seq-len", "64",
+         "--global-batch", "16"]
+LLAMA_70B_ARGS = ["--hf-model-type", "llama", "--hf-kwargs", json.dumps(LLAMA_70B), "--devices", "64",
+                  "--gpus-per-node", "8"]
+KEYS = ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes")
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_planner_ranks_fitting_layouts_first_by_step_time(capsys):
+    code, out, err = _run(capsys, *SMALL, "--gpu-memory", "1MB", "--json")
+    assert code == 0, err
+    layouts = json.loads(out)["layouts"]
+    fits = [entry["fits"] for entry in layouts]
+    assert any(fits) and not all(fits) and fits == sorted(fits, reverse=True), fits
+    fitting = [entry["cost"]["step_time"]["total_s"] for entry in layouts if entry["fits"]]
+    assert fitting == sorted(fitting)
+    assert all(entry["cost"]["peak_bytes"] > 1_000_000 for entry in layouts if not entry["fits"])
+    assert layouts[0]["why"] == "fastest layout that fits" and "does not fit" in layouts[-1]["why"]
+    for entry in layouts:
+        for rank in entry["cost"]["ranks"]:
+            assert all(isinstance(rank[key], int) and rank[key] >= 0 for key in KEYS)
+        assert all(isinstance(value, int) for value in entry["cost"]["comm_bytes"].values())
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_planner_table_says_why_and_how_much(capsys):
+    code, out, _ = _run(capsys, *SMALL, "--gpu-memory", "1MB", "--top", "50", "--explain", "tp=2,dp_shard=4")
+    assert code == 0
+    assert "| 1 |" in out and "fastest layout that fits" in out and "step time vs #1, mostly" in out
+    assert "does not fit even with full recomputation" in out
+    assert "`tp=2,dp_shard=4` ranks #" in out and "Model state of rank" in out
+
+
+def test_bad_planner_input_names_the_fix(capsys):
+    code, _, err = _run(capsys, *SMALL[:6], "--gpu-memory", "80GB")
+    assert code == 2 and "HINT: add `--seq-len 4096 --global-batch 512`" in err
+    code, _, err = _run(capsys, *SMALL, "--gpu-memory", "80 gigs")
+    assert code == 2 and "HINT" in err
+    code, _, err = _run(capsys, "--params", "7e9", "--devices", "8", "--layout", "tp=2")
+    assert code == 2 and "HINT: drop `--layout`" in err
+
+
+def test_params_only_is_model_state_and_says_so(capsys):
+    code, out, _ = _run(capsys, "--params", "7.5e9", "--devices", "64", "--gpus-per-node", "8", "--gpu-memory", "80GB")
+    assert code == 0 and "judged on model state alone" in out
+    assert "| `dp_shard=64` | 0.117B | 1.75 GiB | 1.75 GiB | yes |" in out  # 16 B x 7.5e9 / 64 = 1.875e9 bytes
+    code, out, _ = _run(capsys, "--params", "700e9", "--devices", "8", "--gpu-memory", "80GB")
+    assert code == 1 and "| no |" in out and "| yes |" not in out
+
+
+def test_70b_tp8_pp4_dp2_arithmetic(capsys):
+    argv = [*LLAMA_70B_ARGS, "--layout", "tp=8,pp=4,dp_shard=2", "--seq-len", "4096", "--micro-batch", "256",
+            "--precision", "bf16-mixed", "--options", '{"pp_microbatches": 256}']
+    code, out, err = _run(capsys, *argv, "--json")
+    assert code == 0, err
+    document = json.loads(out)
+    layout = Layout.from_dict({k: v for k, v in document.items() if k != "cost"})
+    for rank in (0, 17, 63):  # the embedding's stage, a middle one, the head's
+        holding, priced = layout.rank(rank), document["cost"]["ranks"][rank]
+        state = model_state(layout, rank)
+        assert priced["params_bytes"] == priced["grads_bytes"] == holding.param_bytes  # fp32 shards, as FSDP2 holds
+        assert priced["optimizer_bytes"] == 2 * holding.param_bytes + 4 * len(holding.params) == state.optimizer_bytes
+    # 70.55B / (tp 8 x pp 4) = 2.2B per model shard; FSDP halves it: ~1.1B fp32 parameters on a rank, not 70B.
+    assert 1.05e9 < document["cost"]["ranks"][0]["params_bytes"] / 4 < 1.15e9
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0
+    assert "it holds 1/(tp x pp) = 1/32 of the 70.55B parameters, 2.205B" in out
+    assert "optimizer state 8.06 GiB" in out and "P_os+g over 2): 18.48 GiB of model state, 12.32 GiB of it" in out
+    assert "not \"71B x 4 bytes / 2 = 131.42 GiB of optimizer state per GPU\"" in out
+
+
+def test_the_70b_planner_on_64_gpus(capsys):
+    """The planner over every layout of a 70B Llama on 8 nodes of 8 x 80 GB (about half a minute)."""
+    code, out, err = _run(capsys, *LLAMA_70B_ARGS, "--gpu-memory", "80GB", "--seq-len", "4096", "--global-batch",
+                          "512", "--top", "200", "--explain", "tp=8,pp=4,dp_shard=2")
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    fits = [" | yes | " in row for row in rows]
+    assert len(rows) > 40 and any(fits) and fits == sorted(fits, reverse=True)
+    assert "`tp=8,pp=4,dp_shard=2` ranks #" in out
+    explained = out[out.index("`tp=8,pp=4,dp_shard=2` ranks #"):]
+    assert "1/32 of the 70.55B parameters, 2.205B" in explained and "optimizer state 8.06 GiB" in explained
+    assert "12.32 GiB of it optimizer state" in explained
