@@ -58,7 +58,7 @@ class Advice:
     """One fix: the overrides that make it and the peak the cost model predicts with them."""
 
     action: str
-    """As a person types it: ``activation_checkpointing='full'``."""
+    """As a person types it: ``NDParallel(activation_checkpointing='full')``."""
     change: dict[str, Any]
     """The ``NDParallel``/``Trainer`` overrides: ``{"activation_checkpointing": "full"}``,
     ``{"tp": 2, "dp_shard": 2}``."""

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diagnostics import CollectiveMonitor, LayoutCard  # noqa: E402
+from diagnostics import CollectiveMonitor, LayoutCard, MemoryMonitor  # noqa: E402
 from examples.data import TokenDataModule  # noqa: E402
 from examples.lit import CausalLM  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -49,7 +49,9 @@ def main(cfg: DictConfig) -> float:
     logger = TensorBoardLogger(save_dir=cfg.log_dir, name="", version="")
     checkpoints = ModelCheckpoint(**OmegaConf.to_container(cfg.checkpoint, resolve=True))
     monitors = [CollectiveMonitor(log_dir=cfg.log_dir, distributed_debug=cfg.diagnostics.distributed_debug)
-                if cfg.diagnostics.collectives else None]
+                if cfg.diagnostics.collectives else None,
+                MemoryMonitor(log_dir=cfg.log_dir, log_every_n_steps=cfg.diagnostics.memory_every_n_steps)
+                if cfg.diagnostics.memory else None]
     trainer = Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy, logger=logger,
                       callbacks=[LayoutCard(), checkpoints, *filter(None, monitors)])
     module = CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import TensorBoardLogger
 
 from diagnostics.analysis.hang import hang_report
 from diagnostics.collect.environment import apply_environment, wanted_environment
@@ -31,6 +30,7 @@ from diagnostics.collect.ledger import PointToPointLedger
 from diagnostics.collect.stacks import stacks_text, thread_stacks
 from diagnostics.records import CAPTURE_FILE, HANG_FILE, GroupRecord, RankCapture, to_json, write_atomic
 from diagnostics.report.hang_card import hang_markdown, hang_text
+from diagnostics.report.tensorboard import log_text
 from diagnostics.report.topology_card import topology_markdown
 
 _fits = itertools.count()  # every rank counts its fits alike: one store prefix per fit
@@ -119,7 +119,7 @@ class CollectiveMonitor(Callback):
             return
         self._topology_written = True  # after the first step: NCCL creates its communicators lazily
         if self.rank == 0 and self.exchange is not None:
-            self._log_text(trainer, "diagnostics/topology", self._topology())
+            log_text(trainer, "diagnostics/topology", self._topology())
 
     def _topology(self) -> str:
         hosts = {}
@@ -161,7 +161,7 @@ class CollectiveMonitor(Callback):
         if self.rank == min(captures, default=self.rank):
             write_atomic(self.folder / HANG_FILE, to_json(self.report))
         if self.rank == 0 and self._trainer is not None:
-            self._log_text(self._trainer, "diagnostics/hang", card)
+            log_text(self._trainer, "diagnostics/hang", card)
         self.exchange.done()
         if self.rank == _store_host():
             self.exchange.wait_until_read([r for r in range(self.world_size) if r not in dead], seconds=3.0)
@@ -178,13 +178,6 @@ class CollectiveMonitor(Callback):
         return RankCapture(self.rank, self.world_size, reason, step, time.time(), entries_of(dump) if dump else (),
                            self.ledger.records(), stacks, main, self.groups, self.coordinates,
                            flight_recorder=dump is not None, raised=raised, error=error)
-
-    @staticmethod
-    def _log_text(trainer: Trainer, tag: str, text: str) -> None:
-        for logger in trainer.loggers:
-            if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text(tag, text, global_step=trainer.global_step)
-                logger.experiment.flush()
 
 
 def _store_host() -> int | None:

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import TensorBoardLogger
 
 from diagnostics.analysis.memory import breakdown, rank_advice
 from diagnostics.analysis.oom import parse_oom
@@ -27,8 +26,12 @@ from diagnostics.collect.memory import cuda_memory, model_state_bytes, process_m
 from diagnostics.memory_records import MEMORY_FILE, MemoryReport, memory_report_from_dict
 from diagnostics.records import to_json, write_atomic
 from diagnostics.report.memory_card import memory_card, memory_summary
+from diagnostics.report.tensorboard import log_text
 
-OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
+# A peer's own failure text, as the watchdog relays it ("failed: OutOfMemoryError: CUDA out of memory ..."); not
+# "out of memory" alone, which the verdict for a dead peer says of the ways it may have died.
+OOM_WORDS = ("cuda out of memory", "hip out of memory", "outofmemoryerror", "can't allocate memory",
+             "not enough memory")
 CULPRIT_WAIT_S = 5.0
 EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
@@ -45,6 +48,7 @@ class MemoryMonitor(Callback):
         self.planned: Any = None
         self.trainer: Trainer | None = None
         self.written = False
+        self._logged_step = -1
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.folder = Path(self._log_dir or trainer.default_root_dir) / "diagnostics"
@@ -55,8 +59,10 @@ class MemoryMonitor(Callback):
         self.planned = event
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if not self.every or trainer.global_step % self.every or trainer.world_size < 1:
+        step = trainer.global_step
+        if not self.every or step % self.every or step == self._logged_step:  # once per optimizer step
             return
+        self._logged_step = step
         import torch
         import torch.distributed as dist
 
@@ -77,7 +83,8 @@ class MemoryMonitor(Callback):
         self._write(strategy, event.rank, event.message)
 
     def on_nd_failure_verdict(self, strategy: Any, event: Any) -> None:
-        if not self.written and any(words in event.reason.lower() for words in OOM_WORDS):
+        if not self.written and event.culprit != strategy.global_rank and any(
+                words in event.reason.lower() for words in OOM_WORDS):
             self._write(strategy, event.culprit, event.reason)
 
     def _write(self, strategy: Any, culprit: int, message: str) -> None:
@@ -93,7 +100,7 @@ class MemoryMonitor(Callback):
             if culprit != rank:
                 theirs = _wait_for(self.folder / MEMORY_FILE.format(rank=culprit))
                 card = (memory_card(theirs) + "\n\n---\n\n" + card) if theirs is not None else card
-            _log_text(trainer, "diagnostics/memory", card)
+            log_text(trainer, "diagnostics/memory", card)
 
     def _report(self, strategy: Any, trainer: Trainer, rank: int, culprit: int, message: str) -> MemoryReport:
         module = strategy.lightning_module
@@ -159,9 +166,3 @@ def _wait_for(path: Path) -> MemoryReport | None:
         time.sleep(0.1)
     return None
 
-
-def _log_text(trainer: Trainer, tag: str, text: str) -> None:
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_text(tag, text, global_step=trainer.global_step)
-            logger.experiment.flush()

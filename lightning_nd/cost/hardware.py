@@ -1,5 +1,5 @@
 """What the cost model assumes of one accelerator and its links: `Hardware`, the `PRESETS`, and the parsers of
-``--hardware h100,peak_flops=7e14`` and ``--memory 80GB``.
+``--hardware h100,peak_flops=7e14`` and ``--gpu-memory 80GB``.
 
 Figures are the vendors' datasheet peaks, per GPU, one direction; nothing here measures anything.
 """

@@ -1,12 +1,15 @@
 """Expected memory per rank for one training step: model state, activations, and the peak.
 
 `rank_memory(layout, shape, workload, rank)` prices what ``rank`` holds (`model_state.py`) and keeps for
-backward (`activations.py`) and returns the peak of the three moments a step's memory can top out at:
+backward (`activations.py`) and returns the peak of the four moments a step's memory can top out at:
 
 - the forward's end: parameters, optimizer state, the previous step's gradients (Lightning sets them to None
   after the forward, before backward), FSDP's gathered parameters, and every activation in flight;
 - backward's start on the stage with the loss: the same without gradients, plus two fp32 [tokens, vocab]
   buffers (the gradients of the log-probabilities and of the logits);
+- inside a block's backward: the blocks' activations, that block recomputed (full recomputation), the
+  gradients flowing through it, and FSDP's unsharded gradients of one unit with the reduce-scatter's copy
+  (under pp: the stage's, accumulated over the microbatches);
 - the optimizer step: parameters, gradients, optimizer state and the step's temporaries (torch's foreach
   AdamW makes one list of the parameters' size, the denominator).
 
@@ -31,7 +34,7 @@ second moment; SGD updates in place)."""
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Expected bytes on one rank (``peak_bytes``: the largest of the step's three moments, `peak_moment`)."""
+    """Expected bytes on one rank (``peak_bytes``: the largest of the step's four moments, `peak_moment`)."""
 
     rank: int
     params_bytes: int
@@ -44,7 +47,7 @@ class RankMemory:
     buffers, or the optimizer's temporaries."""
     peak_bytes: int
     peak_moment: str
-    """forward_end, backward_start or optimizer_step."""
+    """forward_end, backward_start, backward_block or optimizer_step."""
     microbatches_in_flight: int
     blocks: int
 

@@ -87,17 +87,18 @@ def rank_holdings(
     params = _params(module, dims, blocks, tp_entries, experts, precision, copies)
     inside, sizes = dims.dp_shard_in_ep, {"tp": dims.tp, "ep": dims.ep}
     shared: dict[tuple, ParamShard] = {}
+    by_stages: dict[tuple[int, ...], list[_Param]] = {}  # the parameters of each pp rank's stages, found once
     holdings = []
     for rank in range(dims.world_size):
         coords = dims.coordinates(rank)
         stages = tuple(pipeline.ranks[coords["pp"]]) if pipeline is not None else ()
-        prefixes = _stage_prefixes(pipeline, stages)
+        if stages not in by_stages:
+            prefixes = _stage_prefixes(pipeline, stages)
+            by_stages[stages] = [p for p in params if prefixes is None or p.name.startswith(prefixes)]
         index = {"tp": coords["tp"], "ep": coords["ep"], "fsdp": coords["dp_shard"] * dims.cp + coords["cp"],
                  "expert_dp": coords["dp_replicate"] * (dims.dp_shard // inside) + coords["dp_shard"] // inside}
         shards = []
-        for param in params:
-            if prefixes is not None and not param.name.startswith(prefixes):
-                continue
+        for param in by_stages[stages]:
             key = (param.name, index["tp"] if param.tp else None, index["ep"] if param.expert else None,
                    index[param.fsdp[0]] if param.fsdp else None)
             if key not in shared:

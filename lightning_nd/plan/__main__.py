@@ -125,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.params is None and not (args.model or args.hf_config or args.hf_model_type):
             raise ValueError("No model to plan. HINT: pass `--model MODULE:FACTORY`, `--hf-model-type llama` or"
                              " `--hf-config config.json` (or `--params N` with `--gpu-memory` for model state only).")
+        if args.params is not None and args.layout is not None:
+            raise ValueError("`--params` plans model state without a model, `--layout` plans a model's layout."
+                             " HINT: drop `--layout` (and add `--gpu-memory`), or give the model instead of `--params`.")
         module = build_model(args.model, args.hf_config, args.hf_model_type, json.loads(args.hf_kwargs)) if (
             args.params is None) else None
         if args.layout is None and (args.gpu_memory or args.params is not None):

@@ -50,8 +50,9 @@ def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any]) 
         raise ValueError(f"`--devices {args.devices}` is not a whole number of nodes of `--gpus-per-node"
                          f" {gpus_per_node}`. HINT: use a multiple of {gpus_per_node}.")
     if module is None:
-        print(params_only_markdown(int(args.params), args.devices, gpus_per_node, memory_bytes, args.optimizer))
-        return 0
+        text, fits = params_only_markdown(int(args.params), args.devices, gpus_per_node, memory_bytes, args.optimizer)
+        print(text)
+        return 0 if fits else 1
     if args.seq_len is None or args.global_batch is None:
         raise ValueError("The planner needs the step's shape. HINT: add `--seq-len 4096 --global-batch 512`"
                          " (and `--micro-batch` for samples per forward, default 1), or `--params N` for model"

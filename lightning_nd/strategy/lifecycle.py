@@ -30,7 +30,7 @@ log = logging.getLogger("lightning_nd")
 
 LAYOUT_FILE = "layout.json"
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
-OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
 
 
 def start_processes(strategy: Any) -> None:

@@ -4,8 +4,8 @@ At setup, while the model is still whole, the layouts a memory advice may point 
 instead of HSDP: `cost/alternatives.py`) are planned, when someone will read them (a `MemoryPlanned`
 listener, or CUDA, where the check below runs). At the first training batch, when its shape is known, the
 cost model prices this run and each change; rank 0 logs the expected peak, every listener hears
-`MemoryPlanned`, and on CUDA a peak above the device's memory is a warning naming the cheapest change that
-fits, before the step that would fail.
+`MemoryPlanned`, and on CUDA a peak above the device's memory is a warning naming the change with the lowest
+expected peak that fits, before the step that would fail.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from lightning_nd.cost.alternatives import Change, memory_changes, price
 from lightning_nd.cost.layout_cost import cost_layout
-from lightning_nd.cost.shape import Workload, model_shape
+from lightning_nd.cost.shape import ModelShape, Workload, model_shape
 from lightning_nd.layout.describe import human_bytes
 from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.plan import plan_layout
@@ -34,14 +34,22 @@ OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam", "Adagrad": "adagrad", "RMSprop":
 class Preflight:
     def __init__(self) -> None:
         self._planned: dict[tuple, Layout] = {}
+        self._shape: ModelShape | None = None
         self._done = False
 
     def layout_ready(self, strategy: Any) -> None:
-        """Plan the other layouts a change of dims would make (the composer has not touched the model yet)."""
-        self._done = False
+        """Read the model's shape and plan the other layouts a change of dims would make, while the model is
+        whole (the composer has not split it into stages and shards yet)."""
+        self._done, self._planned = False, {}
+        layout = strategy.layout
+        try:
+            self._shape = model_shape(strategy.model, layout.options.get("block_classes"))
+        except ValueError as error:
+            self._shape = None
+            log.info("lightning-nd pre-flight skipped: %s", error)
+            return
         if not (strategy.events.wants(MemoryPlanned) or torch.cuda.is_available()):
             return
-        layout = strategy.layout
         for change in memory_changes(layout, Workload(seq_len=1, batch=1)):
             if change.sizes is None:
                 continue
@@ -65,15 +73,10 @@ class Preflight:
             return
         self._done = True
         trainer = strategy.lightning_module.trainer
-        tokens = _token_shape(batch)
-        if tokens is None or strategy.layout_or_none is None:
+        tokens, shape = _token_shape(batch), self._shape
+        if tokens is None or shape is None or strategy.layout_or_none is None:
             return
         layout = strategy.layout
-        try:
-            shape = model_shape(strategy.model, layout.options.get("block_classes"))
-        except ValueError as error:
-            log.info("lightning-nd pre-flight skipped: %s", error)
-            return
         workload = Workload(seq_len=tokens[1], batch=tokens[0], accumulation=trainer.accumulate_grad_batches,
                             precision=str(trainer.precision))
         optimizer = optimizer_name(trainer.optimizers[0]) if trainer.optimizers else "adamw"
