@@ -34,7 +34,8 @@ second moment; SGD updates in place)."""
 
 @dataclass(frozen=True)
 class RankMemory:
-    """Expected bytes on one rank (``peak_bytes``: the largest of the step's four moments, `peak_moment`)."""
+    """Expected bytes on one rank (``peak_bytes``: the largest of the step's four moments, `peak_moment`, in the
+    device's memory: under cpu_offload the sharded state is in host memory and not part of it)."""
 
     rank: int
     params_bytes: int
@@ -99,23 +100,26 @@ def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int
     if pp and not has_loss:  # the schedule keeps each microbatch's stage output until its gradient comes back
         head = chunks * tokens * shape.hidden * element
     activations = block_activations + head
-    base = state.params_allocated_bytes + state.optimizer_bytes
+    # Under cpu_offload FSDP keeps the sharded parameters, gradients and optimizer state in host memory (the step
+    # runs there too): the device holds only what is gathered, the activations and the temporaries.
+    offloaded = bool(options.get("cpu_offload"))
+    base = 0 if offloaded else state.params_allocated_bytes + state.optimizer_bytes
     # Under pp, FSDP accumulates the stage's gradients unsharded over the microbatches (the schedule turns its
     # reduction off until the last; without FSDP they accumulate in place), and the previous step's gradients
     # are gone before the schedule runs.
     # Otherwise each unit's gradients are unsharded, then copied into the reduce-scatter's input, one unit at a time.
     unsharded_grads = (state.gathered_bytes or state.grads_bytes) if pp else 2 * state.largest_unit_bytes
-    old_grads = 0 if pp else state.grads_bytes
+    old_grads = 0 if pp or offloaded else state.grads_bytes
     recomputed = block_bytes(shape, tokens, element, **split) if recompute == "full" and blocks else 0
     loss_grads = 2 * logits_bytes(shape, tokens, tp=tp, loss_parallel=loss_parallel) if has_loss else 0
     in_block = block_backward_bytes(shape, tokens, element, tp=tp) if blocks else 0
     held = {"forward_end": old_grads + activations, "backward_start": activations,
-            "backward_block": block_activations, "optimizer_step": state.grads_bytes}
+            "backward_block": block_activations, "optimizer_step": 0 if offloaded else state.grads_bytes}
     transient = {
         "forward_end": state.gathered_bytes,
         "backward_start": state.gathered_bytes + loss_grads + (unsharded_grads if pp else 0),
         "backward_block": state.gathered_bytes + recomputed + in_block + unsharded_grads,
-        "optimizer_step": FOREACH_TEMPORARIES[optimizer] * state.params_bytes,
+        "optimizer_step": 0 if offloaded else FOREACH_TEMPORARIES[optimizer] * state.params_bytes,
     }
     moment = max(transient, key=lambda name: held[name] + transient[name])
     return RankMemory(rank, state.params_bytes, state.grads_bytes, state.optimizer_bytes, activations,

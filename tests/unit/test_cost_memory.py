@@ -114,3 +114,14 @@ def test_one_process_peak_within_ten_percent(mode):
         layout = dry_run(Llama(LLAMA), 1, {}, {"activation_checkpointing": mode})
     expected = rank_memory(layout, model_shape(model), Workload(seq_len=seq, batch=batch), 0)
     assert expected.peak_bytes == pytest.approx(measured, rel=0.10), (expected, measured)
+
+
+def test_cpu_offload_keeps_the_sharded_state_off_the_device():
+    with torch.device("meta"):
+        model = Llama(LLAMA)
+    on_device = dry_run(model, 4, {"dp_shard": 4}, {})
+    offloaded = dry_run(model, 4, {"dp_shard": 4}, {"cpu_offload": True})
+    workload = Workload(seq_len=128, batch=4)
+    kept, moved = (rank_memory(layout, model_shape(model), workload, 0) for layout in (on_device, offloaded))
+    assert (moved.params_bytes, moved.optimizer_bytes) == (kept.params_bytes, kept.optimizer_bytes)
+    assert moved.peak_bytes <= kept.peak_bytes - kept.params_bytes - kept.optimizer_bytes
