@@ -28,10 +28,10 @@ from diagnostics.records import to_json, write_atomic
 from diagnostics.report.memory_card import memory_card, memory_summary
 from diagnostics.report.tensorboard import log_text
 
-# A peer's own failure text, as the watchdog relays it ("failed: OutOfMemoryError: CUDA out of memory ..."); not
-# "out of memory" alone, which the verdict for a dead peer says of the ways it may have died.
-OOM_WORDS = ("cuda out of memory", "hip out of memory", "outofmemoryerror", "can't allocate memory",
-             "not enough memory")
+# A peer's own failure, as the watchdog relays it ("failed: OutOfMemoryError: CUDA out of memory ..."); a dead
+# peer's verdict ("died: ... killed, crashed or out of memory") is not one.
+OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory",
+             "outofmemoryerror")
 CULPRIT_WAIT_S = 5.0
 EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
@@ -50,7 +50,8 @@ class MemoryMonitor(Callback):
         self.written = False
         self._logged_step = -1
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Before the strategy's setup: an out-of-memory error while the model is materialised is reported too."""
         self.folder = Path(self._log_dir or trainer.default_root_dir) / "diagnostics"
         self.trainer, self.written = trainer, False
         (self.folder / MEMORY_FILE.format(rank=trainer.global_rank)).unlink(missing_ok=True)
@@ -68,8 +69,9 @@ class MemoryMonitor(Callback):
 
         cuda = cuda_memory(pl_module.device) if pl_module.device.type == "cuda" else None
         state = model_state_bytes(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+        # On the module's device: NCCL gathers device tensors only.
         mine = torch.tensor([cuda["peak_allocated"] if cuda else sum(state.values()),
-                             process_memory()["peak_rss_bytes"] or 0], dtype=torch.float64)
+                             process_memory()["peak_rss_bytes"] or 0], dtype=torch.float64, device=pl_module.device)
         everyone = [torch.zeros_like(mine) for _ in range(trainer.world_size)] if dist.is_initialized() else [mine]
         if dist.is_initialized():
             dist.all_gather(everyone, mine)
@@ -83,8 +85,9 @@ class MemoryMonitor(Callback):
         self._write(strategy, event.rank, event.message)
 
     def on_nd_failure_verdict(self, strategy: Any, event: Any) -> None:
-        if not self.written and event.culprit != strategy.global_rank and any(
-                words in event.reason.lower() for words in OOM_WORDS):
+        reason = event.reason.lower()
+        if not self.written and event.culprit != strategy.global_rank and reason.startswith("failed") and any(
+                words in reason for words in OOM_WORDS):
             self._write(strategy, event.culprit, event.reason)
 
     def _write(self, strategy: Any, culprit: int, message: str) -> None:
@@ -112,14 +115,14 @@ class MemoryMonitor(Callback):
         rss = process_memory()["peak_rss_bytes"]
         measured = {"params": state["params"], "grads": state["grads"],
                     "optimizer": state["optimizer"] + state["optimizer_steps"], "activations": None,
-                    "temporaries": cuda["peak_allocated"] - sum(state.values()) if cuda else None,
-                    "non_pytorch": cuda["non_pytorch"] if cuda else None,
-                    "total": cuda["peak_reserved"] if cuda else rss}
+                    "temporaries": None, "non_pytorch": cuda["non_pytorch"] if cuda else None,
+                    "total": cuda["peak_allocated"] if cuda else rss}
+        # The allocator knows tensors, not what they are for: activations and temporaries are in its total only.
         sources = {"params": "local shards", "grads": "local shards", "optimizer": "local shards",
-                   "activations": "CUDA allocator (with temporaries)" if cuda else "unknown on CPU",
-                   "temporaries": "CUDA allocator peak - model state" if cuda else "unknown on CPU",
+                   "activations": "in the CUDA total" if cuda else "unknown on CPU",
+                   "temporaries": "in the CUDA total" if cuda else "unknown on CPU",
                    "non_pytorch": "CUDA: device used - reserved" if cuda else "unknown on CPU",
-                   "total": "CUDA allocator peak reserved" if cuda else "process peak RSS"}
+                   "total": "CUDA allocator peak" if cuda else "process peak RSS"}
         planned = self.planned
         expected = planned.expected if planned is not None else {}
         oom = parse_oom(message)

@@ -89,8 +89,21 @@ def price(layout: Layout, changes: list[Change], shape: ModelShape, workload: Wo
             trial = replace(layout, options={**layout.options, **change.options})
         if change.batch is not None:
             trial_workload = replace(workload, batch=change.batch, accumulation=workload.accumulation * 2)
+        if not runnable(trial, trial_workload):
+            continue
         priced.append((change, peak_rank(trial, shape, trial_workload, optimizer=optimizer), trial_workload))
     return priced
+
+
+def runnable(layout: Layout, workload: Workload) -> bool:
+    """Whether a batch of this shape can run under the layout: the microbatches divide it (pp), the sequence
+    splits into 2 x cp chunks (cp) and over tp (sequence parallelism)."""
+    dims, options = layout.dims, layout.options
+    if dims["pp"] > 1 and workload.batch % options["pp_microbatches"]:
+        return False
+    if dims["cp"] > 1 and workload.seq_len % (2 * dims["cp"]):
+        return False
+    return not (options["sequence_parallel"] and workload.seq_len // dims["cp"] % dims["tp"])
 
 
 def _rebatched(workload: Workload, before: Layout, after: Layout) -> Workload:

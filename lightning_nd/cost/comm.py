@@ -88,8 +88,8 @@ class _Run:
         total = 0
         for shard in self.holding.params:
             if any(token.startswith(f"{role}:") for token in shard.placement.split()):
-                own = DTYPE_BYTES[shard.dtype]
-                total += shard.padded_bytes // own * size * (DTYPE_BYTES[dtype] if dtype else own)
+                own = DTYPE_BYTES.get(shard.dtype, 4)
+                total += shard.padded_bytes // own * size * (DTYPE_BYTES.get(dtype, own) if dtype else own)
         return total
 
 

@@ -1,8 +1,7 @@
 """`cost_layout`: everything the cost model says about one `Layout`, per rank, as one JSON-able record.
 
 Memory per rank (`memory.py`), bytes per step per mesh dim (`comm.py`), and with a hardware preset the
-pipeline bubble and a step-time estimate (`step_time.py`). Ranks whose pieces have the same names, sizes and
-placements at the same pipeline position cost the same (tp and FSDP peers, mostly), so each is priced once.
+pipeline bubble and a step-time estimate (`step_time.py`).
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 from lightning_nd.cost.comm import DimTraffic, comm_per_step
 from lightning_nd.cost.hardware import Hardware
-from lightning_nd.cost.memory import RankMemory, rank_memory
+from lightning_nd.cost.memory import RankMemory, rank_memories
 from lightning_nd.cost.shape import ModelShape, Workload
 from lightning_nd.cost.step_time import StepTime, step_time
 from lightning_nd.layout.record import Layout
@@ -40,18 +39,9 @@ class LayoutCost:
 
 def cost_layout(layout: Layout, shape: ModelShape, workload: Workload, *, optimizer: str = "adamw",
                 hardware: Hardware | None = None, gpus_per_node: int | None = None) -> LayoutCost:
-    priced: dict[tuple, RankMemory] = {}
-    ranks = []
-    for holding in layout.ranks:
-        key = (holding.coordinates["pp"], tuple((p.name, p.bytes, p.padded_bytes, p.placement) for p in holding.params))
-        if key not in priced:
-            priced[key] = rank_memory(layout, shape, workload, holding.rank, optimizer=optimizer)
-        ranks.append(_as_rank(priced[key], holding.rank))
+    ranks = rank_memories(layout, shape, workload, optimizer=optimizer)
     comm = comm_per_step(layout, shape, workload)
     time = step_time(layout, shape, workload, hardware, gpus_per_node or layout.dims["world_size"]) if (
         hardware is not None) else None
-    return LayoutCost(tuple(ranks), comm, time)
+    return LayoutCost(ranks, comm, time)
 
-
-def _as_rank(memory: RankMemory, rank: int) -> RankMemory:
-    return memory if memory.rank == rank else RankMemory(**{**asdict(memory), "rank": rank})

@@ -20,7 +20,7 @@ chunks of 1/v of the rank's blocks, looped BFS all m v.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from lightning_nd.cost.activations import block_backward_bytes, block_bytes, head_bytes, logits_bytes
 from lightning_nd.cost.model_state import block_of, model_state
@@ -108,13 +108,18 @@ def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int
     # reduction off until the last; without FSDP they accumulate in place), and the previous step's gradients
     # are gone before the schedule runs.
     # Otherwise each unit's gradients are unsharded, then copied into the reduce-scatter's input, one unit at a time.
-    unsharded_grads = (state.gathered_bytes or state.grads_bytes) if pp else 2 * state.largest_unit_bytes
+    unsharded_grads = (state.stage_grads_bytes or state.grads_bytes) if pp else state.unit_grads_bytes
     old_grads = 0 if pp or offloaded else state.grads_bytes
+    # Under gradient accumulation the micro-steps after the first keep the gradients so far through backward
+    # (zero 1: unsharded, every unit; `parallel/fsdp.py`).
+    accumulated = 0
+    if workload.accumulation > 1 and not pp:
+        accumulated = state.stage_grads_bytes if options["zero_stage"] == 1 and state.stage_grads_bytes else old_grads
     recomputed = block_bytes(shape, tokens, element, **split) if recompute == "full" and blocks else 0
     loss_grads = 2 * logits_bytes(shape, tokens, tp=tp, loss_parallel=loss_parallel) if has_loss else 0
     in_block = block_backward_bytes(shape, tokens, element, tp=tp) if blocks else 0
-    held = {"forward_end": old_grads + activations, "backward_start": activations,
-            "backward_block": block_activations, "optimizer_step": 0 if offloaded else state.grads_bytes}
+    held = {"forward_end": old_grads + activations, "backward_start": activations + accumulated,
+            "backward_block": block_activations + accumulated, "optimizer_step": 0 if offloaded else state.grads_bytes}
     transient = {
         "forward_end": state.gathered_bytes,
         "backward_start": state.gathered_bytes + loss_grads + (unsharded_grads if pp else 0),
@@ -126,7 +131,21 @@ def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int
                       transient[moment], base + held[moment] + transient[moment], moment, chunks, blocks)
 
 
+def rank_memories(layout: Layout, shape: ModelShape, workload: Workload, *,
+                  optimizer: str = "adamw") -> tuple[RankMemory, ...]:
+    """Every rank's `rank_memory`. Ranks whose pieces have the same names, sizes and placements at the same
+    pipeline position cost the same (tp and FSDP peers, mostly): each is priced once."""
+    priced: dict[tuple, RankMemory] = {}
+    ranks = []
+    for holding in layout.ranks:
+        key = (holding.coordinates["pp"], tuple((p.name, p.bytes, p.padded_bytes, p.placement) for p in holding.params))
+        if key not in priced:
+            priced[key] = rank_memory(layout, shape, workload, holding.rank, optimizer=optimizer)
+        memory = priced[key]
+        ranks.append(memory if memory.rank == holding.rank else replace(memory, rank=holding.rank))
+    return tuple(ranks)
+
+
 def peak_rank(layout: Layout, shape: ModelShape, workload: Workload, *, optimizer: str = "adamw") -> RankMemory:
     """The rank with the highest expected peak (the first of equals)."""
-    ranks = [rank_memory(layout, shape, workload, r, optimizer=optimizer) for r in range(len(layout.ranks))]
-    return max(ranks, key=lambda memory: memory.peak_bytes)
+    return max(rank_memories(layout, shape, workload, optimizer=optimizer), key=lambda memory: memory.peak_bytes)

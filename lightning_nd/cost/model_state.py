@@ -38,7 +38,12 @@ class ModelState:
     """Full parameters FSDP holds gathered at the forward's end (in param_dtype): every unit of the stage at
     zero 1 and 2; at zero 3 the root unit and the last block only."""
     largest_unit_bytes: int
-    """The largest FSDP unit's gathered parameters: what zero 3 gathers at once, and its gradients in backward."""
+    """The largest FSDP unit's gathered parameters: what zero 3 gathers at once."""
+    unit_grads_bytes: int
+    """That unit's unsharded gradients (param_dtype) and the reduce-scatter's input (reduce_dtype), in backward."""
+    stage_grads_bytes: int
+    """Every unit's unsharded gradients in reduce_dtype: what accumulates over pp's microbatches, or zero 1's
+    accumulation window."""
 
     @property
     def total_bytes(self) -> int:
@@ -54,17 +59,22 @@ def check_optimizer(name: str) -> str:
 
 def model_state(layout: Layout, rank: int, optimizer: str = "adamw") -> ModelState:
     """What ``rank`` holds of the model and its optimizer in ``layout``."""
-    holding = layout.rank(rank)
+    holding, options = layout.rank(rank), layout.options
     states = OPTIMIZER_STATES[check_optimizer(optimizer)]
     params = holding.param_bytes
     counters = len(holding.params) * STEP_COUNTER_BYTES if STEP_COUNTERS[optimizer] else 0
-    units = gathered_units(layout, holding)
-    zero_stage = layout.options["zero_stage"]
-    kept = units if zero_stage in (1, 2) else [units[0], units[-1]] if len(units) > 1 else units
+    own = DTYPE_BYTES.get(holding.params[0].dtype, 4) if holding.params else 4
+    gather, reduce = (DTYPE_BYTES.get(options.get(key) or "", own) for key in ("param_dtype", "reduce_dtype"))
+    units = unit_elements(layout, holding) if fsdp_on(layout) else [0]
+    # zero 1 and 2 keep every unit gathered from forward to backward; so does the pipeline's backward at zero 3
+    # (it turns resharding after backward off until the last microbatch).
+    everything = options["zero_stage"] in (1, 2) or layout.dims["pp"] > 1
+    kept = units if everything or len(units) < 2 else [units[0], units[-1]]
     return ModelState(
         params_bytes=params, grads_bytes=params, optimizer_bytes=states * params + counters,
-        params_allocated_bytes=holding.padded_param_bytes, gathered_bytes=sum(kept) if fsdp_on(layout) else 0,
-        largest_unit_bytes=max(units, default=0) if fsdp_on(layout) else 0,
+        params_allocated_bytes=holding.padded_param_bytes, gathered_bytes=sum(kept) * gather,
+        largest_unit_bytes=max(units) * gather, unit_grads_bytes=max(units) * (gather + reduce),
+        stage_grads_bytes=sum(units) * reduce,
     )
 
 
@@ -72,20 +82,20 @@ def fsdp_on(layout: Layout) -> bool:
     return any(t.technique in ("fsdp", "hsdp") for t in layout.techniques)
 
 
-def gathered_units(layout: Layout, holding: RankHolding) -> list[int]:
-    """Bytes of each FSDP unit of this rank when gathered (root unit first, then the blocks in order), in the
-    dtype FSDP gathers: one unit per block, the rest of the stage in the root unit."""
-    gather_bytes = DTYPE_BYTES.get(layout.options.get("param_dtype") or "", 0)
+def unit_elements(layout: Layout, holding: RankHolding) -> list[int]:
+    """Elements of each FSDP unit of this rank when gathered (root unit first, then the blocks in order): one
+    unit per block, the rest of the stage in the root unit; what FSDP does not manage (experts that each sit on
+    one rank of their ep group) is never gathered."""
     root, blocks, names = 0, {}, frozenset(layout.blocks)
     for shard in holding.params:
-        size = _fsdp_size(layout, shard.placement)
-        elements = shard.bytes // DTYPE_BYTES.get(shard.dtype, 4) * size
-        full = elements * (gather_bytes or DTYPE_BYTES.get(shard.dtype, 4))
+        if "fsdp:Shard" not in shard.placement and "expert_dp:Shard" not in shard.placement:
+            continue
+        elements = shard.bytes // DTYPE_BYTES.get(shard.dtype, 4) * _fsdp_size(layout, shard.placement)
         block = block_of(shard.name, names)
         if block is None:
-            root += full
+            root += elements
         else:
-            blocks[block] = blocks.get(block, 0) + full
+            blocks[block] = blocks.get(block, 0) + elements
     return [root, *blocks.values()]
 
 

@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     try:
+        if args.params is not None and (args.model or args.hf_config or args.hf_model_type):
+            raise ValueError("`--params` stands for a model not given. HINT: pass either the model or `--params N`.")
         if args.params is None and not (args.model or args.hf_config or args.hf_model_type):
             raise ValueError("No model to plan. HINT: pass `--model MODULE:FACTORY`, `--hf-model-type llama` or"
                              " `--hf-config config.json` (or `--params N` with `--gpu-memory` for model state only).")

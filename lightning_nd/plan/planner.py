@@ -21,7 +21,7 @@ from lightning_nd.cost.model_state import OPTIMIZER_STATES, check_optimizer
 from lightning_nd.cost.shape import Workload, model_shape
 from lightning_nd.layout.describe import human_bytes
 from lightning_nd.layout.record import Layout
-from lightning_nd.plan.params_only import params_only_markdown
+from lightning_nd.plan.params_only import params_only_markdown, params_only_rows
 from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.plan.search import Batching, Search, print_progress, search
 from lightning_nd.plan.table import model_state_arithmetic, planner_json, planner_markdown, why
@@ -45,11 +45,17 @@ def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any]) 
     from lightning_nd.plan.__main__ import dry_run
 
     memory_bytes = parse_bytes(args.gpu_memory)
-    gpus_per_node = args.gpus_per_node or args.devices
+    gpus_per_node = min(args.gpus_per_node or args.devices, args.devices)
+    if gpus_per_node < 1:
+        raise ValueError(f"`--gpus-per-node {args.gpus_per_node}` must be at least 1. HINT: e.g. `--gpus-per-node 8`.")
     if args.devices % gpus_per_node:
         raise ValueError(f"`--devices {args.devices}` is not a whole number of nodes of `--gpus-per-node"
                          f" {gpus_per_node}`. HINT: use a multiple of {gpus_per_node}.")
     if module is None:
+        if args.json:
+            rows = params_only_rows(int(args.params), args.devices, gpus_per_node, args.optimizer)
+            print(json.dumps({"memory_bytes": memory_bytes, "model_state_only": True, "layouts": rows}))
+            return 0 if any(row["model_state_bytes"] <= memory_bytes for row in rows) else 1
         text, fits = params_only_markdown(int(args.params), args.devices, gpus_per_node, memory_bytes, args.optimizer)
         print(text)
         return 0 if fits else 1

@@ -4,7 +4,7 @@
 cp) inside a node, pp and dp across; dp_shard over the rest, and HSDP (dp_shard inside a node, replicated
 across nodes) where that differs. Each is planned with the very functions the run uses (an invalid one is
 skipped, with the reason counted), then costed with the least recomputation that fits (none, then selective,
-then full). Ranked: layouts that fit by estimated step time, then the rest by expected peak.
+then full), tp with sequence parallelism unless ``options`` say otherwise. Ranked: layouts that fit by estimated step time, then the rest by expected peak.
 """
 
 from __future__ import annotations
@@ -89,7 +89,11 @@ def search(plan: Callable[[dict[str, int], dict[str, Any]], Layout], shape: Mode
             continue
         workload, extra = batch
         try:
-            layout = plan(sizes, {**(options or {}), **extra})
+            given = options or {}
+            # The user's options stand, but for the microbatches the global batch sets; tp uses sequence
+            # parallelism unless told otherwise (it shards the residual stream's activations too).
+            layout = plan(sizes, {"sequence_parallel": sizes["tp"] > 1, **given, **extra,
+                                  "pp_schedule": given.get("pp_schedule", extra.get("pp_schedule", "1f1b"))})
         except (ValueError, TypeError) as error:
             result.skipped[str(error).split(". ")[0]] += 1
             continue

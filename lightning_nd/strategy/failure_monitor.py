@@ -118,7 +118,7 @@ def _describe(exception: BaseException) -> tuple[str, str]:
         exception = exception.__cause__ or exception.__context__
     lines = [(e, line.strip()) for e in chain for line in str(e).splitlines() if line.strip()]
     summary = f"{type(lines[0][0]).__name__}: {lines[0][1]}" if lines else type(chain[0]).__name__
-    return summary[:300], "\n".join(f"{type(e).__name__}: {e}" for e in chain)
+    return summary[:600], "\n".join(f"{type(e).__name__}: {e}" for e in chain)
 
 
 def _own_rank() -> int:

@@ -4,8 +4,9 @@ At setup, while the model is still whole, the layouts a memory advice may point 
 instead of HSDP: `cost/alternatives.py`) are planned, when someone will read them (a `MemoryPlanned`
 listener, or CUDA, where the check below runs). At the first training batch, when its shape is known, the
 cost model prices this run and each change; rank 0 logs the expected peak, every listener hears
-`MemoryPlanned`, and on CUDA a peak above the device's memory is a warning naming the change with the lowest
-expected peak that fits, before the step that would fail.
+`MemoryPlanned`, and on CUDA a peak above the device's memory is a warning (rank 0) naming the first change that
+fits, in the order of `memory_changes`, before the step that would fail. Nothing here stops a run: a failure is
+logged and training goes on.
 """
 
 from __future__ import annotations
@@ -39,21 +40,23 @@ class Preflight:
 
     def layout_ready(self, strategy: Any) -> None:
         """Read the model's shape and plan the other layouts a change of dims would make, while the model is
-        whole (the composer has not split it into stages and shards yet)."""
-        self._done, self._planned = False, {}
-        layout = strategy.layout
+        whole (the composer has not split it into stages and shards yet). A diagnostic: it never stops the run."""
+        self._done, self._planned, self._shape = False, {}, None
         try:
-            self._shape = model_shape(strategy.model, layout.options.get("block_classes"))
-        except ValueError as error:
-            self._shape = None
-            log.info("lightning-nd pre-flight skipped: %s", error)
-            return
-        if not (strategy.events.wants(MemoryPlanned) or torch.cuda.is_available()):
-            return
+            self._shape = model_shape(strategy.model, strategy.layout.options.get("block_classes"))
+            # Priced by a listener on every rank; else only for rank 0's warning on CUDA.
+            if strategy.events.wants(MemoryPlanned) or (torch.cuda.is_available() and strategy.global_rank == 0):
+                self._plan_alternatives(strategy)
+        except Exception as error:  # noqa: BLE001 - a model the cost model cannot read still trains
+            log.warning("lightning-nd pre-flight skipped: %s", error)
+
+    def _plan_alternatives(self, strategy: Any) -> None:
+        layout, level = strategy.layout, log.level
         for change in memory_changes(layout, Workload(seq_len=1, batch=1)):
-            if change.sizes is None:
-                continue
+            if change.sizes is None or change.sizes["tp"] * change.sizes["cp"] > strategy.num_processes:
+                continue  # tp and cp stay inside a node
             try:
+                log.setLevel(logging.ERROR)  # the alternatives' planning notes are not this run's
                 config = replace(strategy.config, **change.options)
                 dims = ParallelDims(**change.sizes, world_size=layout.dims["world_size"])
                 with warnings.catch_warnings():
@@ -62,6 +65,8 @@ class Preflight:
                                                                     precision=layout.options["precision"])
             except (ValueError, TypeError) as error:  # not a valid layout for this model
                 log.debug("lightning-nd pre-flight: %s is not an option: %s", change.action, error)
+            finally:
+                log.setLevel(level)
 
     def _planned_layout(self, sizes: dict[str, int], options: dict[str, Any]) -> Layout:
         if _key(sizes) not in self._planned:
@@ -72,6 +77,12 @@ class Preflight:
         if self._done:
             return
         self._done = True
+        try:
+            self._price(strategy, batch)
+        except Exception as error:  # noqa: BLE001 - a diagnostic must not stop the run
+            log.warning("lightning-nd pre-flight failed (the run goes on): %r", error)
+
+    def _price(self, strategy: Any, batch: Any) -> None:
         trainer = strategy.lightning_module.trainer
         tokens, shape = _token_shape(batch), self._shape
         if tokens is None or shape is None or strategy.layout_or_none is None:
@@ -90,8 +101,8 @@ class Preflight:
             strategy.root_device.type == "cuda") else None
         listened = strategy.events.wants(MemoryPlanned)
         priced = price(layout, memory_changes(layout, workload), shape, workload, self._planned_layout,
-                       optimizer=optimizer) if listened or capacity is not None else []
-        if capacity is not None and peak.peak_bytes > capacity:
+                       optimizer=optimizer) if listened or (capacity is not None and strategy.global_rank == 0) else []
+        if capacity is not None and peak.peak_bytes > capacity and strategy.global_rank == 0:
             warnings.warn(_over_capacity(peak.peak_bytes, capacity, priced), stacklevel=2)
         if listened:
             alternatives = tuple({**asdict(change), "peak_bytes": memory.peak_bytes, "batch": trial.batch,
@@ -122,8 +133,10 @@ def _key(sizes: dict[str, int]) -> tuple:
     return tuple(sorted(sizes.items()))
 
 
-def _over_capacity(peak: int, capacity: int, priced: list[tuple[Change, Any]]) -> str:
-    fitting = sorted((memory.peak_bytes, change.action) for change, memory, _ in priced if memory.peak_bytes <= capacity)
+def _over_capacity(peak: int, capacity: int, priced: list[tuple[Change, Any, Any]]) -> str:
+    """The warning; its HINT is the first change that fits, in `memory_changes`' order (the least disruptive
+    first: recomputation, then sharding, then splitting the model)."""
+    fitting = [(memory.peak_bytes, change.action) for change, memory, _ in priced if memory.peak_bytes <= capacity]
     advice = (f" HINT: {fitting[0][1]} is expected to peak at {human_bytes(fitting[0][0])}." if fitting else
               " HINT: none of the usual changes fits alone; plan with `python -m lightning_nd.plan --gpu-memory ...`.")
     return (f"lightning-nd pre-flight: the expected peak {human_bytes(peak)} exceeds this GPU's"

@@ -50,4 +50,4 @@ def test_each_change_is_priced_with_the_same_global_batch():
     halved = next(trial for change, _, trial in priced if change.batch is not None)
     assert (halved.batch, halved.accumulation) == (4, 2)
     message = _over_capacity(before, actions["NDParallel(activation_checkpointing='full')"] + 1, priced)
-    assert "exceeds this GPU's" in message and "HINT: NDParallel(pp=2, dp_shard=1) is expected to peak at" in message
+    assert "exceeds this GPU's" in message and "HINT: NDParallel(activation_checkpointing='full') is expected to peak at" in message
