@@ -39,6 +39,10 @@ def test_loads_through_the_strategy_in_one_process():
                       enable_model_summary=False, limit_val_batches=1)
     module = CausalLM(model=build("llama", seed=1), lr=1e-3)
     data = TokenDataModule(vocab_size=VOCAB, seq_len=16, num_samples=4, batch_size=4)
-    trainer.validate(module, datamodule=data, ckpt_path=str(SAVED / "step=2.ckpt"), verbose=False)
+    try:
+        trainer.validate(module, datamodule=data, ckpt_path=str(SAVED / "step=2.ckpt"), verbose=False)
+    finally:  # the one-process group Lightning started stays up otherwise, for every later test of this process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     with torch.no_grad():
         torch.testing.assert_close(module(expected["tokens"]), expected["logits"], rtol=1e-6, atol=1e-6)
