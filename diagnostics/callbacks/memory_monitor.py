@@ -27,11 +27,8 @@ from diagnostics.memory_records import MEMORY_FILE, MemoryReport, memory_report_
 from diagnostics.records import to_json, write_atomic
 from diagnostics.report.memory_card import memory_card, memory_summary
 from diagnostics.report.tensorboard import log_text
+from lightning_nd.strategy.events import OUT_OF_MEMORY_WORDS
 
-# A peer's own failure, as the watchdog relays it ("failed: OutOfMemoryError: CUDA out of memory ..."); a dead
-# peer's verdict ("died: ... killed, crashed or out of memory") is not one.
-OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory",
-             "outofmemoryerror")
 CULPRIT_WAIT_S = 5.0
 EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
@@ -85,9 +82,11 @@ class MemoryMonitor(Callback):
         self._write(strategy, event.rank, event.message)
 
     def on_nd_failure_verdict(self, strategy: Any, event: Any) -> None:
+        # A peer's own failure, as the watchdog relays it ("failed: OutOfMemoryError: CUDA out of memory ..."); a
+        # dead peer's verdict ("died: ... killed, crashed or out of memory") is not one.
         reason = event.reason.lower()
         if not self.written and event.culprit != strategy.global_rank and reason.startswith("failed") and any(
-                words in reason for words in OOM_WORDS):
+                words in reason for words in OUT_OF_MEMORY_WORDS):
             self._write(strategy, event.culprit, event.reason)
 
     def _write(self, strategy: Any, culprit: int, message: str) -> None:

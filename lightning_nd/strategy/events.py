@@ -160,6 +160,11 @@ class MemoryPlanned(Event):
     """The accelerator's memory (CUDA), None on CPU."""
 
 
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
+"""What an out-of-memory error says (CUDA's and ROCm's allocators, the CPU allocator on Linux and on Windows), in
+lower case: how the strategy tells one from other failures, and a listener a peer's relayed failure."""
+
+
 @dataclass(frozen=True)
 class OutOfMemory(Event):
     hook: ClassVar[str] = "on_nd_out_of_memory"

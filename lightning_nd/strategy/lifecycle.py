@@ -22,6 +22,7 @@ from lightning_nd.strategy.events import (
     FailureVerdict,
     GroupInfo,
     LayoutReady,
+    OUT_OF_MEMORY_WORDS,
     OutOfMemory,
     ProcessGroupsCreated,
 )
@@ -30,7 +31,6 @@ log = logging.getLogger("lightning_nd")
 
 LAYOUT_FILE = "layout.json"
 STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
-OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
 
 
 def start_processes(strategy: Any) -> None:
@@ -116,7 +116,7 @@ def step_context(strategy: Any, forward: bool = True) -> ExitStack:
 def out_of_memory(strategy: Any, exception: BaseException) -> None:
     """An out-of-memory error (CUDA's, or the CPU allocator's) becomes an `OutOfMemory` event first."""
     text = str(exception).lower()
-    if isinstance(exception, torch.OutOfMemoryError) or any(words in text for words in OOM_WORDS):
+    if isinstance(exception, torch.OutOfMemoryError) or any(words in text for words in OUT_OF_MEMORY_WORDS):
         trainer = strategy.lightning_module.trainer if strategy.lightning_module is not None else None
         stage = str(trainer.state.stage.value) if trainer is not None and trainer.state.stage else None
         strategy.events.emit(OutOfMemory(strategy.global_rank, str(exception).splitlines()[0][:500], stage))

@@ -25,6 +25,7 @@ from lightning_nd.layout.describe import human_bytes
 from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.plan import plan_layout
 from lightning_nd.layout.record import Layout
+from lightning_nd.parallel.context.sharding import token_shape
 from lightning_nd.strategy.events import MemoryPlanned
 
 log = logging.getLogger("lightning_nd")
@@ -84,7 +85,7 @@ class Preflight:
 
     def _price(self, strategy: Any, batch: Any) -> None:
         trainer = strategy.lightning_module.trainer
-        tokens, shape = _token_shape(batch), self._shape
+        tokens, shape = token_shape(batch), self._shape
         if tokens is None or shape is None or strategy.layout_or_none is None:
             return
         layout = strategy.layout
@@ -118,15 +119,6 @@ def optimizer_name(optimizer: Any) -> str:
     if name == "SGD":
         return "sgd_momentum" if any(g.get("momentum", 0) for g in inner.param_groups) else "sgd"
     return OPTIMIZERS.get(name, "adamw")
-
-
-def _token_shape(batch: Any) -> tuple[int, int] | None:
-    """[batch, seq] of the first integer tensor with two dims (the token ids) in the batch."""
-    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else (batch,)
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.ndim == 2 and not value.is_floating_point():
-            return int(value.shape[0]), int(value.shape[1])
-    return None
 
 
 def _key(sizes: dict[str, int]) -> tuple:

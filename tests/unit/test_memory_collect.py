@@ -64,7 +64,7 @@ def test_dtensors_count_their_local_shard():
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="no /proc here")
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="process_memory reads /proc/self/status (Linux only); the no-/proc path is tested below")
 def test_process_memory_reads_rss_and_its_peak():
     values = process_memory()
     assert set(values) == {"rss_bytes", "peak_rss_bytes"}

@@ -11,7 +11,8 @@ from lightning_nd.cost.alternatives import memory_changes, price
 from lightning_nd.cost.memory import peak_rank
 from lightning_nd.cost.shape import Workload, model_shape
 from lightning_nd.plan.__main__ import dry_run
-from lightning_nd.strategy.preflight import _over_capacity, _token_shape, optimizer_name
+from lightning_nd.parallel.context.sharding import token_shape
+from lightning_nd.strategy.preflight import _over_capacity, optimizer_name
 
 CONFIG = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4)
 
@@ -25,8 +26,8 @@ def test_optimizer_names():
 
 def test_token_shape_is_the_first_integer_matrix():
     batch = {"mask": torch.ones(2, 8), "input_ids": torch.zeros(2, 8, dtype=torch.long)}
-    assert _token_shape(batch) == (2, 8) and _token_shape((torch.zeros(3, 5, dtype=torch.long),)) == (3, 5)
-    assert _token_shape({"x": torch.ones(2, 8)}) is None
+    assert token_shape(batch) == (2, 8) and token_shape((torch.zeros(3, 5, dtype=torch.long),)) == (3, 5)
+    assert token_shape({"x": torch.ones(2, 8)}) is None
 
 
 def test_each_change_is_priced_with_the_same_global_batch():

@@ -41,12 +41,18 @@ def attention_flops_per_rank(seq_len: int, cp: int, sharding: Sharding, *, causa
     return work
 
 
-def sequence_length(batch: object) -> int | None:
-    """The sequence length of a batch: dim 1 of its first integer [batch, seq] tensor (token ids)."""
+def token_shape(batch: object) -> tuple[int, int] | None:
+    """[batch, seq] of a batch's first integer two-dimensional tensor (its token ids)."""
     for tensor in tensors_of(batch):
         if tensor.ndim == 2 and not tensor.is_floating_point() and tensor.dtype != torch.bool:
-            return tensor.shape[1]
+            return int(tensor.shape[0]), int(tensor.shape[1])
     return None
+
+
+def sequence_length(batch: object) -> int | None:
+    """The sequence length of a batch: dim 1 of its first integer [batch, seq] tensor (token ids)."""
+    shape = token_shape(batch)
+    return shape[1] if shape is not None else None
 
 
 def shard_sequence(batch: object, positions: torch.Tensor, seq_len: int, keys: Sequence[str] | None = None) -> object:
