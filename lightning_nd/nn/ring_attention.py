@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroup
 
+from lightning_nd.runtime.profiling import comm_label
+
 
 class _Hop:
     """One ring hop in flight: its requests and buffers, shared by the start and the finish of the hop
@@ -73,10 +75,11 @@ def _post(hop: _Hop, tensor: torch.Tensor, step: int) -> None:
     recv_from = dist.get_global_rank(hop.group, (rank - step) % size)
     hop.sending = tensor.contiguous()  # gloo sends and receives contiguous buffers only; kept alive until done
     hop.received = torch.empty_like(hop.sending)
-    hop.requests = dist.batch_isend_irecv([
-        dist.P2POp(dist.isend, hop.sending, send_to, hop.group),
-        dist.P2POp(dist.irecv, hop.received, recv_from, hop.group),
-    ])
+    with comm_label("cp", "ring_post"):
+        hop.requests = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, hop.sending, send_to, hop.group),
+            dist.P2POp(dist.irecv, hop.received, recv_from, hop.group),
+        ])
     hop.peers = (send_to, recv_from)
     _tell(hop, "issued")
 
@@ -90,8 +93,9 @@ def _tell(hop: _Hop, state: str) -> None:
 
 
 def _wait(hop: _Hop) -> torch.Tensor:
-    for request in hop.requests:
-        request.wait()
+    with comm_label("cp", "ring_wait"):
+        for request in hop.requests:
+            request.wait()
     _tell(hop, "completed")
     received, hop.requests, hop.sending, hop.received = hop.received, [], None, None
     return received
@@ -100,7 +104,8 @@ def _wait(hop: _Hop) -> torch.Tensor:
 def _gather_positions(positions: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """Every rank's positions, concatenated in group-rank order (a small integer all-gather)."""
     gathered = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, positions.contiguous(), group=group)
+    with comm_label("cp", "positions"):
+        dist.all_gather(gathered, positions.contiguous(), group=group)
     return torch.cat(gathered)
 
 

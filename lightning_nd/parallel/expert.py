@@ -31,6 +31,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_nd.runtime.profiling import comm_label
+
 
 def is_experts(module: nn.Module) -> bool:
     """Stacked SwiGLU experts in the Hugging Face layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
@@ -103,21 +105,25 @@ class ExpertParallel(nn.Module):
         # Per-expert counts from every sender: [sender, local expert]; and the global token count.
         received_counts = self._exchange(counts.view(self.size, self.local))
         totals = counts.clone()
-        dist.all_reduce(totals, group=self.group)
+        with comm_label("ep", "all_reduce"):
+            dist.all_reduce(totals, group=self.group)
         self.last_counts = totals
         send_splits = counts.view(self.size, self.local).sum(1).tolist()
         recv_splits = received_counts.sum(1).tolist()
-        rows = wait_tensor(all_to_all_single_autograd(hidden[order // top_k].contiguous(), recv_splits, send_splits,
-                                                      self.group))
+        with comm_label("ep", "all_to_all"):
+            rows = wait_tensor(all_to_all_single_autograd(hidden[order // top_k].contiguous(), recv_splits,
+                                                          send_splits, self.group))
         output = self._experts(rows, received_counts, int(totals.sum()) // top_k, top_k)
-        back = wait_tensor(all_to_all_single_autograd(output.contiguous(), send_splits, recv_splits, self.group))
+        with comm_label("ep", "all_to_all"):
+            back = wait_tensor(all_to_all_single_autograd(output.contiguous(), send_splits, recv_splits, self.group))
         result = torch.zeros_like(hidden)
         result.index_add_(0, order // top_k, (back * weights.flatten()[order, None]).to(result.dtype))
         return result
 
     def _exchange(self, counts: torch.Tensor) -> torch.Tensor:
         received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        with comm_label("ep", "all_to_all"):
+            dist.all_to_all_single(received, counts.contiguous(), group=self.group)
         return received
 
     def _experts(self, rows: torch.Tensor, counts: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:

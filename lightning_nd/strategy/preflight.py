@@ -39,6 +39,11 @@ class Preflight:
         self._shape: ModelShape | None = None
         self._done = False
 
+    @property
+    def shape(self) -> ModelShape | None:
+        """The whole model's shape, read at setup (None when the cost model cannot read it)."""
+        return self._shape
+
     def layout_ready(self, strategy: Any) -> None:
         """Read the model's shape and plan the other layouts a change of dims would make, while the model is
         whole (the composer has not split it into stages and shards yet). A diagnostic: it never stops the run."""

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_nd.runtime.profiling import comm_label, phase_label
 from lightning_nd.strategy.events import (
     CollectiveWait,
     EventBus,
@@ -68,12 +69,14 @@ class StepEvents:
     @contextmanager
     def phase(self, name: str) -> Generator[None, None, None]:
         if not self.bus.wants(StepPhase):
-            yield
+            with phase_label(name):
+                yield
             return
         self._sync()
         start = time.perf_counter()
         try:
-            yield
+            with phase_label(name):
+                yield
         finally:
             self._sync()
             self.bus.emit(StepPhase(self.step, name, start, time.perf_counter() - start))
@@ -82,11 +85,13 @@ class StepEvents:
     def collective(self, op: str, role: str) -> Generator[None, None, None]:
         """Time the strategy's own collective (a reduction, a barrier): the wait for the slowest rank."""
         if not self.bus.wants(CollectiveWait):
-            yield
+            with comm_label(role, op):
+                yield
             return
         start = time.perf_counter()
         try:
-            yield
+            with comm_label(role, op):
+                yield
         finally:
             self.bus.emit(CollectiveWait(op, role, time.perf_counter() - start))
 
@@ -126,7 +131,8 @@ class StepEvents:
     def optimizer(self) -> Generator[None, None, None]:
         """The optimizer step, from the end of the backward inside it (or its own start) to its end."""
         start = time.perf_counter()
-        yield
+        with phase_label("optimizer"):
+            yield
         if self.bus.wants(StepPhase):
             self._sync()
             begun = max(start, self._backward_end)

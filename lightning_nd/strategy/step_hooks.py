@@ -83,7 +83,9 @@ class StepHooks(ModelParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self.pipeline is not None:
-            return self.pipeline.backward(self.lightning_module, closure_loss)
+            loss = self.pipeline.backward(self.lightning_module, closure_loss)
+            self.step_events.backward_done()  # the schedule ran forward and backward: the optimizer's time begins
+            return loss
         with self.step_events.phase("backward"), lifecycle.step_context(self, forward=False):
             loss = super().backward(closure_loss, optimizer, *args, **kwargs)
         self.step_events.backward_done()

@@ -24,6 +24,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from lightning_nd.layout.dims import closest_name
 from lightning_nd.parallel.pipeline.forward_only import forward_only
 from lightning_nd.parallel.pipeline.stage import pack_inputs
+from lightning_nd.runtime.profiling import PIPELINE, label, phase_label
 from lightning_nd.layout.pipeline_split import LOOPED, SCHEDULES, SINGLE_STAGE, V_SHAPED
 
 TORCH_NAMES = {
@@ -147,7 +148,8 @@ class PipelineRunner:
             self._forwards += phase == "forward"
             start = time.perf_counter()
             try:
-                return fn(chunk, *args, **kwargs)
+                with phase_label(phase):
+                    return fn(chunk, *args, **kwargs)
             finally:
                 sync()
                 duration = time.perf_counter() - start
@@ -199,16 +201,18 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         self._compute, self._forwards = 0.0, 0
         start = time.perf_counter()
-        self.schedule.step(target=target if self.has_last else None, losses=losses if self.has_last else None,
-                           return_outputs=False, **kwargs)
+        with label(PIPELINE):
+            self.schedule.step(target=target if self.has_last else None, losses=losses if self.has_last else None,
+                               return_outputs=False, **kwargs)
+            if self._report is not None:
+                self._complete(lambda op: True)  # the schedule waited on every operation before returning
+            total = torch.stack([full_value(l).detach() for l in losses]).sum() * accumulate if losses else None
+            shared = self._share(total)  # the last stage waits here for the first's last backward
         wall = time.perf_counter() - start
-        if self._report is not None:
-            self._complete(lambda op: True)  # the schedule waited on every operation before returning
         idle = max(wall - self._compute, 0.0)
         self.timings = {"step_s": wall, "compute_s": self._compute, "idle_s": idle,
                         "idle_fraction": idle / wall if wall > 0 else 0.0}
-        total = torch.stack([full_value(l).detach() for l in losses]).sum() * accumulate if losses else None
-        return self._share(total)
+        return shared
 
     def forward_chunks(self, inputs: Any, target: Any, finish: Callable[[torch.Tensor, Any], None]) -> None:
         """Forward-only over up to ``microbatches`` chunks (a short last batch splits unevenly); ``finish`` gets

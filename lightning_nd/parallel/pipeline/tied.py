@@ -24,6 +24,7 @@ from lightning_nd.layout.record import StagePlan
 from lightning_nd.parallel.pipeline.stage import StageModule
 from lightning_nd.runtime.clip import PIPELINE_COPY
 from lightning_nd.runtime.mesh import NDMesh
+from lightning_nd.runtime.profiling import comm_label
 
 
 class TiedWeights:
@@ -65,7 +66,8 @@ class TiedWeights:
                 _local(_grad(first)).add_(_local(_grad(last)))
                 _local(last.grad).copy_(_local(first.grad))
             elif self.group is not None and (first is not None or last is not None):
-                dist.all_reduce(_local(_grad(first if first is not None else last)), group=self.group)
+                with comm_label("pp", "tied_all_reduce"):
+                    dist.all_reduce(_local(_grad(first if first is not None else last)), group=self.group)
 
     def after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` (Lightning's training step and backward), then `sum_grads`."""
