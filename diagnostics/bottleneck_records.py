@@ -1,0 +1,118 @@
+"""What the bottleneck probe records: each rank's time per step split into phases and exposed communication per
+mesh role, the window's context, and the diagnosis (``<log_dir>/diagnostics/bottleneck.jsonl``, one window a line).
+
+The contract between `diagnostics.callbacks.bottleneck_monitor` (live), `diagnostics.analysis.trace` (profiler
+traces, live and offline), `diagnostics.analysis.bottleneck` (the classifier) and ``python -m diagnostics trace``.
+Nothing here imports torch or Lightning.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+BOTTLENECK_FILE = "bottleneck.jsonl"
+PHASES = ("data_wait", "forward", "backward", "optimizer", "pipeline_idle", "waiting", "host")
+"""Where a rank's step goes, communication carved out: ``data_wait`` the loader's fetch; ``forward``,
+``backward``, ``optimizer`` their compute only; ``pipeline_idle`` a pipeline stage waiting for its neighbours;
+``waiting`` blocked in a collective for a slower rank (the part of a collective's time beyond the group's fastest
+member's); ``host`` time in none of them (Lightning's hooks, Python between phases; on a GPU, the device idle
+inside a phase). The exposed communication per role is apart, in `RankTimes.comm`."""
+LABELS = ("data-bound", "compute-bound", "communication-bound", "pipeline-bubble", "straggler", "host-bound")
+
+
+@dataclass(frozen=True)
+class RankTimes:
+    """One rank's mean step over a window, in seconds per optimizer step."""
+
+    rank: int
+    steps: int
+    """Optimizer steps the means are over."""
+    step_s: float
+    """Wall time of one step: from the end of the previous optimizer step to the end of this one."""
+    phases: dict[str, float]
+    """Every key of `PHASES`."""
+    comm: dict[str, float]
+    """Exposed communication (not hidden under compute) per mesh role (``tp``, ``fsdp``, ``dp_replicate``, ``cp``,
+    ``ep``, ``pp``, ``world``, ``other``...). As measured it includes the wait for slower ranks; the classifier
+    moves that part to ``phases['waiting']`` (`diagnostics.analysis.bottleneck.attribute_waiting`)."""
+    residual_s: float
+    """``step_s`` minus the phases and the communication: what they do not explain (may be negative)."""
+
+
+@dataclass(frozen=True)
+class WindowContext:
+    """What the classifier and its advice know about the run besides the times."""
+
+    first_step: int
+    last_step: int
+    dims: dict[str, int]
+    """pp, dp_replicate, dp_shard, cp, tp, ep (1 where unused)."""
+    roles: dict[str, list[list[int]]] = field(default_factory=dict)
+    """Mesh role -> its groups of global ranks (the Layout's ``roles``); a collective's wait for slower ranks is
+    measured inside the group."""
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
+    pp_stages_per_rank: int = 1
+    num_workers: int | None = None
+    """The training loader's ``num_workers`` (None: unknown)."""
+    hosts: dict[int, str] = field(default_factory=dict)
+    """Global rank -> host name, when known (a group spanning hosts communicates over the network)."""
+    tokens_per_s: float | None = None
+    """Throughput over the batch ranks only (each sample counted once, not once per tp/cp/pp rank)."""
+    mfu: float | None = None
+    """Model FLOPs utilisation against the hardware preset's peak (`lightning_nd.cost.hardware`)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The Layout's options (``activation_checkpointing``, ``compile``, ``sequence_parallel``...) and the
+    Trainer's ``precision``: what the advice need not suggest again."""
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What limits a window's steps, the evidence and what to do about it."""
+
+    label: str
+    """One of `LABELS`."""
+    shares: dict[str, float]
+    """Fraction of the mean step (over ranks) per phase, per ``comm:<role>`` and ``residual``."""
+    evidence: str
+    """One sentence: the numbers the label rests on."""
+    advice: tuple[str, ...]
+    """In practitioners' terms, with the window's numbers; the most useful first."""
+    dim: str | None = None
+    """communication-bound: the role whose communication dominates."""
+    rank: int | None = None
+    """straggler: the slow rank."""
+    phase: str | None = None
+    """straggler: the phase it is slow in."""
+    residual: float = 0.0
+    """Share of the step the phases do not explain (reported apart, never folded into a class)."""
+
+
+@dataclass(frozen=True)
+class WindowRecord:
+    """One line of ``bottleneck.jsonl``."""
+
+    context: WindowContext
+    ranks: tuple[RankTimes, ...]
+    """One per rank, by rank (ranks are unique)."""
+    diagnosis: Diagnosis
+
+
+def window_from_dict(values: dict[str, Any]) -> WindowRecord:
+    context = dict(values["context"])
+    context["hosts"] = {int(rank): host for rank, host in context.get("hosts", {}).items()}
+    return WindowRecord(context=WindowContext(**context), ranks=tuple(RankTimes(**r) for r in values["ranks"]),
+                        diagnosis=Diagnosis(**{**values["diagnosis"], "advice": tuple(values["diagnosis"]["advice"])}))
+
+
+def read_windows(text: str) -> list[WindowRecord]:
+    """Every line of a ``bottleneck.jsonl``; a line cut short by a dying process is skipped."""
+    windows = []
+    for line in text.splitlines():
+        try:
+            windows.append(window_from_dict(json.loads(line)))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return windows
