@@ -1,26 +1,39 @@
 """Diagnostics for N-D parallel runs: thin Lightning callbacks (``callbacks/``) over probes that record
 (``collect/``), pure analyses of recorded data (``analysis/``) and the cards they become (``report/``); the records
-themselves (``records.py``) are what the offline CLI (``python -m diagnostics``) reads back."""
+themselves (``records.py``, ``memory_records.py``, ``bottleneck_records.py``) are what the offline CLI
+(``python -m diagnostics``) reads back. ``all_monitors()`` turns everything on."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CollectiveMonitor", "LayoutCard", "MemoryMonitor"]
+__all__ = ["BottleneckMonitor", "CollectiveMonitor", "LayoutCard", "MemoryMonitor", "TroubleshootingView",
+           "all_monitors"]
+_CALLBACKS = {"BottleneckMonitor": "bottleneck_monitor", "CollectiveMonitor": "collective_monitor",
+              "LayoutCard": "layout", "MemoryMonitor": "memory_monitor", "TroubleshootingView": "troubleshooting_view"}
 
 
 def __getattr__(name: str) -> Any:
     """The callbacks import Lightning: loaded when asked for, so the offline CLI starts at once."""
-    if name == "CollectiveMonitor":
-        from diagnostics.callbacks.collective_monitor import CollectiveMonitor
+    if name in _CALLBACKS:
+        import importlib
 
-        return CollectiveMonitor
-    if name == "LayoutCard":
-        from diagnostics.callbacks.layout import LayoutCard
-
-        return LayoutCard
-    if name == "MemoryMonitor":
-        from diagnostics.callbacks.memory_monitor import MemoryMonitor
-
-        return MemoryMonitor
+        return getattr(importlib.import_module(f"diagnostics.callbacks.{_CALLBACKS[name]}"), name)
     raise AttributeError(f"module 'diagnostics' has no attribute {name!r}")
+
+
+def all_monitors(log_dir: str | None = None, collectives: dict[str, Any] | bool = True,
+                 memory: dict[str, Any] | bool = True, bottleneck: dict[str, Any] | bool = True) -> list[Any]:
+    """Every monitor, the `LayoutCard` and the `TroubleshootingView` (first: the monitors register their charts in
+    it), writing into ``log_dir`` (default: the Trainer's ``default_root_dir``). Each monitor's argument: True (its
+    defaults), a dict of its keyword arguments, or False (left out)."""
+    chosen = {"CollectiveMonitor": collectives, "MemoryMonitor": memory, "BottleneckMonitor": bottleneck}
+    for name, value in chosen.items():
+        if not isinstance(value, (bool, dict)):
+            raise TypeError(f"`all_monitors({name}={value!r})`: pass True, False or a dict of `{name}` keyword"
+                            " arguments.")
+    monitors = [__getattr__("TroubleshootingView")(), __getattr__("LayoutCard")()]
+    for name, value in chosen.items():
+        if value is not False:
+            monitors.append(__getattr__(name)(log_dir=log_dir, **(value if isinstance(value, dict) else {})))
+    return monitors

@@ -2,6 +2,7 @@
 
     python -m diagnostics nccl LOGDIR [--layout PATH]
     python -m diagnostics hang DUMPDIR
+    python -m diagnostics trace DIR [--layout PATH] [--json]
 
 ``nccl``: the NCCL INFO logs the diagnostics callback asks NCCL to write (``<log_dir>/diagnostics/nccl/
 nccl.rank<R>.<host>.<pid>.log``): findings with their fix, then the ranks and communicators. Exit status:
@@ -10,6 +11,11 @@ nccl.rank<R>.<host>.<pid>.log``): findings with their fix, then the ranks and co
 ``hang``: the captures every live rank wrote when the run failed (``<dir>/diagnostics/rank<R>/capture.json``), or
 flight-recorder dumps alone (``fr/fr_rank_<R>``, torch's own from an NCCL run too): the same verdict the run
 printed. Exit status: 0 no culprit found, 1 culprits named, 2 nothing to read.
+
+``trace``: `torch.profiler` traces, one Kineto JSON (or ``.json.gz``) per rank (gloo CPU traces and NCCL GPU traces;
+the `BottleneckMonitor` keeps its last profiled step in ``<log_dir>/diagnostics/traces``): each rank's phases and
+exposed communication per mesh role, classified as the live monitor does, with advice. Exit status: 0 printed,
+2 nothing to read.
 """
 
 from __future__ import annotations
@@ -132,6 +138,51 @@ def _hang(args: argparse.Namespace) -> int:
     return 1 if report.culprits else 0
 
 
+def _trace(args: argparse.Namespace) -> int:
+    from diagnostics.analysis.bottleneck import attribute_waiting, classify
+    from diagnostics.analysis.trace import dims_from_trace, find_traces, rank_times, read_trace, trace_steps
+    from diagnostics.bottleneck_records import WindowContext, WindowRecord
+    from diagnostics.records import to_json
+    from diagnostics.report.bottleneck_card import bottleneck_markdown
+
+    given = Path(args.dir).resolve()
+    folders = [f for f in (given, given / "diagnostics" / "traces", given / "traces") if f.is_dir()]
+    if not folders:
+        raise _Unusable(f"{given} is not a folder; pass a folder of torch.profiler traces (one `*.json` or"
+                        " `*.json.gz` per rank) or a run's log dir (`diagnostics/traces`)")
+    try:
+        found = next((traces for folder in folders if (traces := _traces_in(folder, find_traces))), None)
+        if found is None:
+            raise _Unusable(f"no torch.profiler trace in {', '.join(map(str, folders))} (looked for `*.json` and"
+                            " `*.json.gz` Kineto traces); export one per rank with `prof.export_chrome_trace(...)` or"
+                            " `torch.profiler.tensorboard_trace_handler(dir)`")
+        traces = {rank: [read_trace(path) for path in paths] for rank, paths in sorted(found.items())}
+    except ValueError as error:
+        raise _Unusable(str(error)) from error
+    layout = _from_layout(args.layout, folders, "layout", lambda values: values) or {}
+    dims = layout.get("dims") or dims_from_trace(next(iter(traces.values()))[0])
+    steps = {rank: [step for trace in per_rank for step in trace_steps(trace, dims)] for rank, per_rank in traces.items()}
+    ranks = [rank_times(rank_steps, rank) for rank, rank_steps in steps.items() if rank_steps]
+    if not ranks:
+        raise _Unusable(f"the traces under {given} hold no step (no main-thread events)")
+    numbers = [s.step for rank_steps in steps.values() for s in rank_steps if s.step is not None] or [0]
+    options = layout.get("options", {})
+    context = WindowContext(first_step=min(numbers), last_step=max(numbers), dims=dims, roles=layout.get("roles", {}),
+                            pp_schedule=options.get("pp_schedule"), pp_microbatches=options.get("pp_microbatches"),
+                            pp_stages_per_rank=options.get("pp_stages_per_rank", 1), options=options)
+    ranks = list(attribute_waiting(ranks, context.roles))
+    record = WindowRecord(context=context, ranks=tuple(ranks), diagnosis=classify(ranks, context))
+    print(to_json(record) if args.json else bottleneck_markdown(record, profiled=True))
+    return 0
+
+
+def _traces_in(folder: Path, find_traces) -> dict:
+    try:
+        return find_traces(folder)
+    except ValueError:
+        return {}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diagnostics", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +195,13 @@ def _parser() -> argparse.ArgumentParser:
     hang.add_argument("--layout", help=f"the run's {LAYOUT_FILE}, for the ranks' coordinates (default: found in"
                                        " DUMPDIR or up to two parents)")
     hang.set_defaults(handler=_hang)
+    trace = commands.add_parser("trace", help="phases, exposed communication per mesh role and the bottleneck, from"
+                                              " torch.profiler traces (one per rank)")
+    trace.add_argument("dir", help="a folder of Kineto traces, or a run's log dir (its diagnostics/traces)")
+    trace.add_argument("--layout", help=f"the run's {LAYOUT_FILE}, for the mesh roles and pipeline options (default:"
+                                        " found in DIR or up to two parents; else the dims from the traces)")
+    trace.add_argument("--json", action="store_true", help="print the window record as JSON")
+    trace.set_defaults(handler=_trace)
     return parser
 
 

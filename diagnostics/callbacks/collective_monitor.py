@@ -23,6 +23,7 @@ from typing import Any, Literal
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from diagnostics.analysis.hang import hang_report
+from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.collect.environment import apply_environment, wanted_environment
 from diagnostics.collect.exchange import CaptureExchange
 from diagnostics.collect.flight_recorder import DUMP_PREFIX, entries_of, read_dump, with_groups, write_dump
@@ -30,7 +31,7 @@ from diagnostics.collect.ledger import PointToPointLedger
 from diagnostics.collect.stacks import stacks_text, thread_stacks
 from diagnostics.records import CAPTURE_FILE, HANG_FILE, GroupRecord, RankCapture, to_json, write_atomic
 from diagnostics.report.hang_card import hang_markdown, hang_text
-from diagnostics.report.tensorboard import log_text
+from diagnostics.report.tensorboard import log_text, spread
 from diagnostics.report.topology_card import topology_markdown
 
 _fits = itertools.count()  # every rank counts its fits alike: one store prefix per fit
@@ -38,18 +39,24 @@ _fits = itertools.count()  # every rank counts its fits alike: one store prefix 
 
 class CollectiveMonitor(Callback):
     def __init__(self, log_dir: str | None = None, flight_recorder_entries: int | None = None,
-                 distributed_debug: Literal["INFO", "DETAIL"] | None = None, gather_timeout: float = 12.0) -> None:
+                 distributed_debug: Literal["INFO", "DETAIL"] | None = None, gather_timeout: float = 12.0,
+                 log_every_n_steps: int = 50) -> None:
         """``log_dir``: where ``diagnostics/`` goes (default: the Trainer's ``default_root_dir``, the same on every
         rank before any logger has a version). ``flight_recorder_entries``: the ring's size (default 2000; 0 turns
         it off). ``distributed_debug``: sets ``TORCH_DISTRIBUTED_DEBUG`` (``DETAIL`` checks every collective's
         shapes across ranks: a mismatch stops at once, at a cost). ``gather_timeout``: how long a failing rank
-        waits for the others' captures."""
+        waits for the others' captures. ``log_every_n_steps``: how often the time each rank waits in the
+        strategy's own collectives (loss reduction, clipping norm) is logged, as ``collectives/strategy_wait_s``
+        mean / min / max across ranks per step (0: never; one small all-gather each time)."""
         if distributed_debug not in (None, "INFO", "DETAIL"):
             raise ValueError(f"`CollectiveMonitor(distributed_debug={distributed_debug!r})` is not a level."
                              " HINT: use None, \"INFO\" or \"DETAIL\".")
         if flight_recorder_entries is not None and flight_recorder_entries < 0:
             raise ValueError(f"`CollectiveMonitor(flight_recorder_entries={flight_recorder_entries})` must be >= 0.")
+        if not isinstance(log_every_n_steps, int) or log_every_n_steps < 0:
+            raise ValueError(f"`CollectiveMonitor(log_every_n_steps={log_every_n_steps!r})` must be an int >= 0.")
         self._log_dir, self._entries, self._debug = log_dir, flight_recorder_entries, distributed_debug
+        self.every, self._waited, self._logged_step = log_every_n_steps, 0.0, 0
         self.gather_timeout = gather_timeout
         self.folder: Path | None = None
         self.rank, self.world_size, self.backend = 0, 1, ""
@@ -111,15 +118,38 @@ class CollectiveMonitor(Callback):
 
     # ---- Lightning hooks --------------------------------------------------------------------------------------
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._trainer = trainer
+    def on_nd_collective_wait(self, strategy: Any, event: Any) -> None:
+        self._waited += event.seconds
 
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        view = TroubleshootingView.of(trainer)
+        if view is not None and self.every:
+            view.margin("collectives", "strategy's collectives: wait per step (s)", "collectives/strategy_wait_s")
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._trainer, self._waited, self._logged_step = trainer, 0.0, trainer.global_step
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if self.every and step % self.every == 0 and step > self._logged_step:
+            self._log_waits(trainer, pl_module, step)
         if self._topology_written or self.folder is None:
             return
         self._topology_written = True  # after the first step: NCCL creates its communicators lazily
         if self.rank == 0 and self.exchange is not None:
             log_text(trainer, "diagnostics/topology", self._topology())
+
+    def _log_waits(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        mine = torch.tensor([self._waited / (step - self._logged_step)], dtype=torch.float64, device=pl_module.device)
+        everyone = [torch.zeros_like(mine) for _ in range(trainer.world_size)] if dist.is_initialized() else [mine]
+        if dist.is_initialized():
+            dist.all_gather(everyone, mine)
+        self._waited, self._logged_step = 0.0, step
+        for logger in trainer.loggers if trainer.global_rank == 0 else ():
+            logger.log_metrics(spread("collectives/strategy_wait_s", [float(v) for v in everyone]), step=step)
 
     def _topology(self) -> str:
         hosts = {}

@@ -9,7 +9,8 @@ the estimate, with the process's peak RSS), the expected figures of `lightning_n
 shape (`MemoryPlanned`), the parsed error, and the advice ranked by the saving the cost model predicts. Rank
 0 adds the TensorBoard card ``diagnostics/memory`` (with the culprit's own card when it is another rank). The
 error then propagates and every rank ends (the strategy's failure handling). Every ``log_every_n_steps``
-each rank's peak is logged as a scalar: the CUDA allocator's peak, on CPU the model state and the peak RSS.
+each rank's peak is logged as a scalar: the CUDA allocator's peak, on CPU the model state and the peak RSS (per
+rank, and as mean / min / max across ranks for the `TroubleshootingView`'s memory charts).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from diagnostics.analysis.memory import breakdown, rank_advice
+from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.analysis.oom import parse_oom
 from diagnostics.collect.memory import cuda_memory, model_state_bytes, process_memory, snapshot_if_recording
 from diagnostics.memory_records import MEMORY_FILE, MemoryReport, memory_report_from_dict
 from diagnostics.records import to_json, write_atomic
 from diagnostics.report.memory_card import memory_card, memory_summary
-from diagnostics.report.tensorboard import log_text
+from diagnostics.report.tensorboard import log_text, spread
 from lightning_nd.strategy.events import OUT_OF_MEMORY_WORDS
 
 CULPRIT_WAIT_S = 5.0
@@ -52,6 +54,12 @@ class MemoryMonitor(Callback):
         self.folder = Path(self._log_dir or trainer.default_root_dir) / "diagnostics"
         self.trainer, self.written = trainer, False
         (self.folder / MEMORY_FILE.format(rank=trainer.global_rank)).unlink(missing_ok=True)
+        view = TroubleshootingView.of(trainer)
+        if view is not None and self.every:
+            kind = "cuda_peak_allocated" if trainer.strategy.root_device.type == "cuda" else "model_state"
+            view.margin("memory", f"{kind.replace('_', ' ')} (bytes)", f"memory/{kind}_bytes")
+            view.margin("memory", "peak RSS (bytes)", "memory/peak_rss_bytes")
+            view.multiline("memory", "per rank (bytes)", [r"memory/.*_bytes/rank\d+"])
 
     def on_nd_memory_planned(self, strategy: Any, event: Any) -> None:
         self.planned = event
@@ -75,6 +83,9 @@ class MemoryMonitor(Callback):
         kind = "cuda_peak_allocated" if cuda else "model_state"
         metrics = {f"memory/{kind}_bytes/rank{r}": float(v[0]) for r, v in enumerate(everyone)}
         metrics |= {f"memory/peak_rss_bytes/rank{r}": float(v[1]) for r, v in enumerate(everyone) if v[1]}
+        metrics |= spread(f"memory/{kind}_bytes", [float(v[0]) for v in everyone])
+        if all(v[1] for v in everyone):
+            metrics |= spread("memory/peak_rss_bytes", [float(v[1]) for v in everyone])
         for logger in trainer.loggers if trainer.global_rank == 0 else ():
             logger.log_metrics(metrics, step=trainer.global_step)
 

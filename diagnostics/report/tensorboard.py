@@ -1,7 +1,9 @@
-"""Cards into TensorBoard: every monitor's markdown goes through `log_text`, so they sit together in its text tab."""
+"""Into TensorBoard: every monitor's markdown goes through `log_text`, so the cards sit together in its text tab;
+values across ranks become `spread` scalars, which the `TroubleshootingView`'s margin charts show."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -14,3 +16,16 @@ def log_text(trainer: Any, tag: str, text: str) -> None:
         if isinstance(logger, TensorBoardLogger):
             logger.experiment.add_text(tag, text, global_step=trainer.global_step)
             logger.experiment.flush()
+
+
+def log_image(trainer: Any, tag: str, image: Any) -> None:
+    """An [height, width, 3] uint8 array as the image ``tag`` of every TensorBoard logger."""
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_image(tag, image, global_step=trainer.global_step, dataformats="HWC")
+            logger.experiment.flush()
+
+
+def spread(tag: str, values: Sequence[float]) -> dict[str, float]:
+    """``<tag>/mean``, ``/min`` and ``/max`` of one value per rank."""
+    return {f"{tag}/mean": sum(values) / len(values), f"{tag}/min": min(values), f"{tag}/max": max(values)}

@@ -1,0 +1,294 @@
+"""`BottleneckMonitor`: why the steps are slow, classified live across ranks every window of steps.
+
+Every step each rank times its phases (`diagnostics.collect.step_clock`, from the strategy's `StepPhase` and
+`StageTiming` events). The last step of each window runs under `torch.profiler` (CPU; CUDA too on a GPU); its trace
+(`diagnostics.analysis.trace`) splits every phase into compute, the loader, host time and exposed communication
+per mesh role, in proportions applied to the window's means (`diagnostics.analysis.sampled_split`). The ranks'
+figures meet in one all-gather; rank 0 classifies the window (`diagnostics.analysis.bottleneck.classify`, or your
+own ``classifier``) and writes:
+
+- ``<log_dir>/diagnostics/bottleneck.jsonl``: one line per window (`diagnostics.bottleneck_records.WindowRecord`);
+- TensorBoard: ``bottleneck/<phase>_s`` and ``bottleneck/comm_<role>_s`` as mean / min / max across ranks, the
+  throughput over the batch ranks (``throughput/tokens_per_s``, ``throughput/mfu``), the card
+  ``diagnostics/bottleneck`` and the figure ``diagnostics/step_phases``; with a `TroubleshootingView`, the charts;
+- the console: one line whenever the diagnosis changes.
+
+The first step of a fit (warm-up) and the profiled step (the profiler slows it) are left out of the means.
+Validation loops and checkpoint saves are not counted in any step. The profiler's trace of the last window stays
+in ``<log_dir>/diagnostics/traces/rank<R>.json`` for ``python -m diagnostics trace``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from diagnostics.analysis.bottleneck import attribute_waiting, classify
+from diagnostics.analysis.sampled_split import split_window
+from diagnostics.analysis.trace import read_trace, trace_steps
+from diagnostics.bottleneck_records import BOTTLENECK_FILE, PHASES, RankTimes, WindowContext, WindowRecord
+from diagnostics.collect.step_clock import StepClock, mean_row
+from diagnostics.records import to_json, write_atomic
+from diagnostics.report.bottleneck_card import bottleneck_markdown, bottleneck_summary, step_phase_image
+from diagnostics.report.tensorboard import log_image, log_text, spread
+from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
+from lightning_nd.layout.roles import EXPERT_ROLES, ROLE_DIMS
+
+log = logging.getLogger("lightning_nd")
+ROLES = (*ROLE_DIMS, *EXPERT_ROLES, "world", "group", "other")
+"""The roles a rank's communication is gathered under (a trace's unknown role counts as ``other``)."""
+
+
+class BottleneckMonitor(Callback):
+    def __init__(self, log_dir: str | None = None, every_n_steps: int = 50, profile: bool = True,
+                 classifier: Callable[..., Any] | None = None, hardware: str | None = None) -> None:
+        """``every_n_steps``: the window, in optimizer steps (>= 2 when profiling: one step of each is profiled).
+        ``profile``: split communication out with one profiled step per window (False: phases only).
+        ``classifier``: ``(ranks, context) -> Diagnosis`` instead of `classify` (e.g. ``functools.partial(classify,
+        thresholds=Thresholds(data_share=0.1))``). ``hardware``: a `lightning_nd.cost.hardware` preset for MFU
+        (``h100``, ``a100``, ``cpu``...; default: from the CUDA device's name, ``cpu`` on CPU, none otherwise)."""
+        if not isinstance(every_n_steps, int) or every_n_steps < (2 if profile else 1):
+            raise ValueError(f"`BottleneckMonitor(every_n_steps={every_n_steps!r})` must be an int >= "
+                             f"{2 if profile else 1}. HINT: 50; with `profile=True` one step per window is profiled.")
+        if hardware is not None:
+            from lightning_nd.cost.hardware import parse_hardware
+
+            parse_hardware(hardware)  # a wrong name fails now, with the presets named
+        self._log_dir, self.every, self.profile, self.hardware = log_dir, every_n_steps, profile, hardware
+        self.classifier = classifier or classify
+        self.clock = StepClock()
+        self.layout: Any = None
+        self.records: list[WindowRecord] = []
+        self.folder: Path | None = None
+        self._profiler: Any = None
+        self._profiled_step: int | None = None
+        self._trace_step: Any = None
+        self._tokens = [0, 0]  # tokens this rank saw in the window, and the full sequence length
+        self._hosts: dict[int, str] = {}
+        self._closed = -1
+        self._first_step = self._window_end = 0
+        self._validation_start = 0.0
+
+    # ---- set-up --------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.folder = Path(self._log_dir or trainer.default_root_dir) / "diagnostics"
+        self.records, self._closed, self._trace_step = [], -1, None
+        if trainer.global_rank == 0:  # an earlier run's windows in this folder are not this run's
+            (self.folder / BOTTLENECK_FILE).unlink(missing_ok=True)
+
+    def on_nd_layout_ready(self, strategy: Any, event: Any) -> None:
+        self.layout = event.layout
+        if strategy.global_rank == 0:  # beside the traces, for `python -m diagnostics trace`
+            write_atomic(self.folder / "layout.json", event.layout.to_json(indent=1))
+        view = TroubleshootingView.of(strategy.lightning_module.trainer)
+        if view is None:
+            return
+        view.margin("step", "step time (s)", "bottleneck/step_s")
+        for phase in PHASES:
+            view.margin("step", f"{phase} (s)", f"bottleneck/{phase}_s")
+        view.margin("step", "residual (s)", "bottleneck/residual_s")
+        view.multiline("communication", "exposed, mean across ranks (s)", [r"bottleneck/comm_.*_s/mean"])
+        for role, groups in sorted(event.layout.roles.items()):
+            if role in ROLES and groups and len(groups[0]) > 1:
+                view.margin("communication", f"{role} (s)", f"bottleneck/comm_{role}_s")
+        view.multiline("throughput", "tokens/s over the batch ranks", ["throughput/tokens_per_s"])
+        view.multiline("throughput", "MFU", ["throughput/mfu"])
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        import torch.distributed as dist
+
+        hosts = [socket.gethostname()] * trainer.world_size
+        if dist.is_initialized():
+            dist.all_gather_object(hosts, socket.gethostname())
+        self._hosts = dict(enumerate(hosts))
+        self._first_step = self._window_end = trainer.global_step
+        self.clock.begin(time.perf_counter())
+
+    # ---- every step ----------------------------------------------------------------------------------------
+
+    def on_nd_step_phase(self, strategy: Any, event: Any) -> None:
+        self.clock.phase(event)
+
+    def on_nd_stage_timing(self, strategy: Any, event: Any) -> None:
+        self.clock.stage(event)
+
+    def on_nd_checkpoint_saved(self, strategy: Any, event: Any) -> None:
+        self.clock.exclude(event.seconds)
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._validation_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.clock.exclude(time.perf_counter() - self._validation_start)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        from lightning_nd.parallel.context.sharding import token_shape
+
+        shape = token_shape(batch)
+        if shape is not None:
+            cp = self.layout.dims["cp"] if self.layout is not None else 1
+            self._tokens[0] += shape[0] * shape[1] * cp
+            self._tokens[1] = shape[1] * cp
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self._closed:  # accumulating: the optimizer has not stepped
+            return
+        self._closed = step
+        now = time.perf_counter()
+        if self._profiler is not None:
+            self._trace_step = self._stop_profiler(trainer)
+        row = self.clock.close(now)
+        if row is not None and (step - self._first_step == 1 or step == self._profiled_step):
+            self.clock.rows.pop()  # warm-up, or slowed by the profiler
+        if step % self.every == 0:
+            self._close_window(trainer, pl_module, step)
+        if self.profile and (step + 1) % self.every == 0:
+            self._start_profiler(pl_module, step + 1)
+        self.clock.begin(time.perf_counter())  # the window's own work is no step's
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            self._profiler = None
+        if self.clock.rows:
+            self._close_window(trainer, pl_module, trainer.global_step)
+
+    # ---- the profiled step ---------------------------------------------------------------------------------
+
+    def _start_profiler(self, pl_module: LightningModule, step: int) -> None:
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if pl_module.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler, self._profiled_step = torch.profiler.profile(activities=activities), step
+        self._profiler.__enter__()
+
+    def _stop_profiler(self, trainer: Trainer) -> Any:
+        profiler, self._profiler = self._profiler, None
+        profiler.__exit__(None, None, None)
+        try:
+            path = self.folder / "traces" / f"rank{trainer.global_rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(path))
+            steps = trace_steps(read_trace(path), self.layout.dims if self.layout is not None else None)
+            return steps[0] if steps else None
+        except Exception as error:  # noqa: BLE001 - a diagnostic never stops the run
+            log.warning("lightning-nd BottleneckMonitor: the profiled step was not analysed: %s", error)
+            return None
+
+    # ---- the window ----------------------------------------------------------------------------------------
+
+    def _close_window(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
+        import torch
+        import torch.distributed as dist
+
+        rows = self.clock.take()
+        mine = split_window(trainer.global_rank, len(rows), mean_row(rows), self._trace_step) if rows else None
+        vector = torch.tensor(_vector(mine, self._tokens), dtype=torch.float64, device=pl_module.device)
+        everyone = [torch.zeros_like(vector) for _ in range(trainer.world_size)] if dist.is_initialized() else [vector]
+        if dist.is_initialized():
+            dist.all_gather(everyone, vector)
+        first, self._window_end = self._window_end + 1, step
+        self._tokens, self._trace_step = [0, self._tokens[1]], None
+        if trainer.global_rank != 0:
+            return
+        ranks = [times for r, v in enumerate(everyone) if (times := _rank_times(r, v.tolist())) is not None]
+        if not ranks:
+            return
+        try:
+            self._report(trainer, pl_module, ranks, [v.tolist() for v in everyone], first, step)
+        except Exception as error:  # noqa: BLE001 - a diagnostic never stops the run
+            log.warning("lightning-nd BottleneckMonitor: window ending at step %d not classified: %s", step, error)
+
+    def _report(self, trainer: Trainer, pl_module: LightningModule, ranks: list[RankTimes], vectors: list[list[float]],
+                first: int, last: int) -> None:
+        layout = self.layout
+        roles = layout.roles if layout is not None else {}
+        ranks = list(attribute_waiting(ranks, roles))
+        step_s = sum(r.step_s for r in ranks) / len(ranks)
+        tokens = sum(v[-2] for v in vectors) * _batch_ranks(layout) / trainer.world_size / (last - first + 1)
+        tokens_per_s = tokens / step_s if step_s > 0 and tokens > 0 else None
+        context = WindowContext(
+            first_step=first, last_step=last, dims=dict(layout.dims) if layout is not None else {}, roles=roles,
+            pp_schedule=layout.options.get("pp_schedule") if layout is not None else None,
+            pp_microbatches=layout.options.get("pp_microbatches") if layout is not None else None,
+            pp_stages_per_rank=layout.options.get("pp_stages_per_rank", 1) if layout is not None else 1,
+            num_workers=getattr(trainer.train_dataloader, "num_workers", None), hosts=self._hosts,
+            tokens_per_s=tokens_per_s, mfu=self._mfu(trainer, pl_module, tokens_per_s, int(vectors[0][-1])),
+            options={**(dict(layout.options) if layout is not None else {}), "precision": str(trainer.precision)})
+        record = WindowRecord(context=context, ranks=tuple(ranks), diagnosis=self.classifier(ranks, context))
+        self._write(trainer, record, profiled=any(r.comm for r in ranks))
+
+    def _write(self, trainer: Trainer, record: WindowRecord, profiled: bool) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with open(self.folder / BOTTLENECK_FILE, "a") as out:
+            out.write(to_json(record, indent=None) + "\n")
+        metrics = spread("bottleneck/step_s", [r.step_s for r in record.ranks])
+        metrics |= spread("bottleneck/residual_s", [r.residual_s for r in record.ranks])
+        for phase in PHASES:
+            metrics |= spread(f"bottleneck/{phase}_s", [r.phases.get(phase, 0.0) for r in record.ranks])
+        for role in sorted({role for r in record.ranks for role in r.comm}):
+            metrics |= spread(f"bottleneck/comm_{role}_s", [r.comm.get(role, 0.0) for r in record.ranks])
+        if record.context.tokens_per_s is not None:
+            metrics["throughput/tokens_per_s"] = record.context.tokens_per_s
+        if record.context.mfu is not None:
+            metrics["throughput/mfu"] = record.context.mfu
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+        log_text(trainer, "diagnostics/bottleneck", bottleneck_markdown(record, profiled))
+        log_image(trainer, "diagnostics/step_phases", step_phase_image(record.ranks))
+        if not self.records or self.records[-1].diagnosis.label != record.diagnosis.label:
+            print(bottleneck_summary(record), flush=True)
+        self.records.append(record)
+
+    def _mfu(self, trainer: Trainer, pl_module: LightningModule, tokens_per_s: float | None, seq_len: int) -> float | None:
+        from lightning_nd.cost.hardware import PRESETS, parse_hardware
+        from lightning_nd.cost.step_time import flops_per_token
+
+        shape = getattr(getattr(trainer.strategy, "preflight", None), "shape", None)
+        name = self.hardware
+        if name is None and pl_module.device.type == "cuda":
+            import torch
+
+            device = torch.cuda.get_device_name(pl_module.device).lower()
+            name = next((preset for preset in PRESETS if preset in device), None)
+        elif name is None:
+            name = "cpu"
+        if shape is None or name is None or not tokens_per_s or not seq_len:
+            return None
+        peak = parse_hardware(name).peak_flops * trainer.world_size
+        return flops_per_token(shape, seq_len) * tokens_per_s / peak
+
+
+def _batch_ranks(layout: Any) -> int:
+    return layout.dims["dp_replicate"] * layout.dims["dp_shard"] if layout is not None else 1
+
+
+def _vector(times: RankTimes | None, tokens: list[int]) -> list[float]:
+    """One rank's window as floats: steps, step_s, the phases, comm per `ROLES`, residual, tokens, seq_len."""
+    if times is None:
+        return [0.0] * (3 + len(PHASES) + len(ROLES)) + [float(tokens[0]), float(tokens[1])]
+    comm = dict.fromkeys(ROLES, 0.0)
+    for role, seconds in times.comm.items():
+        comm[role if role in comm else "other"] += seconds
+    return [float(times.steps), times.step_s, *[times.phases[p] for p in PHASES], *comm.values(), times.residual_s,
+            float(tokens[0]), float(tokens[1])]
+
+
+def _rank_times(rank: int, values: list[float]) -> RankTimes | None:
+    steps, step_s = int(values[0]), values[1]
+    if steps == 0:
+        return None
+    phases = dict(zip(PHASES, values[2:2 + len(PHASES)]))
+    comm_values = values[2 + len(PHASES):2 + len(PHASES) + len(ROLES)]
+    comm = {role: seconds for role, seconds in zip(ROLES, comm_values) if seconds > 0}
+    return RankTimes(rank=rank, steps=steps, step_s=step_s, phases=phases, comm=comm, residual_s=values[-3])

@@ -1,0 +1,133 @@
+"""The BottleneckMonitor's parts without a run: the step clock, the sampled split, the card and figure, the view's
+layout, the offline ``trace`` command over the recorded traces, and the arguments' checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from diagnostics.analysis.sampled_split import split_window
+from diagnostics.bottleneck_records import PHASES, Diagnosis, RankTimes, WindowContext, WindowRecord, read_windows
+from diagnostics.collect.step_clock import StepClock, mean_row
+from diagnostics.records import to_json
+from diagnostics.report.bottleneck_card import BAR_WIDTH, COLOURS, bottleneck_markdown, step_phase_image
+
+TRACES = Path(__file__).parents[1] / "data" / "traces"
+
+
+def _phase(name, start, duration):
+    return SimpleNamespace(phase=name, start_s=start, duration_s=duration)
+
+
+def test_the_clock_tiles_each_step_and_clips_a_phase_begun_before_it():
+    clock = StepClock()
+    clock.begin(10.0)
+    clock.phase(_phase("data_wait", 9.5, 0.7))  # began in the previous step's hooks: only 0.2 s is this step's
+    clock.phase(_phase("forward", 10.2, 0.3))
+    clock.phase(_phase("backward", 10.5, 0.25))
+    clock.phase(_phase("backward_weight", 10.75, 0.05))
+    clock.stage(SimpleNamespace(idle_s=0.1))
+    clock.exclude(0.5)  # a validation loop inside the step
+    row = clock.close(11.7)
+    assert row == pytest.approx({"data_wait": 0.2, "forward": 0.3, "backward": 0.3, "optimizer": 0.0,
+                                 "pipeline_idle": 0.1, "host": 0.3, "step_s": 1.2})
+    assert clock.close(12.0)["step_s"] == pytest.approx(0.3)  # the next step began at the close
+    assert mean_row(clock.take()) == pytest.approx({**{k: v / 2 for k, v in row.items() if k != "step_s"},
+                                                    "host": (0.3 + 0.3) / 2, "step_s": 0.75})
+    assert clock.take() == []
+
+
+def test_the_split_keeps_the_live_magnitudes_and_takes_the_trace_proportions():
+    live = {"step_s": 1.0, "data_wait": 0.25, "host": 0.05, "forward": 0.4, "backward": 0.2, "optimizer": 0.1,
+            "pipeline_idle": 0.0}
+    trace = SimpleNamespace(split={
+        "data_wait": {"loader": 0.2, "host": 0.1, "comm:loss": 0.0},
+        "forward": {"compute": 0.3, "comm:tp": 0.1},  # a quarter of forward is tp
+        "backward": {"compute": 0.1, "comm:tp": 0.05, "comm:fsdp": 0.05},
+    })
+    times = split_window(3, 5, live, trace)
+    assert times.rank == 3 and times.steps == 5
+    assert times.phases["data_wait"] == pytest.approx(0.3 * 2 / 3) and times.phases["host"] == pytest.approx(0.1)
+    assert times.phases["forward"] == pytest.approx(0.3) and times.comm["tp"] == pytest.approx(0.1 + 0.05)
+    assert times.phases["backward"] == pytest.approx(0.1) and times.comm["fsdp"] == pytest.approx(0.05)
+    assert times.phases["optimizer"] == pytest.approx(0.1)  # not in the trace: the live figure stands
+    assert times.residual_s == pytest.approx(0.0, abs=1e-12)
+    unprofiled = split_window(0, 5, live, None)
+    assert unprofiled.comm == {} and unprofiled.phases["forward"] == 0.4 and unprofiled.phases["waiting"] == 0.0
+
+
+def _record(label="straggler"):
+    ranks = tuple(RankTimes(rank=r, steps=3, step_s=1.0, phases={**dict.fromkeys(PHASES, 0.1), "forward": 0.2 + r * 0.1},
+                            comm={"tp": 0.1}, residual_s=1.0 - 0.8 - r * 0.1) for r in range(3))
+    context = WindowContext(first_step=5, last_step=8, dims={"tp": 3}, tokens_per_s=1234.5, mfu=0.25)
+    return WindowRecord(context=context, ranks=ranks, diagnosis=Diagnosis(
+        label=label, shares={}, evidence="rank 2 is slow.", advice=("look at rank 2",), rank=2, phase="forward"))
+
+
+def test_the_card_the_figure_and_the_jsonl_line():
+    record = _record()
+    card = bottleneck_markdown(record, profiled=True)
+    assert "Steps 5-8: **straggler** (rank 2, forward)" in card and "- look at rank 2" in card
+    assert "1,234 tokens/s" in card or "1,235 tokens/s" in card
+    assert "| 2 | 1000.0 |" in card and "comm tp" in card
+    image = step_phase_image(record.ranks)
+    assert image.shape[1] == BAR_WIDTH and image.dtype == np.uint8
+    forward = np.all(image == COLOURS["forward"], axis=-1)
+    widths = [int(forward[row].sum()) for row in (6 + 9, 6 + 24 + 9, 6 + 48 + 9)]  # the middle of each bar
+    assert widths[0] < widths[1] < widths[2] and abs(widths[2] - 0.4 * BAR_WIDTH) <= 2
+    again = read_windows(to_json(record, indent=None) + "\n" + '{"cut short')
+    assert again == [record]
+
+
+def test_the_view_owns_one_layout_with_margin_charts():
+    from diagnostics import TroubleshootingView
+
+    view = TroubleshootingView()
+    view.margin("step", "step time (s)", "bottleneck/step_s")
+    view.multiline("memory", "per rank", [r"memory/.*_bytes/rank\d+"])
+    assert view.layout() == {
+        "Troubleshooting: memory": {"per rank": ["Multiline", [r"memory/.*_bytes/rank\d+"]]},
+        "Troubleshooting: step": {"step time (s)": ["Margin", ["bottleneck/step_s/mean", "bottleneck/step_s/min",
+                                                                "bottleneck/step_s/max"]]}}
+    trainer = SimpleNamespace(callbacks=[object(), view])
+    assert TroubleshootingView.of(trainer) is view and TroubleshootingView.of(SimpleNamespace(callbacks=[])) is None
+
+
+def test_bad_arguments_are_refused_with_the_fix():
+    from diagnostics import BottleneckMonitor, all_monitors
+
+    with pytest.raises(ValueError, match="every_n_steps=1.*>= 2"):
+        BottleneckMonitor(every_n_steps=1)
+    assert BottleneckMonitor(every_n_steps=1, profile=False).every == 1
+    with pytest.raises(ValueError, match="Unknown hardware"):
+        BottleneckMonitor(hardware="h1000")
+    with pytest.raises(TypeError, match="True, False or a dict"):
+        all_monitors(memory="yes")
+    names = [type(m).__name__ for m in all_monitors(memory=False, bottleneck={"every_n_steps": 5})]
+    assert names == ["TroubleshootingView", "LayoutCard", "CollectiveMonitor", "BottleneckMonitor"]
+
+
+def test_the_trace_command_classifies_recorded_traces(capsys):
+    from diagnostics.__main__ import main
+
+    assert main(["trace", str(TRACES / "fsdp4_straggler"), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["diagnosis"]["label"] == "straggler" and record["diagnosis"]["rank"] == 3
+    assert record["diagnosis"]["phase"] == "forward"
+    assert main(["trace", str(TRACES / "pp2_gpipe")]) == 0
+    assert "pipeline-bubble" in capsys.readouterr().out
+    assert main(["trace", str(TRACES / "fsdp4_slow_loader")]) == 0
+    assert "data-bound" in capsys.readouterr().out
+
+
+def test_the_trace_command_says_what_it_looked_for(tmp_path, capsys):
+    from diagnostics.__main__ import main
+
+    assert main(["trace", str(tmp_path / "missing")]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    assert main(["trace", str(tmp_path)]) == 2
+    assert "no torch.profiler trace" in capsys.readouterr().err
