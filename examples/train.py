@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diagnostics import CollectiveMonitor, LayoutCard, MemoryMonitor  # noqa: E402
+from diagnostics import LayoutCard, all_monitors  # noqa: E402
 from examples.data import TokenDataModule  # noqa: E402
 from examples.lit import CausalLM  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -48,12 +48,14 @@ def main(cfg: DictConfig) -> float:
     strategy = NDParallel.from_config(OmegaConf.to_container(cfg.parallel, resolve=True))
     logger = TensorBoardLogger(save_dir=cfg.log_dir, name="", version="")
     checkpoints = ModelCheckpoint(**OmegaConf.to_container(cfg.checkpoint, resolve=True))
-    monitors = [CollectiveMonitor(log_dir=cfg.log_dir, distributed_debug=cfg.diagnostics.distributed_debug)
-                if cfg.diagnostics.collectives else None,
-                MemoryMonitor(log_dir=cfg.log_dir, log_every_n_steps=cfg.diagnostics.memory_every_n_steps)
-                if cfg.diagnostics.memory else None]
+    d = cfg.diagnostics
+    monitors = all_monitors(
+        log_dir=cfg.log_dir, collectives=d.collectives and {"distributed_debug": d.distributed_debug,
+                                                             "log_every_n_steps": d.collectives_every_n_steps},
+        memory=d.memory and {"log_every_n_steps": d.memory_every_n_steps},
+        bottleneck=d.bottleneck and {"every_n_steps": d.bottleneck_every_n_steps}) if d.enabled else [LayoutCard()]
     trainer = Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy, logger=logger,
-                      callbacks=[LayoutCard(), checkpoints, *filter(None, monitors)])
+                      callbacks=[checkpoints, *monitors])
     module = CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr)
     trainer.fit(module, datamodule=TokenDataModule(**OmegaConf.to_container(cfg.data, resolve=True)),
                 ckpt_path=cfg.ckpt_path)

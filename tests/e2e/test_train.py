@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util.tensor_util import make_ndarray
 
+from diagnostics.bottleneck_records import BOTTLENECK_FILE, LABELS, read_windows
 from lightning_nd import Layout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,6 +81,19 @@ def test_readme_main_job_trains_and_writes_tensorboard(tmp_path):
         state = [event.value for event in accumulator.Scalars(f"memory/model_state_bytes/rank{rank}")]
         assert len(state) == 2 and state[0] == state[1] > 0
         assert all(event.value > state[0] for event in accumulator.Scalars(f"memory/peak_rss_bytes/rank{rank}"))
+    windows = read_windows((tmp_path / "tensorboard" / "diagnostics" / BOTTLENECK_FILE).read_text())
+    assert [(w.context.first_step, w.context.last_step) for w in windows] == [(1, 10), (11, 20)]
+    assert all(w.diagnosis.label in LABELS and w.diagnosis.advice for w in windows)
+    assert all(r.comm.get("tp", 0) > 0 and r.comm.get("fsdp", 0) > 0 for r in windows[-1].ranks)
+    card = make_ndarray(accumulator.Tensors("diagnostics/bottleneck/text_summary")[-1].tensor_proto)[0].decode()
+    assert f"**{windows[-1].diagnosis.label}**" in card
+    view = layout_pb2.Layout()  # the troubleshooting view: one custom-scalars layout, every monitor's charts in it
+    view.ParseFromString(make_ndarray(accumulator.Tensors("custom_scalars__config__")[0].tensor_proto).item())
+    assert {c.title for c in view.category} == {"Troubleshooting: " + name for name in
+                                               ("collectives", "communication", "memory", "step", "throughput")}
+    for tag in ("bottleneck/step_s/max", "memory/model_state_bytes/mean", "collectives/strategy_wait_s/min",
+                "throughput/tokens_per_s"):
+        assert len(accumulator.Scalars(tag)) == 2, tag
 
 
 def test_hydra_sweep_runs_every_layout(tmp_path):
