@@ -27,7 +27,8 @@ def all_monitors(log_dir: str | None = None, collectives: dict[str, Any] | bool 
     """Every monitor, the `LayoutCard` and the `TroubleshootingView` (first: the monitors register their charts in
     it), writing into ``log_dir`` (default: the Trainer's ``default_root_dir``). Each monitor's argument: True (its
     defaults), a dict of its keyword arguments, or False (left out)."""
-    chosen = {"CollectiveMonitor": collectives, "MemoryMonitor": memory, "BottleneckMonitor": bottleneck}
+    # The BottleneckMonitor first: its profiled step ends before the other monitors' step-end gathers run.
+    chosen = {"BottleneckMonitor": bottleneck, "CollectiveMonitor": collectives, "MemoryMonitor": memory}
     for name, value in chosen.items():
         if not isinstance(value, (bool, dict)):
             raise TypeError(f"`all_monitors({name}={value!r})`: pass True, False or a dict of `{name}` keyword"

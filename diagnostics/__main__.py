@@ -170,8 +170,8 @@ def _trace(args: argparse.Namespace) -> int:
     context = WindowContext(first_step=min(numbers), last_step=max(numbers), dims=dims, roles=layout.get("roles", {}),
                             pp_schedule=options.get("pp_schedule"), pp_microbatches=options.get("pp_microbatches"),
                             pp_stages_per_rank=options.get("pp_stages_per_rank", 1), options=options)
-    ranks = list(attribute_waiting(ranks, context.roles))
-    record = WindowRecord(context=context, ranks=tuple(ranks), diagnosis=classify(ranks, context))
+    record = WindowRecord(context=context, ranks=attribute_waiting(ranks, context.roles),
+                          diagnosis=classify(ranks, context))
     print(to_json(record) if args.json else bottleneck_markdown(record, profiled=True))
     return 0
 

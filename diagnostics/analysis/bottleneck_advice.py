@@ -106,13 +106,23 @@ def advice(label: str, part: str, window: Window, straggler: Straggler | None) -
     return _compute_advice(share, window.context)
 
 
+LOW_MFU = 0.05
+"""Below this model-FLOPs utilisation the compute phases are dominated by per-operation costs (kernel launches,
+Python, DTensor dispatch), which a cheaper matmul does not remove."""
+
+
 def _compute_advice(share: str, context: WindowContext) -> tuple[str, ...]:
     """Cheaper compute, each fix only where the options do not show it on already: any precision naming 16 (bf16
     or fp16) already halves the matmuls' cost, and recomputing less is only possible under checkpointing."""
     options = context.options
-    mfu = f", MFU {percent(context.mfu)}" if context.mfu is not None else ""
-    lines = [f"the run is compute-bound (compute {share} of the step{mfu}): a faster layout will not help much;"
-             " make the compute cheaper"]
+    mfu = f", MFU {context.mfu * 100:.2g}%" if context.mfu is not None else ""
+    if context.mfu is not None and context.mfu < LOW_MFU:
+        lines = [f"the compute phases take {share} of the step{mfu}: at so low an MFU they are mostly per-operation"
+                 " overhead, not FLOPs: a larger batch per rank (or fewer tp/cp splits of small matrices) gives each"
+                 " operation more work"]
+    else:
+        lines = [f"the run is compute-bound (compute {share} of the step{mfu}): a faster layout will not help much;"
+                 " make the compute cheaper"]
     if "16" not in str(options.get("precision") or ""):
         lines.append("bf16 mixed precision: Trainer(precision='bf16-mixed')")
     checkpointing = options.get("activation_checkpointing")
@@ -129,7 +139,7 @@ def _straggler_advice(straggler: Straggler, window: Window) -> tuple[str, ...]:
     ratio = f"{straggler.seconds / straggler.median:.1f}x slower" if straggler.median > 0 else "slower"
     stage = "" if straggler.stage is None else f" of pp stage {straggler.stage}"
     host = window.context.hosts.get(straggler.rank)
-    where = f"rank {straggler.rank}'s host" + (f" {host}" if host else "")
+    where = f"rank {straggler.rank}'s host" + (f" ({host})" if host else "")
     cause = (f"its loader is slower: look at {where} (its storage, CPU load, num_workers)"
              if straggler.phase == "data_wait" else
              f"look at {where} (another process on it, thermal or power throttling, a slower link)")

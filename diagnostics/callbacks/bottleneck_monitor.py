@@ -34,15 +34,13 @@ from diagnostics.analysis.sampled_split import split_window
 from diagnostics.analysis.trace import read_trace, trace_steps
 from diagnostics.bottleneck_records import BOTTLENECK_FILE, PHASES, RankTimes, WindowContext, WindowRecord
 from diagnostics.collect.step_clock import StepClock, mean_row
+from diagnostics.collect.window_vector import ROLES, rank_times_of, window_vector
 from diagnostics.records import to_json, write_atomic
 from diagnostics.report.bottleneck_card import bottleneck_markdown, bottleneck_summary, step_phase_image
 from diagnostics.report.tensorboard import log_image, log_text, spread
 from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
-from lightning_nd.layout.roles import EXPERT_ROLES, ROLE_DIMS
 
 log = logging.getLogger("lightning_nd")
-ROLES = (*ROLE_DIMS, *EXPERT_ROLES, "world", "group", "other")
-"""The roles a rank's communication is gathered under (a trace's unknown role counts as ``other``)."""
 
 
 class BottleneckMonitor(Callback):
@@ -108,7 +106,7 @@ class BottleneckMonitor(Callback):
         if dist.is_initialized():
             dist.all_gather_object(hosts, socket.gethostname())
         self._hosts = dict(enumerate(hosts))
-        self._first_step = self._window_end = trainer.global_step
+        self._first_step = self._window_end = self._closed = trainer.global_step  # after a resume: its step
         self.clock.begin(time.perf_counter())
 
     # ---- every step ----------------------------------------------------------------------------------------
@@ -120,13 +118,14 @@ class BottleneckMonitor(Callback):
         self.clock.stage(event)
 
     def on_nd_checkpoint_saved(self, strategy: Any, event: Any) -> None:
-        self.clock.exclude(event.seconds)
+        now = time.perf_counter()
+        self.clock.exclude(now - event.seconds, now)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._validation_start = time.perf_counter()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.clock.exclude(time.perf_counter() - self._validation_start)
+        self.clock.exclude(self._validation_start, time.perf_counter())
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         from lightning_nd.parallel.context.sharding import token_shape
@@ -148,29 +147,47 @@ class BottleneckMonitor(Callback):
         row = self.clock.close(now)
         if row is not None and (step - self._first_step == 1 or step == self._profiled_step):
             self.clock.rows.pop()  # warm-up, or slowed by the profiler
-        if step % self.every == 0:
+        if step % self.every == 0 and step > self._window_end:
             self._close_window(trainer, pl_module, step)
         if self.profile and (step + 1) % self.every == 0:
             self._start_profiler(pl_module, step + 1)
         self.clock.begin(time.perf_counter())  # the window's own work is no step's
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._profiler is not None:
-            self._profiler.__exit__(None, None, None)
-            self._profiler = None
+        self._drop_profiler()
         if self.clock.rows:
             self._close_window(trainer, pl_module, trainer.global_step)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._drop_profiler()  # never left recording: a later fit in this process could not start its own
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._drop_profiler()
 
     # ---- the profiled step ---------------------------------------------------------------------------------
 
     def _start_profiler(self, pl_module: LightningModule, step: int) -> None:
         import torch
 
+        from lightning_nd.runtime.profiling import recording
+
+        if recording():  # the user's own profiler (or Lightning's) records: one profiler at a time
+            return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if pl_module.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self._profiler, self._profiled_step = torch.profiler.profile(activities=activities), step
-        self._profiler.__enter__()
+        profiler = torch.profiler.profile(activities=activities)
+        try:
+            profiler.__enter__()
+        except RuntimeError as error:
+            log.warning("lightning-nd BottleneckMonitor: no profiled step this window: %s", error)
+            return
+        self._profiler, self._profiled_step = profiler, step
+
+    def _drop_profiler(self) -> None:
+        profiler, self._profiler = self._profiler, None
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
 
     def _stop_profiler(self, trainer: Trainer) -> Any:
         profiler, self._profiler = self._profiler, None
@@ -193,29 +210,28 @@ class BottleneckMonitor(Callback):
 
         rows = self.clock.take()
         mine = split_window(trainer.global_rank, len(rows), mean_row(rows), self._trace_step) if rows else None
-        vector = torch.tensor(_vector(mine, self._tokens), dtype=torch.float64, device=pl_module.device)
+        vector = torch.tensor(window_vector(mine, self._tokens), dtype=torch.float64, device=pl_module.device)
         everyone = [torch.zeros_like(vector) for _ in range(trainer.world_size)] if dist.is_initialized() else [vector]
         if dist.is_initialized():
             dist.all_gather(everyone, vector)
         first, self._window_end = self._window_end + 1, step
         self._tokens, self._trace_step = [0, self._tokens[1]], None
-        if trainer.global_rank != 0:
-            return
-        ranks = [times for r, v in enumerate(everyone) if (times := _rank_times(r, v.tolist())) is not None]
-        if not ranks:
-            return
-        try:
-            self._report(trainer, pl_module, ranks, [v.tolist() for v in everyone], first, step)
-        except Exception as error:  # noqa: BLE001 - a diagnostic never stops the run
-            log.warning("lightning-nd BottleneckMonitor: window ending at step %d not classified: %s", step, error)
+        ranks = [times for r, v in enumerate(everyone) if (times := rank_times_of(r, v.tolist())) is not None]
+        if trainer.global_rank == 0 and ranks:
+            try:
+                self._report(trainer, pl_module, ranks, [v.tolist() for v in everyone], first, step)
+            except Exception as error:  # noqa: BLE001 - a diagnostic never stops the run
+                log.warning("lightning-nd BottleneckMonitor: window ending at step %d not classified: %s", step, error)
+        if dist.is_initialized():
+            dist.barrier()  # rank 0's report is no rank's step: the others would wait for it in their next one
 
     def _report(self, trainer: Trainer, pl_module: LightningModule, ranks: list[RankTimes], vectors: list[list[float]],
                 first: int, last: int) -> None:
         layout = self.layout
         roles = layout.roles if layout is not None else {}
-        ranks = list(attribute_waiting(ranks, roles))
         step_s = sum(r.step_s for r in ranks) / len(ranks)
-        tokens = sum(v[-2] for v in vectors) * _batch_ranks(layout) / trainer.world_size / (last - first + 1)
+        batch_ranks = layout.dims["dp_replicate"] * layout.dims["dp_shard"] if layout is not None else 1
+        tokens = sum(v[-2] for v in vectors) * batch_ranks / trainer.world_size / (last - first + 1)
         tokens_per_s = tokens / step_s if step_s > 0 and tokens > 0 else None
         context = WindowContext(
             first_step=first, last_step=last, dims=dict(layout.dims) if layout is not None else {}, roles=roles,
@@ -225,7 +241,8 @@ class BottleneckMonitor(Callback):
             num_workers=getattr(trainer.train_dataloader, "num_workers", None), hosts=self._hosts,
             tokens_per_s=tokens_per_s, mfu=self._mfu(trainer, pl_module, tokens_per_s, int(vectors[0][-1])),
             options={**(dict(layout.options) if layout is not None else {}), "precision": str(trainer.precision)})
-        record = WindowRecord(context=context, ranks=tuple(ranks), diagnosis=self.classifier(ranks, context))
+        diagnosis = self.classifier(ranks, context)  # it sees each collective's wait still inside it
+        record = WindowRecord(context=context, ranks=attribute_waiting(ranks, roles), diagnosis=diagnosis)
         self._write(trainer, record, profiled=any(r.comm for r in ranks))
 
     def _write(self, trainer: Trainer, record: WindowRecord, profiled: bool) -> None:
@@ -267,28 +284,3 @@ class BottleneckMonitor(Callback):
             return None
         peak = parse_hardware(name).peak_flops * trainer.world_size
         return flops_per_token(shape, seq_len) * tokens_per_s / peak
-
-
-def _batch_ranks(layout: Any) -> int:
-    return layout.dims["dp_replicate"] * layout.dims["dp_shard"] if layout is not None else 1
-
-
-def _vector(times: RankTimes | None, tokens: list[int]) -> list[float]:
-    """One rank's window as floats: steps, step_s, the phases, comm per `ROLES`, residual, tokens, seq_len."""
-    if times is None:
-        return [0.0] * (3 + len(PHASES) + len(ROLES)) + [float(tokens[0]), float(tokens[1])]
-    comm = dict.fromkeys(ROLES, 0.0)
-    for role, seconds in times.comm.items():
-        comm[role if role in comm else "other"] += seconds
-    return [float(times.steps), times.step_s, *[times.phases[p] for p in PHASES], *comm.values(), times.residual_s,
-            float(tokens[0]), float(tokens[1])]
-
-
-def _rank_times(rank: int, values: list[float]) -> RankTimes | None:
-    steps, step_s = int(values[0]), values[1]
-    if steps == 0:
-        return None
-    phases = dict(zip(PHASES, values[2:2 + len(PHASES)]))
-    comm_values = values[2 + len(PHASES):2 + len(PHASES) + len(ROLES)]
-    comm = {role: seconds for role, seconds in zip(ROLES, comm_values) if seconds > 0}
-    return RankTimes(rank=rank, steps=steps, step_s=step_s, phases=phases, comm=comm, residual_s=values[-3])

@@ -127,7 +127,10 @@ class CollectiveMonitor(Callback):
             view.margin("collectives", "strategy's collectives: wait per step (s)", "collectives/strategy_wait_s")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._trainer, self._waited, self._logged_step = trainer, 0.0, trainer.global_step
+        self._trainer = trainer
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._waited, self._logged_step = 0.0, trainer.global_step  # after a resume has restored the step
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step

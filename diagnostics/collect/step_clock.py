@@ -2,18 +2,23 @@
 
 A step runs from the end of the previous one (the monitor's ``on_train_batch_end`` after an optimizer step) to its
 own end, so steps tile the run. A phase is counted from the step's start at the earliest: the strategy's
-``data_wait`` begins when the previous optimizer step ends, a little before that step's hooks have run. What no
-phase covers (Lightning's hooks, logging, the batch's transfer) is ``host``. Under pp the microbatches' forward,
-backward and backward_weight add up per phase, and the stage's idle time inside the schedule is
-``pipeline_idle``. Validation loops and checkpoint saves between steps are `exclude`d: they are not a step's.
+``data_wait`` begins when the previous optimizer step ends, a little before that step's hooks have run. A phase
+inside another (under manual optimization ``backward`` and ``optimizer`` run inside ``forward``) is taken out of
+the outer one. What no phase covers (Lightning's hooks, logging, the batch's transfer) is ``host``. Under pp the
+microbatches' forward, backward and backward_weight add up per phase, and the stage's idle time inside the
+schedule is ``pipeline_idle``. Validation loops and checkpoint saves are `exclude`d, from the step and from any
+phase they overlap (the strategy's ``data_wait`` spans them): they are not a step's.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 LIVE_PHASES = ("data_wait", "forward", "backward", "optimizer", "pipeline_idle", "host")
+
+
+def _overlap(start: float, end: float, intervals: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in intervals)
 
 
 class StepClock:
@@ -21,36 +26,37 @@ class StepClock:
         self.rows: list[dict[str, float]] = []
         """One per closed step: ``step_s`` and every key of `LIVE_PHASES`, in seconds."""
         self._start: float | None = None
-        self._excluded = 0.0
-        self._phases: dict[str, float] = defaultdict(float)
+        self._excluded: list[tuple[float, float]] = []
+        self._spans: list[tuple[str, float, float]] = []
+        self._idle = 0.0
 
     def begin(self, now: float) -> None:
-        self._start, self._excluded = now, 0.0
-        self._phases.clear()
+        self._start, self._excluded, self._spans, self._idle = now, [], [], 0.0
 
-    def exclude(self, seconds: float) -> None:
-        """Time inside the running step that is not the step's (a validation loop, a checkpoint save)."""
-        self._excluded += seconds
+    def exclude(self, start: float, end: float) -> None:
+        """``[start, end]`` (``time.perf_counter``) is not the step's: a validation loop, a checkpoint save."""
+        self._excluded.append((start, end))
 
     def phase(self, event: Any) -> None:
-        if self._start is None:
-            return
-        end = event.start_s + event.duration_s
-        seconds = end - max(event.start_s, self._start)
-        if seconds > 0:
-            self._phases["backward" if event.phase == "backward_weight" else event.phase] += seconds
+        if self._start is not None:
+            name = "backward" if event.phase == "backward_weight" else event.phase
+            self._spans.append((name, max(event.start_s, self._start), event.start_s + event.duration_s))
 
     def stage(self, event: Any) -> None:
         if self._start is not None:
-            self._phases["pipeline_idle"] += event.idle_s
+            self._idle += event.idle_s
 
     def close(self, now: float) -> dict[str, float] | None:
         """End the running step at ``now`` (and begin the next); its row, or None before the first `begin`."""
         if self._start is None:
             self.begin(now)
             return None
-        step = now - self._start - self._excluded
-        row = {name: self._phases.get(name, 0.0) for name in LIVE_PHASES if name != "host"}
+        row = dict.fromkeys(LIVE_PHASES, 0.0)
+        for name, start, end in self._spans:
+            inner = [(a, b) for other, a, b in self._spans if (a, b) != (start, end) and start <= a and b <= end]
+            row[name] += max(end - start - _overlap(start, end, self._excluded) - _overlap(start, end, inner), 0.0)
+        row["pipeline_idle"] += self._idle
+        step = now - self._start - _overlap(self._start, now, self._excluded)
         row["host"] = max(step - sum(row.values()), 0.0)
         row["step_s"] = step
         self.rows.append(row)

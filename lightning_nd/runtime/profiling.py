@@ -30,8 +30,9 @@ def recording() -> bool:
 
 
 def label(name: str) -> Any:
-    """A `record_function` named ``name`` while a profiler records, else nothing."""
-    return record_function(name) if recording() else nullcontext()
+    """A `record_function` named ``name`` while a profiler records, else nothing (nor inside a block
+    `torch.compile` traces: the check would break its graph)."""
+    return record_function(name) if not torch.compiler.is_compiling() and recording() else nullcontext()
 
 
 def phase_label(name: str) -> Any:

@@ -265,6 +265,12 @@ def test_compute_bound_with_mfu():
     assert compute_bound(precision="32-true").advice[1:] == diagnosis.advice[1:]
 
 
+def test_compute_at_a_tiny_mfu_is_called_per_operation_overhead():
+    diagnosis = classify(balanced(forward=0.3, backward=0.5, optimizer=0.1, host=0.1), context(mfu=0.0007))
+    assert diagnosis.label == "compute-bound" and "MFU 0.07%" in diagnosis.advice[0]
+    assert "per-operation overhead" in diagnosis.advice[0] and "larger batch per rank" in diagnosis.advice[0]
+
+
 def compute_bound(**options) -> Diagnosis:
     return classify(balanced(forward=0.3, backward=0.5, optimizer=0.1, host=0.1), context(options=options))
 

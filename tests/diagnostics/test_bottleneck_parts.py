@@ -31,14 +31,27 @@ def test_the_clock_tiles_each_step_and_clips_a_phase_begun_before_it():
     clock.phase(_phase("backward", 10.5, 0.25))
     clock.phase(_phase("backward_weight", 10.75, 0.05))
     clock.stage(SimpleNamespace(idle_s=0.1))
-    clock.exclude(0.5)  # a validation loop inside the step
-    row = clock.close(11.7)
+    clock.exclude(11.0, 11.5)  # a validation loop inside the step
+    row = clock.close(12.2)
     assert row == pytest.approx({"data_wait": 0.2, "forward": 0.3, "backward": 0.3, "optimizer": 0.0,
-                                 "pipeline_idle": 0.1, "host": 0.3, "step_s": 1.2})
-    assert clock.close(12.0)["step_s"] == pytest.approx(0.3)  # the next step began at the close
+                                 "pipeline_idle": 0.1, "host": 0.8, "step_s": 1.7})
+    assert clock.close(12.5)["step_s"] == pytest.approx(0.3)  # the next step began at the close
     assert mean_row(clock.take()) == pytest.approx({**{k: v / 2 for k, v in row.items() if k != "step_s"},
-                                                    "host": (0.3 + 0.3) / 2, "step_s": 0.75})
+                                                    "host": (0.8 + 0.3) / 2, "step_s": 1.0})
     assert clock.take() == []
+
+
+def test_the_clock_takes_nested_phases_and_excluded_time_out_of_the_outer_phase():
+    clock = StepClock()
+    clock.begin(0.0)
+    clock.phase(_phase("data_wait", 0.0, 0.9))  # spans a checkpoint save (0.2-0.6)
+    clock.exclude(0.2, 0.6)
+    clock.phase(_phase("backward", 1.1, 0.2))  # manual optimization: backward and optimizer inside forward
+    clock.phase(_phase("optimizer", 1.3, 0.2))
+    clock.phase(_phase("forward", 1.0, 0.6))
+    row = clock.close(2.0)
+    assert row == pytest.approx({"data_wait": 0.5, "forward": 0.2, "backward": 0.2, "optimizer": 0.2,
+                                 "pipeline_idle": 0.0, "host": 0.5, "step_s": 1.6})
 
 
 def test_the_split_keeps_the_live_magnitudes_and_takes_the_trace_proportions():
@@ -108,7 +121,7 @@ def test_bad_arguments_are_refused_with_the_fix():
     with pytest.raises(TypeError, match="True, False or a dict"):
         all_monitors(memory="yes")
     names = [type(m).__name__ for m in all_monitors(memory=False, bottleneck={"every_n_steps": 5})]
-    assert names == ["TroubleshootingView", "LayoutCard", "CollectiveMonitor", "BottleneckMonitor"]
+    assert names == ["TroubleshootingView", "LayoutCard", "BottleneckMonitor", "CollectiveMonitor"]
 
 
 def test_the_trace_command_classifies_recorded_traces(capsys):
