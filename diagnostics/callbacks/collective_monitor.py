@@ -4,7 +4,9 @@ Before the process group starts it sets each rank's NCCL log file, the flight re
 ``TORCH_DISTRIBUTED_DEBUG``. When the run fails (a rank times out, raises, or the watchdog names a dead rank),
 every live rank writes its flight-recorder dump, every thread's stack and its point-to-point ledger, the ranks
 exchange them (store, else the shared folder), and each prints the verdict of `diagnostics.analysis.hang`;
-the lowest captured rank writes ``hang.json``, rank 0 the TensorBoard card. Files: ``<dir>/diagnostics/``.
+the lowest captured rank writes ``hang.json``, rank 0 the TensorBoard card. Files: ``<dir>/diagnostics/``. While
+the run is healthy, every ``log_every_n_steps`` it logs how long each rank waited in the strategy's own
+collectives (``collectives/strategy_wait_s`` mean / min / max across ranks, a chart of the `TroubleshootingView`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The bottleneck classifier (`diagnostics/analysis/bottleneck.py`) and its advice (`bottleneck_advice.py`) on
-hand-built windows: one per class, each checked for the rank, dim or phase it names and the numbers its advice
-gives; stragglers sought within a pp stage; the advice leaving out what the run's options do already; the waiting
-moved out of the collectives group by group; the residual kept apart; the thresholds at their edges."""
+"""The bottleneck classifier (`diagnostics/analysis/bottleneck.py`) on hand-built windows: stragglers named with
+their rank and phase, sought within a pp stage and put before the communication they cause; the waiting moved out
+of the collectives group by group; the residual kept apart; the shares partitioning the step; the thresholds at
+their edges. The advice each class gives is checked in test_bottleneck_advice.py."""
 
 from __future__ import annotations
 
@@ -13,26 +13,7 @@ import pytest
 
 from diagnostics.analysis.bottleneck import Classifier, Thresholds, attribute_waiting, classify, waiting_by_role
 from diagnostics.bottleneck_records import LABELS, PHASES, Diagnosis, RankTimes, WindowContext
-
-DIMS = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "ep": 1}
-
-
-def times(rank: int, comm: dict[str, float] | None = None, residual: float = 0.0, step: float | None = None,
-          **phases: float) -> RankTimes:
-    """A rank's step; ``step`` defaults to what its parts add up to."""
-    comm = dict(comm or {})
-    full = {phase: 0.0 for phase in PHASES} | phases
-    total = sum(full.values()) + sum(comm.values()) + residual
-    return RankTimes(rank, 10, total if step is None else step, full, comm, residual)
-
-
-def context(dims: dict[str, int] | None = None, **fields) -> WindowContext:
-    return WindowContext(first_step=0, last_step=10, dims=DIMS | (dims or {}), **fields)
-
-
-def bubble(pp: int, microbatches: int, v: int = 1) -> float:
-    """The theoretical bubble, written out here so the advice's numbers are checked against the formula itself."""
-    return (pp - 1) / (v * microbatches + pp - 1)
+from tests.diagnostics.bottleneck_cases import balanced, context, eight_ranks_one_slow, times
 
 
 def test_waiting_moves_the_excess_over_the_fastest_member_and_keeps_the_sum():
@@ -60,22 +41,6 @@ def test_a_role_without_groups_spans_every_rank_and_absent_members_are_skipped()
     assert waits[0] == pytest.approx({"other": 0.0, "tp": 0.0})
     assert waits[1] == pytest.approx({"other": 0.03}) and waits[2] == pytest.approx({"other": 0.01})
 
-
-def eight_ranks_one_slow(slow_forward: float = 0.32) -> list[RankTimes]:
-    """Rank 5 is slow in forward; the others wait for it inside FSDP's collectives."""
-    extra = slow_forward - 0.20
-    return [times(r, {"fsdp": 0.05 + (0.0 if r == 5 else extra)}, forward=slow_forward if r == 5 else 0.20,
-                  backward=0.10, optimizer=0.02, host=0.01) for r in range(8)]
-
-
-def test_straggler_is_named_with_its_phase_and_the_others_wait():
-    diagnosis = classify(eight_ranks_one_slow(), context({"dp_shard": 8}, roles={"fsdp": [list(range(8))]},
-                                                         hosts={5: "node-b"}))
-    assert (diagnosis.label, diagnosis.rank, diagnosis.phase, diagnosis.dim) == ("straggler", 5, "forward", None)
-    assert "rank 5 is 1.6x slower in forward (0.32 s vs a median 0.20 s)" in diagnosis.advice[0]
-    assert "wait 24% of the step" in diagnosis.advice[0] and "node-b" in diagnosis.advice[0]
-    assert diagnosis.shares["waiting"] == pytest.approx(0.12 * 7 / 8 / 0.5)
-    assert diagnosis.shares["comm:fsdp"] == pytest.approx(0.05 / 0.5)
 
 
 def test_straggler_comes_before_the_communication_it_causes():
@@ -142,20 +107,6 @@ def test_straggler_thresholds_at_the_edge(field, below, above):
     assert classify(ranks, context(), Thresholds(**{field: above})).label != "straggler"
 
 
-def balanced(**phases: float) -> list[RankTimes]:
-    return [times(r, **phases) for r in range(4)]
-
-
-def test_data_bound_with_the_loader_settings():
-    diagnosis = classify(balanced(data_wait=0.2, forward=0.2, backward=0.12), context(num_workers=0))
-    assert diagnosis.label == "data-bound"
-    assert "data wait 38% of the step" in diagnosis.advice[0] and "num_workers (now 0)" in diagnosis.advice[0]
-    assert "pin_memory" in diagnosis.advice[0] and "persistent_workers" in diagnosis.advice[0]
-    assert "38%" in diagnosis.evidence and "0.20 s of 0.52 s" in diagnosis.evidence
-    unknown = classify(balanced(data_wait=0.2, forward=0.2, backward=0.12), context())
-    assert "None" not in unknown.advice[0] and "now" not in unknown.advice[0]
-
-
 @pytest.mark.parametrize("field, label, dims, part", [
     ("data_share", "data-bound", {}, {"data_wait": 0.2}),
     ("bubble_share", "pipeline-bubble", {"pp": 2}, {"pipeline_idle": 0.2}),
@@ -168,57 +119,6 @@ def test_shares_at_the_edge(field, label, dims, part):
     assert classify(ranks, context(dims), Thresholds(**{field: 0.21})).label == "compute-bound"
 
 
-@pytest.mark.parametrize("pp, microbatches, schedule",
-                         [(2, 2, "gpipe"), (4, 4, "1f1b"), (4, 2, "1f1b"), (2, 4, "1f1b"), (8, 1, "gpipe")])
-def test_bubble_advice_names_the_microbatches_and_their_bubble(pp, microbatches, schedule):
-    suggested = next((k * microbatches for k in (2, 4, 8, 16) if bubble(pp, k * microbatches) <= 0.12),
-                     16 * microbatches)
-    ranks = balanced(forward=0.2, backward=0.4, pipeline_idle=bubble(pp, microbatches) * 0.9)
-    diagnosis = classify(ranks, context({"pp": pp}, pp_schedule=schedule, pp_microbatches=microbatches))
-    assert diagnosis.label == "pipeline-bubble"
-    share = round(100 * ranks[0].phases["pipeline_idle"] / ranks[0].step_s)
-    assert f"bubble {share}% with {microbatches} microbatches at pp={pp} ({schedule})" in diagnosis.advice[0]
-    assert f"pp_microbatches={suggested} gives ~{round(100 * bubble(pp, suggested))}%" in diagnosis.advice[0]
-    assert f"~{round(100 * bubble(pp, microbatches, 2))}% at {microbatches} microbatches" in diagnosis.advice[1]
-    assert "interleaved_1f1b" in diagnosis.advice[1]
-
-
-def test_bubble_example_from_the_docs():
-    diagnosis = classify(balanced(forward=0.2, backward=0.2, pipeline_idle=0.2),
-                         context({"pp": 2}, pp_schedule="gpipe", pp_microbatches=2))
-    assert diagnosis.advice[0].startswith("bubble 33% with 2 microbatches at pp=2 (gpipe): pp_microbatches=8"
-                                          " gives ~11%")
-
-
-def test_bubble_with_unknown_microbatches_gives_the_formula_and_no_interleave_when_interleaved():
-    ranks = balanced(forward=0.2, backward=0.2, pipeline_idle=0.2)
-    diagnosis = classify(ranks, context({"pp": 4}, pp_schedule="interleaved_1f1b", pp_stages_per_rank=2))
-    assert "unknown" in diagnosis.advice[0] and "(pp-1)/(v*m+pp-1)" in diagnosis.advice[0]
-    needed = next(m for m in range(1, 100) if bubble(4, m, 2) <= 0.12)
-    assert f"pp_microbatches={needed} gives ~{round(100 * bubble(4, needed, 2))}%" in diagnosis.advice[0]
-    assert len(diagnosis.advice) == 1
-
-
-def tp_bound(hosts: dict[int, str] | None = None) -> Diagnosis:
-    ranks = [times(r, {"tp": 0.21}, forward=0.15, backward=0.13, host=0.02) for r in range(8)]
-    return classify(ranks, context({"tp": 8}, roles={"tp": [list(range(8))]}, hosts=hosts or {}))
-
-
-def test_tp_bound_within_a_node():
-    diagnosis = tp_bound({r: "node-a" for r in range(8)})
-    assert (diagnosis.label, diagnosis.dim, diagnosis.rank) == ("communication-bound", "tp", None)
-    assert diagnosis.evidence == "tp communication takes 41% of the step (0.21 s of 0.51 s, mean over 8 ranks)"
-    assert diagnosis.advice == ("tp=8 collectives take 41% of the step: try tp=4 with pp=2 (or dp_shard=2)",)
-
-
-def test_tp_across_hosts_says_keep_it_in_a_node_first():
-    diagnosis = tp_bound({r: "node-a" if r < 4 else "node-b" for r in range(8)})
-    assert diagnosis.advice[0].startswith("tp spans hosts (ranks 0, 1, 2, 3, 4, 5, 6, 7 on node-a, node-b)")
-    assert "keep tp inside a node (4 ranks per host)" in diagnosis.advice[0] and "tp=4" in diagnosis.advice[1]
-    uneven = tp_bound({r: "node-a" if r < 6 else "node-b" for r in range(8)})
-    assert "keep tp inside a node (2 to 6 ranks per host)" in uneven.advice[0]
-
-
 def test_balanced_ranks_waiting_in_a_collective_count_for_its_role():
     """Transfer 0.10 s (25% of 0.4 s) is under 30%; with the 0.045 s mean wait (36%) it passes."""
     ranks = [times(0, {"tp": 0.10}, forward=0.15, backward=0.09, host=0.06),
@@ -227,66 +127,6 @@ def test_balanced_ranks_waiting_in_a_collective_count_for_its_role():
     assert (diagnosis.label, diagnosis.dim) == ("communication-bound", "tp")
     assert "36%" in diagnosis.evidence and "0.045 s of it waiting" in diagnosis.evidence
     assert diagnosis.shares["comm:tp"] == pytest.approx(0.25)
-
-
-@pytest.mark.parametrize("role, dims, words", [
-    ("fsdp", {"dp_shard": 8}, ("dp_shard x cp = 8 ranks", "HSDP (dp_replicate=2, dp_shard=4)")),
-    ("dp_replicate", {"dp_replicate": 4}, ("gradient all-reduce over dp_replicate=4", "accumulate_grad_batches")),
-    ("cp", {"cp": 4}, ("cp=4 ring attention", "cp=2", "longer sequences")),
-    ("ep", {"ep": 8}, ("ep=8 MoE all-to-all", "ep=4", "inside a node")),
-    ("pp", {"pp": 4}, ("pp=4 point-to-point", "pp=2")),
-    ("other", {}, ("other communication", "collective record")),
-])
-def test_communication_advice_per_role(role, dims, words):
-    diagnosis = classify(balanced(comm={role: 0.2}, forward=0.2, backward=0.1), context(dims))
-    assert (diagnosis.label, diagnosis.dim) == ("communication-bound", role)
-    assert "40% of the step" in diagnosis.advice[0]
-    for word in words:
-        assert word in diagnosis.advice[0]
-
-
-def test_host_bound():
-    diagnosis = classify(balanced(host=0.35, forward=0.25, backward=0.4), context())
-    assert diagnosis.label == "host-bound"
-    assert "host time 35% of the step" in diagnosis.advice[0] and "NDParallel(compile=True)" in diagnosis.advice[0]
-    assert classify(balanced(host=0.35, forward=0.25, backward=0.4), context(),
-                    Thresholds(host_share=0.36)).label == "compute-bound"
-    compiled = classify(balanced(host=0.35, forward=0.25, backward=0.4), context(options={"compile": "inductor"}))
-    assert compiled.advice[0].startswith("host time 35% of the step (0.35 s outside every phase), the blocks compiled")
-    assert "Python hooks" in compiled.advice[0] and not any("compile=True" in line for line in compiled.advice)
-
-
-def test_compute_bound_with_mfu():
-    diagnosis = classify(balanced(forward=0.3, backward=0.5, optimizer=0.1, host=0.1), context(mfu=0.38))
-    assert diagnosis.label == "compute-bound" and diagnosis.shares["compute"] == pytest.approx(0.9)
-    assert "compute-bound" in diagnosis.advice[0] and "MFU 38%" in diagnosis.advice[0]
-    assert diagnosis.advice[1:] == ("bf16 mixed precision: Trainer(precision='bf16-mixed')",
-                                    "torch.compile: NDParallel(compile=True)")
-    assert compute_bound(precision="32-true").advice[1:] == diagnosis.advice[1:]
-
-
-def test_compute_at_a_tiny_mfu_is_called_per_operation_overhead():
-    diagnosis = classify(balanced(forward=0.3, backward=0.5, optimizer=0.1, host=0.1), context(mfu=0.0007))
-    assert diagnosis.label == "compute-bound" and "MFU 0.07%" in diagnosis.advice[0]
-    assert "per-operation overhead" in diagnosis.advice[0] and "larger batch per rank" in diagnosis.advice[0]
-
-
-def compute_bound(**options) -> Diagnosis:
-    return classify(balanced(forward=0.3, backward=0.5, optimizer=0.1, host=0.1), context(options=options))
-
-
-@pytest.mark.parametrize("options, left_out", [
-    ({"precision": "bf16-mixed"}, "bf16"), ({"precision": "16-mixed"}, "bf16"), ({"precision": 16}, "bf16"),
-    ({"compile": True}, "compile"), ({"activation_checkpointing": "none"}, "recomputation")])
-def test_compute_advice_leaves_out_what_the_run_does_already(options, left_out):
-    assert not any(left_out in line for line in compute_bound(**options).advice)
-
-
-@pytest.mark.parametrize("mode, lighter", [("full", "'selective' or 'none'"), ("selective", "'none'")])
-def test_less_recomputation_only_under_checkpointing(mode, lighter):
-    line = f"less activation recomputation if memory allows: activation_checkpointing={lighter} (now {mode!r})"
-    assert line in compute_bound(activation_checkpointing=mode).advice
-    assert not any("recomputation" in line for line in compute_bound(activation_checkpointing="none").advice)
 
 
 def test_under_every_threshold_the_largest_part_labels():

@@ -1,7 +1,8 @@
 """Profiler traces -> each step's parts (`diagnostics/analysis/trace.py`) on the recorded CPU traces in
 tests/data/traces (4 gloo ranks of a tiny Llama, one folder per layout, recorded by
 ``tests/distributed/bottleneck_scenarios.py:record_traces``), checked against figures computed here from the raw
-events; a plain trace without our labels; reading and finding trace files; and a synthetic NCCL GPU trace."""
+events; a plain trace without our labels; reading and finding trace files; and gloo's work spans on a synthetic
+trace. The synthetic NCCL GPU traces are in test_trace_gpu.py."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 from diagnostics.analysis.trace import (TraceStep, dims_from_trace, find_traces, rank_times, read_trace, trace_rank,
                                         trace_steps)
 from diagnostics.bottleneck_records import PHASES
+from tests.diagnostics.trace_cases import op
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 CASES = ("fsdp2_tp2", "hsdp", "pp2_gpipe", "cp2_fsdp2", "ep2", "fsdp4_straggler", "fsdp4_slow_loader")
@@ -258,100 +260,14 @@ def test_find_traces_by_the_rank_inside(tmp_path):
         find_traces(only_json)
 
 
-# ---- synthetic traces (Kineto's format) --------------------------------------------------------------------
-
-def _op(name, ts, dur, tid=100, cat="cpu_op", **args):
-    return {"ph": "X", "cat": cat, "name": name, "pid": 100, "tid": tid, "ts": ts, "dur": dur, "args": args}
-
-
-def _launch(ts, correlation, tid=100, name="cudaLaunchKernel"):
-    return _op(name, ts, 2, tid=tid, cat="cuda_runtime", correlation=correlation, cbid=211)
-
-
-def _kernel(name, ts, dur, correlation, stream=7, cat="kernel", **args):
-    return {"ph": "X", "cat": cat, "name": name, "pid": 0, "tid": stream, "ts": ts, "dur": dur,
-            "args": {"correlation": correlation, "device": 0, "stream": stream, **args}}
-
-
-def _gpu_trace() -> dict:
-    group = "Process Group Description"
-    events = [
-        _op("ProfilerStep#7", 0, 1000, cat="user_annotation"),
-        _op("enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__", 10, 90, cat="user_annotation"),
-        _launch(15, 7, name="cudaMemcpyAsync"),
-        _op("nd::phase::forward", 100, 400, cat="user_annotation"),
-        _op("aten::mm", 110, 40), _launch(120, 1),
-        _op("c10d::allreduce_", 200, 40), _op("record_param_comms", 205, 30, **{group: "mesh_tp"}), _launch(210, 2),
-        _op("aten::mm", 480, 15), _launch(490, 5),
-        _op("nd::phase::backward", 500, 400, cat="user_annotation"),
-        # the autograd thread launches backward's kernels and FSDP's reduce-scatter over the default group
-        _op("autograd::engine::evaluate_function: MmBackward0", 510, 90, tid=101), _launch(520, 3, tid=101),
-        _op("FSDP::post_backward_reduce", 700, 60, tid=101, cat="user_annotation"),
-        _op("c10d::_reduce_scatter_base_", 705, 45, tid=101),
-        _op("record_param_comms", 706, 43, tid=101, **{group: "default_pg"}), _launch(710, 4, tid=101),
-        _launch(850, 6),
-        _kernel("Memcpy HtoD (Pageable -> Device)", 20, 40, 7, cat="gpu_memcpy"),
-        _kernel("ampere_sgemm_128x64_nn", 150, 250, 1),
-        _kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 300, 150, 2, stream=13),
-        _kernel("volta_sgemm_64x64_nn", 500, 60, 5),
-        _kernel("elementwise_kernel", 600, 100, 3),
-        _kernel("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 720, 80, 4, stream=13),
-        _kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 850, 30, 6, stream=13, **{group: "mesh_dp_replicate"}),
-        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#7", "pid": 0, "tid": 7, "ts": 0, "dur": 990},
-        {"ph": "s", "cat": "ac2g", "name": "ac2g", "id": 1, "pid": 100, "tid": 100, "ts": 120},
-    ]
-    return {"schemaVersion": 1, "traceEvents": events,
-            "distributedInfo": {"backend": "nccl", "rank": 0, "world_size": 4, "pg_config": [
-                {"pg_name": "0", "pg_desc": "default_pg", "pg_size": 4, "ranks": [0, 1, 2, 3]},
-                {"pg_name": "1", "pg_desc": "mesh_dp_replicate", "pg_size": 2, "ranks": [0, 2]},
-                {"pg_name": "2", "pg_desc": "mesh_tp", "pg_size": 2, "ranks": [0, 1]}]}}
-
-
-def test_gpu_trace_exposes_only_nccl_time_no_kernel_hides_and_counts_the_idle_device_as_host():
-    (step,) = trace_steps(_gpu_trace())
-    us = 1e-6
-    assert step.step == 7 and step.step_s == pytest.approx(1000 * us)
-    expected = {
-        # [0,10] and [900,1000] idle; the loader's fetch minus the copy it launched
-        "data_wait": {"host": 110 * us, "loader": 50 * us, "compute": 40 * us},
-        # the all-reduce hides under the gemm for 100 us, exposed 50 (tp, from its process group); the GPU
-        # idles 100 us; a kernel launched in forward runs [500, 560] while the CPU is in backward: forward's
-        "forward": {"compute": 310 * us, "comm:tp": 50 * us, "host": 100 * us},
-        # fsdp from the FSDP region around the launch (its group is the default one); dp_replicate from the
-        # kernel's own args (no record_param_comms around its launch)
-        "backward": {"compute": 100 * us, "comm:fsdp": 80 * us, "comm:dp_replicate": 30 * us, "host": 130 * us},
-    }
-    assert step.split.keys() == expected.keys()
-    for region, parts in expected.items():
-        assert step.split[region] == pytest.approx(parts, abs=1e-12), region
-    times = rank_times([step], 0)
-    assert times.phases["host"] == pytest.approx(380 * us) and times.phases["forward"] == pytest.approx(310 * us)
-    assert times.comm == pytest.approx({"tp": 50 * us, "fsdp": 80 * us, "dp_replicate": 30 * us})
-    assert abs(times.residual_s) < 1e-12
-
-
-def test_gpu_trace_nccl_inside_the_pipeline_is_idle_for_pp_send_recv_and_ours_by_label():
-    events = [
-        _op("ProfilerStep#1", 0, 100, cat="user_annotation"),
-        _op("nd::pipeline", 0, 100, cat="user_annotation"),
-        _op("c10d::recv_", 10, 5), _launch(11, 1),
-        _op("nd::comm::pp::tied_all_reduce", 50, 10, cat="user_annotation"), _op("c10d::allreduce_", 51, 8),
-        _op("record_param_comms", 52, 6, **{"Process Group Description": "mesh_pp"}), _launch(53, 2),
-        _kernel("ncclDevKernel_SendRecv", 20, 20, 1, stream=13),
-        _kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 60, 10, 2, stream=13),
-    ]
-    trace = {"traceEvents": events, "distributedInfo": {"rank": 0, "world_size": 2, "pg_config": [
-        {"pg_desc": "mesh_pp", "pg_size": 2}]}}
-    (step,) = trace_steps(trace)
-    assert step.split == {"pipeline": pytest.approx({"pipeline_idle": 90e-6, "comm:pp": 10e-6})}
-
+# ---- a synthetic trace (Kineto's format) -------------------------------------------------------------------
 
 def test_gloos_work_spans_are_left_out_they_do_not_nest():
     # gloo records a send / recv from issue to completion on the main thread: here the recv completes
     # after the op returned, across a label of ours, which would otherwise be cut short as its child
-    events = [_op("ProfilerStep#2", 0, 100, cat="user_annotation"),
-              _op("nd::phase::forward", 0, 100, cat="user_annotation"),
-              _op("c10d::recv_", 10, 2), _op("gloo:recv", 12.5, 47.5, cat="user_annotation"),
-              _op("nd::comm::cp::ring_wait", 50, 20, cat="user_annotation")]
+    events = [op("ProfilerStep#2", 0, 100, cat="user_annotation"),
+              op("nd::phase::forward", 0, 100, cat="user_annotation"),
+              op("c10d::recv_", 10, 2), op("gloo:recv", 12.5, 47.5, cat="user_annotation"),
+              op("nd::comm::cp::ring_wait", 50, 20, cat="user_annotation")]
     (step,) = trace_steps({"traceEvents": events}, {"cp": 2})
     assert step.split == {"forward": pytest.approx({"comm:cp": 22e-6, "compute": 78e-6})}
