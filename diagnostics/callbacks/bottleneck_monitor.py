@@ -78,7 +78,8 @@ class BottleneckMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.folder = Path(self._log_dir or trainer.default_root_dir) / "diagnostics"
         self.records, self._closed, self._trace_step = [], -1, None
-        if trainer.global_rank == 0:  # an earlier run's windows in this folder are not this run's
+        # An earlier fit's windows are not this one's; a later validate or test leaves them.
+        if trainer.global_rank == 0 and stage == "fit":
             (self.folder / BOTTLENECK_FILE).unlink(missing_ok=True)
 
     def on_nd_layout_ready(self, strategy: Any, event: Any) -> None:

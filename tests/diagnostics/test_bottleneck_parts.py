@@ -144,3 +144,18 @@ def test_the_trace_command_says_what_it_looked_for(tmp_path, capsys):
     assert "not a folder" in capsys.readouterr().err
     assert main(["trace", str(tmp_path)]) == 2
     assert "no torch.profiler trace" in capsys.readouterr().err
+
+
+def test_a_new_fit_starts_its_windows_afresh_and_a_later_validate_keeps_them(tmp_path):
+    from diagnostics import BottleneckMonitor
+
+    windows = tmp_path / "diagnostics" / "bottleneck.jsonl"
+    windows.parent.mkdir()
+    windows.write_text("{}\n")
+    monitor, trainer = BottleneckMonitor(), SimpleNamespace(default_root_dir=str(tmp_path), global_rank=0)
+    monitor.setup(trainer, None, "validate")
+    assert windows.exists()
+    monitor.setup(SimpleNamespace(default_root_dir=str(tmp_path), global_rank=1), None, "fit")
+    assert windows.exists()  # rank 0's to remove
+    monitor.setup(trainer, None, "fit")
+    assert not windows.exists()
