@@ -27,18 +27,25 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from diagnostics.analysis.bottleneck import attribute_waiting, classify
 from diagnostics.analysis.sampled_split import split_window
 from diagnostics.analysis.trace import read_trace, trace_steps
+from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.bottleneck_records import BOTTLENECK_FILE, PHASES, RankTimes, WindowContext, WindowRecord
+from diagnostics.collect.gather import gather_floats
 from diagnostics.collect.step_clock import StepClock, mean_row
 from diagnostics.collect.window_vector import ROLES, rank_times_of, window_vector
 from diagnostics.records import to_json, write_atomic
 from diagnostics.report.bottleneck_card import bottleneck_markdown, bottleneck_summary, step_phase_image
 from diagnostics.report.tensorboard import log_image, log_text, spread
-from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
+from lightning_nd.cost.hardware import PRESETS, parse_hardware
+from lightning_nd.cost.step_time import flops_per_token
+from lightning_nd.parallel.context.sharding import token_shape
+from lightning_nd.runtime.profiling import recording
 
 log = logging.getLogger("lightning_nd")
 
@@ -55,8 +62,6 @@ class BottleneckMonitor(Callback):
             raise ValueError(f"`BottleneckMonitor(every_n_steps={every_n_steps!r})` must be an int >= "
                              f"{2 if profile else 1}. HINT: 50; with `profile=True` one step per window is profiled.")
         if hardware is not None:
-            from lightning_nd.cost.hardware import parse_hardware
-
             parse_hardware(hardware)  # a wrong name fails now, with the presets named
         self._log_dir, self.every, self.profile, self.hardware = log_dir, every_n_steps, profile, hardware
         self.classifier = classifier or classify
@@ -101,8 +106,6 @@ class BottleneckMonitor(Callback):
         view.multiline("throughput", "MFU", ["throughput/mfu"])
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        import torch.distributed as dist
-
         hosts = [socket.gethostname()] * trainer.world_size
         if dist.is_initialized():
             dist.all_gather_object(hosts, socket.gethostname())
@@ -129,8 +132,6 @@ class BottleneckMonitor(Callback):
         self.clock.exclude(self._validation_start, time.perf_counter())
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        from lightning_nd.parallel.context.sharding import token_shape
-
         shape = token_shape(batch)
         if shape is not None:
             cp = self.layout.dims["cp"] if self.layout is not None else 1
@@ -168,10 +169,6 @@ class BottleneckMonitor(Callback):
     # ---- the profiled step ---------------------------------------------------------------------------------
 
     def _start_profiler(self, pl_module: LightningModule, step: int) -> None:
-        import torch
-
-        from lightning_nd.runtime.profiling import recording
-
         if recording():  # the user's own profiler (or Lightning's) records: one profiler at a time
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
@@ -206,21 +203,15 @@ class BottleneckMonitor(Callback):
     # ---- the window ----------------------------------------------------------------------------------------
 
     def _close_window(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        import torch
-        import torch.distributed as dist
-
         rows = self.clock.take()
         mine = split_window(trainer.global_rank, len(rows), mean_row(rows), self._trace_step) if rows else None
-        vector = torch.tensor(window_vector(mine, self._tokens), dtype=torch.float64, device=pl_module.device)
-        everyone = [torch.zeros_like(vector) for _ in range(trainer.world_size)] if dist.is_initialized() else [vector]
-        if dist.is_initialized():
-            dist.all_gather(everyone, vector)
+        everyone = gather_floats(window_vector(mine, self._tokens), pl_module.device, trainer.world_size)
         first, self._window_end = self._window_end + 1, step
         self._tokens, self._trace_step = [0, self._tokens[1]], None
-        ranks = [times for r, v in enumerate(everyone) if (times := rank_times_of(r, v.tolist())) is not None]
+        ranks = [times for r, values in enumerate(everyone) if (times := rank_times_of(r, values)) is not None]
         if trainer.global_rank == 0 and ranks:
             try:
-                self._report(trainer, pl_module, ranks, [v.tolist() for v in everyone], first, step)
+                self._report(trainer, pl_module, ranks, everyone, first, step)
             except Exception as error:  # noqa: BLE001 - a diagnostic never stops the run
                 log.warning("lightning-nd BottleneckMonitor: window ending at step %d not classified: %s", step, error)
         if dist.is_initialized():
@@ -269,14 +260,9 @@ class BottleneckMonitor(Callback):
         self.records.append(record)
 
     def _mfu(self, trainer: Trainer, pl_module: LightningModule, tokens_per_s: float | None, seq_len: int) -> float | None:
-        from lightning_nd.cost.hardware import PRESETS, parse_hardware
-        from lightning_nd.cost.step_time import flops_per_token
-
         shape = getattr(getattr(trainer.strategy, "preflight", None), "shape", None)
         name = self.hardware
         if name is None and pl_module.device.type == "cuda":
-            import torch
-
             device = torch.cuda.get_device_name(pl_module.device).lower()
             name = next((preset for preset in PRESETS if preset in device), None)
         elif name is None:

@@ -29,6 +29,7 @@ from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.collect.environment import apply_environment, wanted_environment
 from diagnostics.collect.exchange import CaptureExchange
 from diagnostics.collect.flight_recorder import DUMP_PREFIX, entries_of, read_dump, with_groups, write_dump
+from diagnostics.collect.gather import gather_floats
 from diagnostics.collect.ledger import PointToPointLedger
 from diagnostics.collect.stacks import stacks_text, thread_stacks
 from diagnostics.records import CAPTURE_FILE, HANG_FILE, GroupRecord, RankCapture, to_json, write_atomic
@@ -145,16 +146,10 @@ class CollectiveMonitor(Callback):
             log_text(trainer, "diagnostics/topology", self._topology())
 
     def _log_waits(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
-        import torch
-        import torch.distributed as dist
-
-        mine = torch.tensor([self._waited / (step - self._logged_step)], dtype=torch.float64, device=pl_module.device)
-        everyone = [torch.zeros_like(mine) for _ in range(trainer.world_size)] if dist.is_initialized() else [mine]
-        if dist.is_initialized():
-            dist.all_gather(everyone, mine)
+        everyone = gather_floats([self._waited / (step - self._logged_step)], pl_module.device, trainer.world_size)
         self._waited, self._logged_step = 0.0, step
         for logger in trainer.loggers if trainer.global_rank == 0 else ():
-            logger.log_metrics(spread("collectives/strategy_wait_s", [float(v) for v in everyone]), step=step)
+            logger.log_metrics(spread("collectives/strategy_wait_s", [v[0] for v in everyone]), step=step)
 
     def _topology(self) -> str:
         hosts = {}

@@ -24,6 +24,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from diagnostics.analysis.memory import breakdown, rank_advice
 from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.analysis.oom import parse_oom
+from diagnostics.collect.gather import gather_floats
 from diagnostics.collect.memory import cuda_memory, model_state_bytes, process_memory, snapshot_if_recording
 from diagnostics.memory_records import MEMORY_FILE, MemoryReport, memory_report_from_dict
 from diagnostics.records import to_json, write_atomic
@@ -69,17 +70,10 @@ class MemoryMonitor(Callback):
         if not self.every or step % self.every or step == self._logged_step:  # once per optimizer step
             return
         self._logged_step = step
-        import torch
-        import torch.distributed as dist
-
         cuda = cuda_memory(pl_module.device) if pl_module.device.type == "cuda" else None
         state = model_state_bytes(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
-        # On the module's device: NCCL gathers device tensors only.
-        mine = torch.tensor([cuda["peak_allocated"] if cuda else sum(state.values()),
-                             process_memory()["peak_rss_bytes"] or 0], dtype=torch.float64, device=pl_module.device)
-        everyone = [torch.zeros_like(mine) for _ in range(trainer.world_size)] if dist.is_initialized() else [mine]
-        if dist.is_initialized():
-            dist.all_gather(everyone, mine)
+        everyone = gather_floats([cuda["peak_allocated"] if cuda else sum(state.values()),
+                                  process_memory()["peak_rss_bytes"] or 0], pl_module.device, trainer.world_size)
         kind = "cuda_peak_allocated" if cuda else "model_state"
         metrics = {f"memory/{kind}_bytes/rank{r}": float(v[0]) for r, v in enumerate(everyone)}
         metrics |= {f"memory/peak_rss_bytes/rank{r}": float(v[1]) for r, v in enumerate(everyone) if v[1]}

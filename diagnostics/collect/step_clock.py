@@ -52,9 +52,8 @@ class StepClock:
             self.begin(now)
             return None
         row = dict.fromkeys(LIVE_PHASES, 0.0)
-        for name, start, end in self._spans:
-            inner = [(a, b) for other, a, b in self._spans if (a, b) != (start, end) and start <= a and b <= end]
-            row[name] += max(end - start - _overlap(start, end, self._excluded) - _overlap(start, end, inner), 0.0)
+        for (name, _, _), seconds in zip(self._spans, self._net()):
+            row[name] += max(seconds, 0.0)
         row["pipeline_idle"] += self._idle
         step = now - self._start - _overlap(self._start, now, self._excluded)
         row["host"] = max(step - sum(row.values()), 0.0)
@@ -62,6 +61,20 @@ class StepClock:
         self.rows.append(row)
         self.begin(now)
         return row
+
+    def _net(self) -> list[float]:
+        """Each span's time less the excluded intervals and the spans directly inside it (one pass, sorted)."""
+        spans = self._spans
+        net = [end - start - _overlap(start, end, self._excluded) for _, start, end in spans]
+        parents: list[int] = []
+        for i in sorted(range(len(spans)), key=lambda i: (spans[i][1], -spans[i][2])):
+            _, start, end = spans[i]
+            while parents and spans[parents[-1]][2] < end:
+                parents.pop()
+            if parents and spans[parents[-1]][1:] != (start, end):
+                net[parents[-1]] -= end - start - _overlap(start, end, self._excluded)
+            parents.append(i)
+        return net
 
     def take(self) -> list[dict[str, float]]:
         """The rows closed so far, forgotten here."""
