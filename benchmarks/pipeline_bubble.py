@@ -63,8 +63,7 @@ def measure(schedule: str, microbatches: int) -> float:
 
 
 def main() -> None:
-    from lightning_nd.parallel.pipeline.schedule import check_schedule, theoretical_bubble
-    from lightning_nd.layout.pipeline_split import SCHEDULES
+    from lightning_nd.layout.schedules import SCHEDULES, check_schedule, theoretical_bubble
 
     rows = []
     for microbatches in (4, 8):

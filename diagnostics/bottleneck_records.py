@@ -55,6 +55,7 @@ class WindowContext:
     pp_schedule: str | None = None
     pp_microbatches: int | None = None
     pp_stages_per_rank: int = 1
+    """Stages each pp rank runs, as the Layout resolved them (1 for gpipe and 1f1b): the bubble formula's v."""
     num_workers: int | None = None
     """The training loader's ``num_workers`` (None: unknown)."""
     hosts: dict[int, str] = field(default_factory=dict)

@@ -3,8 +3,8 @@ over which mesh role), the numbers it rests on, and the advice a practitioner ac
 `diagnostics.analysis.bottleneck_advice`).
 
 Pure: the times come from ``diagnostics.callbacks.bottleneck_monitor`` (live) or ``diagnostics.analysis.trace``
-(profiler traces). Nothing here imports torch or Lightning, so the offline CLI classifies a window at once; only
-the advice on a pipeline bubble imports ``lightning_nd``, for its bubble formula.
+(profiler traces). Nothing here imports torch, Lightning or ``lightning_nd``, so the offline CLI classifies a
+window at once.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@ practitioners' terms and with the window's numbers, leaving out what the run alr
 (`WindowContext.options`: its precision, compile and activation checkpointing).
 
 Apart from the classifier so each reads on its own; it holds what both read: the window's means (`Window`), the
-straggler found in them (`Straggler`) and how numbers are written. Pure like the classifier: it imports
-``lightning_nd`` (for the pipeline's bubble formula) only when it advises on a bubble.
+straggler found in them (`Straggler`) and how numbers are written. Pure like the classifier: the bubble
+advice reads the schedule's stages per rank from the record (the Layout resolved it: 1 for gpipe and 1f1b)
+and prices more microbatches with the formula itself, importing nothing of the run.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 from collections import Counter
 from collections.abc import Sequence
@@ -202,33 +202,34 @@ def _comm_advice(role: str, share: str, context: WindowContext) -> tuple[str, ..
     return tuple(across + [text])
 
 
+def bubble(pp: int, microbatches: int, stages_per_rank: int) -> float:
+    """The idle fraction of a pipeline step with ``microbatches`` microbatches and ``stages_per_rank`` stages
+    per rank (GPipe and 1F1B run one): (pp-1)/(v*m+pp-1) (Narayanan et al., 2021)."""
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
 def _bubble_advice(share: str, context: WindowContext) -> tuple[str, ...]:
     """More microbatches (the fewest multiple of the current count under `BUBBLE_TARGET`), then an interleaved
-    schedule for a single-stage one. An unknown schedule is taken to run ``pp_stages_per_rank`` stages per rank."""
-    pp, schedule, v = context.dims.get("pp", 1), context.pp_schedule, context.pp_stages_per_rank
+    schedule for a single-stage one."""
+    pp, schedule, v = context.dims.get("pp", 1), context.pp_schedule, context.pp_stages_per_rank or 1
     now = context.pp_microbatches
     if pp < 2:
         return (f"pipeline idle {share} of the step, but the layout has pp={pp}: check the record's dims",)
-    # Lazy: lightning_nd imports torch and Lightning, which the offline CLI pays only when it advises on a bubble.
-    from lightning_nd.layout.pipeline_split import SINGLE_STAGE
-    from lightning_nd.parallel.pipeline.schedule import theoretical_bubble
-
-    bubble = functools.partial(theoretical_bubble, schedule or "", pp, stages_per_rank=v)
     if now is None:
-        more = next(m for m in itertools.count(1) if bubble(m) <= BUBBLE_TARGET)
+        more = next(m for m in itertools.count(1) if bubble(pp, m, v) <= BUBBLE_TARGET)
         advice = [f"pipeline idle {share} of the step at pp={pp}, the microbatch count unknown: the bubble is"
                   f" (pp-1)/(v*m+pp-1) for m microbatches and v stages per rank; pp_microbatches={more} gives"
-                  f" ~{percent(bubble(more))}"]
+                  f" ~{percent(bubble(pp, more, v))}"]
     else:
-        more = next((k * now for k in (2, 4, 8, 16) if bubble(k * now) <= BUBBLE_TARGET), 16 * now)
+        more = next((k * now for k in (2, 4, 8, 16) if bubble(pp, k * now, v) <= BUBBLE_TARGET), 16 * now)
         advice = [f"bubble {share} with {now} microbatches at pp={pp} ({schedule or 'schedule unknown'}):"
-                  f" pp_microbatches={more} gives ~{percent(bubble(more))}"
+                  f" pp_microbatches={more} gives ~{percent(bubble(pp, more, v))}"
                   f" (the batch per step must split into {more} microbatches)"]
-    if schedule in SINGLE_STAGE or (schedule is None and v == 1):
+    if v == 1:
         at = now or more
         advice.append(f"or an interleaved schedule: pp_schedule='interleaved_1f1b' with pp_stages_per_rank=2 gives"
-                      f" ~{percent(theoretical_bubble('interleaved_1f1b', pp, at, 2))} at {at} microbatches")
+                      f" ~{percent(bubble(pp, at, 2))} at {at} microbatches")
     return tuple(advice)
 
 
-__all__ = ["BUBBLE_TARGET", "Straggler", "Window", "advice", "count", "mean", "percent", "secs"]
+__all__ = ["BUBBLE_TARGET", "Straggler", "Window", "advice", "bubble", "count", "mean", "percent", "secs"]

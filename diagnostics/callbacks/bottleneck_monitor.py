@@ -44,7 +44,7 @@ from diagnostics.report.bottleneck_card import bottleneck_markdown, bottleneck_s
 from diagnostics.report.tensorboard import log_image, log_text, spread
 from lightning_nd.cost.hardware import PRESETS, parse_hardware
 from lightning_nd.cost.step_time import flops_per_token
-from lightning_nd.parallel.context.sharding import token_shape
+from lightning_nd.layout.batch import token_shape
 from lightning_nd.runtime.profiling import recording
 
 log = logging.getLogger("lightning_nd")

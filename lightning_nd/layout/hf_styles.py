@@ -14,7 +14,8 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from lightning_nd.layout.structure import get_submodule, parent_name
+from lightning_nd.layout.declared import declared_plan, expand
+from lightning_nd.layout.structure import get_submodule, is_experts, parent_name
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,6 @@ def installed_styles() -> frozenset[str]:
 def declared_experts(model: nn.Module) -> list[str]:
     """The experts modules a model names in its declared expert-parallel plan (``base_model_ep_plan``): the
     modules its ep styles are applied to (a parameter entry names its module)."""
-    from lightning_nd.layout.tp_plan import declared_plan, expand
-
     plan = declared_plan(model, attribute="base_model_ep_plan")
     names = {name for name, _ in model.named_modules()}
     return sorted({name if name in names else parent_name(name) for name in expand(model, plan, declared=True)})
@@ -83,8 +82,6 @@ def declared_experts(model: nn.Module) -> list[str]:
 
 def experts_modules(model: nn.Module) -> list[str]:
     """Experts modules: those the model declares (`declared_experts`) and those in the stacked layout."""
-    from lightning_nd.parallel.expert import is_experts
-
     return sorted(set(declared_experts(model)) | {name for name, m in model.named_modules() if name and is_experts(m)})
 
 

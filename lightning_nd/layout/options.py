@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_nd.layout.dims import closest_name
 from lightning_nd.layout.positions import CP_POSITIONS
+from lightning_nd.layout.schedules import check_schedule
 
 ZERO_STAGES = (1, 2, 3)
 AC_MODES = ("none", "full", "selective")
@@ -123,8 +124,6 @@ PRECISION_DTYPES = {"bf16-mixed": ("bfloat16", "float32")}
 
 def resolve_options(sizes: dict[str, int], config: ParallelConfig, precision: str | None = None) -> dict[str, Any]:
     """Every option with its default for these dims filled in, JSON-able: what the composer applies."""
-    from lightning_nd.parallel.pipeline.schedule import check_schedule
-
     stages_per_rank, microbatches = (check_schedule(config.pp_schedule, sizes["pp"], config.pp_stages_per_rank,
                                                     config.pp_microbatches) if sizes["pp"] > 1 else (1, 1))
     param_dtype, reduce_dtype = PRECISION_DTYPES.get(str(precision), (None, None))

@@ -15,12 +15,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_nd.layout.schedules import V_SHAPED
 from lightning_nd.layout.structure import get_submodule, model_child, owns_parameters
 
-SINGLE_STAGE = ("gpipe", "1f1b")
-LOOPED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
-V_SHAPED = ("zbv", "dualpipev")
-SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from lightning_nd.layout.pipeline_split import pipeline_model, split_stages, sta
 from lightning_nd.layout.record import ExpertsPlacement, Layout, StagePlan, Technique, TPEntry
 from lightning_nd.layout.roles import role_groups, role_names
 from lightning_nd.layout.positions import describe_positions
-from lightning_nd.layout.structure import find_blocks, get_submodule, read_model_facts
+from lightning_nd.layout.structure import find_blocks, get_submodule, is_experts, read_model_facts
 from lightning_nd.layout.tp_checks import check_packed_biases_under_fsdp
 from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
 from lightning_nd.layout.validate import check_config, check_model, warn
@@ -87,8 +87,6 @@ def _plan_stages(module: nn.Module, blocks: list[tuple[str, nn.Module]], dims: P
 def _experts(module: nn.Module, dims: ParallelDims) -> tuple[ExpertsPlacement, ...]:
     if dims.ep == 1:
         return ()
-    from lightning_nd.parallel.expert import is_experts
-
     return tuple(ExpertsPlacement(name, m.gate_up_proj.shape[0], m.gate_up_proj.shape[0] // dims.ep,
                                   "expert_dp" if dims.expert_dp > 1 else None)
                  for name, m in module.named_modules() if name and is_experts(m))

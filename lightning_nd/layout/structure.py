@@ -1,4 +1,4 @@
-"""What a model looks like to the parallelizer: its repeated blocks, attention modules and head counts.
+"""What a model looks like to the parallelizer: its repeated blocks, attention modules, head counts and experts.
 
 Pure inspection of an ``nn.Module``; nothing here changes the model or talks to other ranks.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
 
 HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "n_local_heads")
 KV_HEAD_ATTRS = ("num_kv_heads", "n_kv_heads", "num_key_value_heads", "n_local_kv_heads")
@@ -146,3 +146,17 @@ def _set_fact(facts: ModelFacts, fact: str, candidates: Iterable[object], source
             setattr(facts, fact, value)
             facts.sources[fact] = source
             return
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Stacked SwiGLU experts in the Hugging Face layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    gate_up, down = (getattr(module, name, None) for name in ("gate_up_proj", "down_proj"))
+    if not (isinstance(gate_up, Tensor) and isinstance(down, Tensor) and gate_up.ndim == down.ndim == 3):
+        return False
+    experts, double_inner, hidden = gate_up.shape
+    return down.shape == (experts, hidden, double_inner // 2) and double_inner % 2 == 0
+
+
+def unsupported_experts(module: nn.Module) -> list[str]:
+    """Parameters of an experts module that expert parallelism would not carry over (biases, extras)."""
+    return [name for name, _ in module.named_parameters() if name not in ("gate_up_proj", "down_proj")]

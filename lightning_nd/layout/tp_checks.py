@@ -10,15 +10,32 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_nd.layout.dims import divisors
-from lightning_nd.layout.structure import ModelFacts, get_submodule, is_conv1d, is_linear, parent_name
+from lightning_nd.layout.structure import (
+    HEAD_ATTRS, KV_HEAD_ATTRS, ModelFacts, get_submodule, is_conv1d, is_linear, parent_name,
+)
 
 SHARDED_OUTPUT = ("colwise", "packed_colwise", "packed_qkv")
 """Colwise styles whose output stays split (heads or features per rank): a rowwise layer must take it back."""
 PACKED_PARTS = {"packed_colwise": 2, "packed_qkv": 3}
 COLWISE_WEIGHT = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise", *PACKED_PARTS)
 ROWWISE_WEIGHT = ("rowwise", "rowwise_split_input", "embedding_rowwise")
+
+
+def is_colwise(style: object) -> bool:
+    """Styles that fan a module's input out into per-rank heads or features."""
+    return style in SHARDED_OUTPUT or (
+        isinstance(style, ColwiseParallel) and not isinstance(style.output_layouts[0], Replicate)
+    )
+
+
+def head_counts(module: nn.Module) -> dict[str, int]:
+    """The head-count attributes a module reshapes with (``n_heads``, ``num_key_value_heads``, ...)."""
+    values = {attr: getattr(module, attr, None) for attr in (*HEAD_ATTRS, *KV_HEAD_ATTRS)}
+    return {attr: value for attr, value in values.items() if isinstance(value, int) and not isinstance(value, bool)}
 
 
 def check_plan(model: nn.Module, entries: Mapping[str, object], tp: int, facts: ModelFacts) -> None:
@@ -30,8 +47,6 @@ def check_plan(model: nn.Module, entries: Mapping[str, object], tp: int, facts: 
                 f"`NDParallel(tp={tp})` does not divide `{fact}={count}` (read from {facts.sources[fact]})."
                 f" HINT: choose tp from {divisors(count)}."
             )
-    from lightning_nd.parallel.tensor import head_counts, is_colwise
-
     for name in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
         for attr, value in head_counts(get_submodule(model, name)).items():
             if value % tp:
@@ -65,11 +80,8 @@ def _sharded_size(module: nn.Module, style: object) -> tuple[int | None, str]:
 def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, int] | None:
     """(dim, parts) that a tp style splits this parameter on (``parts`` > 1: each of that many equal parts is
     split on its own, a ``_StridedShard``); None when it stays whole on every tp rank."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from lightning_nd.parallel.tp_styles import FusedColwiseParallel
-
-    parts = PACKED_PARTS.get(style, style.parts if isinstance(style, FusedColwiseParallel) else 1)  # type: ignore[arg-type]
+    # A colwise style object may split a fused weight part by part (`FusedColwiseParallel.parts`).
+    parts = PACKED_PARTS.get(style, getattr(style, "parts", 1) if isinstance(style, ColwiseParallel) else 1)  # type: ignore[arg-type]
     colwise = style in COLWISE_WEIGHT or isinstance(style, ColwiseParallel)
     rowwise = style in ROWWISE_WEIGHT or isinstance(style, RowwiseParallel)
     if isinstance(module, nn.Embedding):
@@ -85,8 +97,6 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
 def check_partners(entries: Mapping[str, object], source: str) -> None:
     """A layer whose output stays split needs the rowwise layer that takes it back, in the same module, and the
     reverse: alone, either would hand the next layer a tensor of the wrong width."""
-    from lightning_nd.parallel.tensor import is_colwise
-
     by_parent: dict[str, dict[str, list[str]]] = {}
     for name, style in entries.items():
         side = "colwise" if is_colwise(style) else "rowwise" if _is_plain_rowwise(style) else None
@@ -108,8 +118,6 @@ def check_per_head_outputs(model: nn.Module, entries: Mapping[str, object], fact
     the heads, must be split with them: rowwise or unplanned it gives every tp rank the values of all heads while
     the rank holds heads / tp of them (Doge's ``dt_proj``, one dynamic-mask weight per key/value head, added to
     the local heads' scores)."""
-    from lightning_nd.parallel.tensor import head_counts, is_colwise
-
     config_counts = {fact: getattr(facts, fact) for fact in ("num_attention_heads", "num_key_value_heads")
                      if getattr(facts, fact) is not None}
     for parent in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
@@ -140,9 +148,6 @@ def vocabulary_split_with_own_forward(model: nn.Module, entries: Mapping[str, ob
 
 
 def _is_plain_rowwise(style: object) -> bool:
-    from torch.distributed.tensor.parallel import RowwiseParallel
-    from torch.distributed.tensor import Shard
-
     if isinstance(style, RowwiseParallel):
         return isinstance(style.input_layouts[0], Shard)
     return style == "rowwise"

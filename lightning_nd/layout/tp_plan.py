@@ -9,16 +9,17 @@ weight is touched.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_nd.layout.declared import declared_plan, expand
 from lightning_nd.layout.hf_styles import hf_meaning
 from lightning_nd.layout.structure import ModelFacts, find_blocks, is_linear, is_norm, linear_names, parent_name
 from lightning_nd.layout.tp_checks import (
-    check_no_fused_attention, check_partners, check_per_head_outputs, check_plan, vocabulary_split_with_own_forward,
+    check_no_fused_attention, check_partners, check_per_head_outputs, check_plan, is_colwise,
+    vocabulary_split_with_own_forward,
 )
 
 log = logging.getLogger(__name__)
@@ -60,54 +61,10 @@ class TPPlan:
 
 
 
-def pattern_to_regex(pattern: str) -> re.Pattern[str]:
-    return re.compile("^" + r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$")
-
-
-def expand(model: nn.Module, plan: Mapping[str, object], *, declared: bool = False) -> dict[str, object]:
-    """Concrete module (or, where no module matches, parameter) names for each pattern; a pattern that matches
-    nothing is an error, except in a plan the model declares: one plan serves every size of a family (dense
-    layers of an MoE model, attention of a hybrid), and Hugging Face skips the entries that match nothing."""
-    modules = [name for name, _ in model.named_modules() if name]
-    params = [name for name, _ in model.named_parameters()]
-    resolved: dict[str, object] = {}
-    for pattern, style in plan.items():
-        regex = pattern_to_regex(pattern)
-        matched = [name for name in modules if regex.match(name)] or [name for name in params if regex.match(name)]
-        if not matched and not declared:
-            raise ValueError(
-                f"TP plan entry {pattern!r} matches no module of `{type(model).__name__}`."
-                f" HINT: patterns are module names with `*` for one component, e.g. {_example_names(model)}."
-            )
-        resolved.update(dict.fromkeys(matched, style))
-    return resolved
-
-
 def custom_styles(model: nn.Module, explicit: Mapping[str, object] | None) -> dict[str, object]:
     """The torch `ParallelStyle` objects of an explicit plan, by concrete module name (the Layout names them only)."""
     objects = {pattern: style for pattern, style in (explicit or {}).items() if not isinstance(style, str)}
     return expand(model, objects) if objects else {}
-
-
-def declared_plan(model: nn.Module, attribute: str = "base_model_tp_plan") -> dict[str, str]:
-    """The plan a model declares in the Hugging Face convention, keyed by full module name pattern
-    (``attribute="base_model_ep_plan"``: its expert-parallel plan)."""
-    plan: dict[str, str] = {}
-    for name, module in model.named_modules():
-        prefix = f"{name}." if name else ""
-        own = getattr(module, "_tp_plan" if attribute == "base_model_tp_plan" else "_ep_plan", None)
-        config_plan = getattr(getattr(module, "config", None), attribute, None)
-        if config_plan and getattr(type(module), "base_model_prefix", None) is not None and _is_base(module):
-            plan.update({prefix + key: style for key, style in config_plan.items()})
-        if isinstance(own, Mapping):
-            plan.update({prefix + key: style for key, style in own.items()})
-    return plan
-
-
-def _is_base(module: nn.Module) -> bool:
-    """An HF base model: no child is itself the base model (``model.model`` in ``LlamaForCausalLM``)."""
-    prefix = getattr(type(module), "base_model_prefix", "")
-    return not (prefix and isinstance(getattr(module, prefix, None), nn.Module))
 
 
 def pattern_plan(model: nn.Module) -> dict[str, str]:
@@ -169,8 +126,6 @@ def resolve_tp_plan(
 
 def _paired(entries: dict[str, object]) -> dict[str, object]:
     """Name patterns guess; a guessed colwise layer without its rowwise partner (or the reverse) is left out."""
-    from lightning_nd.parallel.tensor import is_colwise
-
     sides: dict[str, set[str]] = {}
     for name, style in entries.items():
         if is_colwise(style) or style == "rowwise":
@@ -246,7 +201,3 @@ def _suggest_plan(model: nn.Module) -> dict[str, str]:
             fans_out = module.out_features >= module.in_features
             plan[pattern_prefix + name] = "colwise" if fans_out else "rowwise"
     return plan
-
-
-def _example_names(model: nn.Module) -> list[str]:
-    return [name for name, module in model.named_modules() if isinstance(module, nn.Linear)][:3]

@@ -9,10 +9,11 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from lightning_nd.layout.batch import sequence_length
 from lightning_nd.layout.dims import ParallelDims, divisors
 from lightning_nd.layout.options import ParallelConfig, block_class_list
-from lightning_nd.layout.structure import ModelFacts
-from lightning_nd.parallel.context.sharding import sequence_length
+from lightning_nd.layout.schedules import check_schedule
+from lightning_nd.layout.structure import ModelFacts, is_experts, unsupported_experts
 
 log = logging.getLogger("lightning_nd")
 
@@ -62,8 +63,6 @@ def check_config(sizes: Mapping[str, int], config: ParallelConfig) -> list[str]:
 
 
 def _check_pipeline_config(pp: int, config: ParallelConfig) -> None:
-    from lightning_nd.parallel.pipeline.schedule import check_schedule
-
     check_schedule(config.pp_schedule, pp, config.pp_stages_per_rank, config.pp_microbatches)
     if config.compile:
         raise ValueError(f"`NDParallel(compile=..., pp={pp})`: compiled blocks inside pipeline stages are not supported"
@@ -154,8 +153,6 @@ def _check_batch_statistics(module: nn.Module, dims: ParallelDims, config: Paral
 
 
 def _check_experts(module: nn.Module, ep: int) -> None:
-    from lightning_nd.parallel.expert import is_experts, unsupported_experts
-
     experts = [(name, m) for name, m in module.named_modules() if is_experts(m)]
     for name, m in experts:
         if extra := unsupported_experts(m):

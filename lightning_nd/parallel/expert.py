@@ -31,21 +31,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_nd.layout.structure import is_experts
 from lightning_nd.runtime.profiling import comm_label
-
-
-def is_experts(module: nn.Module) -> bool:
-    """Stacked SwiGLU experts in the Hugging Face layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
-    gate_up, down = (getattr(module, name, None) for name in ("gate_up_proj", "down_proj"))
-    if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.ndim == down.ndim == 3):
-        return False
-    experts, double_inner, hidden = gate_up.shape
-    return down.shape == (experts, hidden, double_inner // 2) and double_inner % 2 == 0
-
-
-def unsupported_experts(module: nn.Module) -> list[str]:
-    """Parameters of an experts module that expert parallelism would not carry over (biases, extras)."""
-    return [name for name, _ in module.named_parameters() if name not in ("gate_up_proj", "down_proj")]
 
 
 class _ScaleGrad(torch.autograd.Function):

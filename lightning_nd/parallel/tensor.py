@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, parallelize_module
+from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from lightning_nd.layout.structure import HEAD_ATTRS, KV_HEAD_ATTRS, get_submodule, parent_name
-from lightning_nd.layout.tp_checks import PACKED_PARTS, SHARDED_OUTPUT
+from lightning_nd.layout.structure import get_submodule, parent_name
+from lightning_nd.layout.tp_checks import PACKED_PARTS, head_counts, is_colwise
 from lightning_nd.parallel.tp_dropout import fork_rng_per_rank, has_dropout
 from lightning_nd.parallel.tp_styles import SEQUENCE_DIM, style_for
 
@@ -89,19 +89,6 @@ def _mark_sequence_parallel_region(
     ]
     last = outside[-1] if outside else block_names[-1]
     get_submodule(model, last).register_forward_hook(_leave_sequence_parallel)
-
-
-def is_colwise(style: object) -> bool:
-    """Styles that fan a module's input out into per-rank heads or features."""
-    return style in SHARDED_OUTPUT or (
-        isinstance(style, ColwiseParallel) and not isinstance(style.output_layouts[0], Replicate)
-    )
-
-
-def head_counts(module: nn.Module) -> dict[str, int]:
-    """The head-count attributes a module reshapes with (``n_heads``, ``num_key_value_heads``, ...)."""
-    values = {attr: getattr(module, attr, None) for attr in (*HEAD_ATTRS, *KV_HEAD_ATTRS)}
-    return {attr: value for attr, value in values.items() if isinstance(value, int) and not isinstance(value, bool)}
 
 
 def _divide_head_counts(name: str, module: nn.Module, tp: int, entries: Mapping[str, object]) -> None:

@@ -25,7 +25,7 @@ from lightning_nd.layout.describe import human_bytes
 from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.plan import plan_layout
 from lightning_nd.layout.record import Layout
-from lightning_nd.parallel.context.sharding import token_shape
+from lightning_nd.layout.batch import token_shape
 from lightning_nd.strategy.events import MemoryPlanned
 
 log = logging.getLogger("lightning_nd")

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nd.layout.pipeline_split import SCHEDULES, SINGLE_STAGE, stage_ranks
+from lightning_nd.layout.pipeline_split import stage_ranks
+from lightning_nd.layout.schedules import SCHEDULES, SINGLE_STAGE
 from tests.distributed.parity import assert_training_matches, launcher
 from tests.launcher import launch
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_nd.parallel.context.sharding import sequence_length, shard_batch, shard_positions, shard_sequence
+from lightning_nd.layout.batch import sequence_length
+from lightning_nd.parallel.context.sharding import shard_batch, shard_positions, shard_sequence
 from lightning_nd.parallel.context.region import (attach_position_hooks, context_parallel_region, current_positions,
                                                  inject_positions)
 from tests.models import build

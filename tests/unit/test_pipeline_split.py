@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_nd.parallel.pipeline.stage import PipelineStages, StageModule, pack_inputs
-from lightning_nd.parallel.pipeline.schedule import check_schedule, theoretical_bubble
+from lightning_nd.layout.schedules import check_schedule, theoretical_bubble
 from lightning_nd.layout.pipeline_split import balanced_counts, split_stages, stage_ranks
 from lightning_nd.layout.structure import find_blocks
 from tests.models import build

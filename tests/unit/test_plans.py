@@ -10,7 +10,8 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from examples.models.gpt import GPT, GPTConfig
-from lightning_nd.layout.tp_plan import pattern_to_regex, resolve_tp_plan
+from lightning_nd.layout.declared import pattern_to_regex
+from lightning_nd.layout.tp_plan import resolve_tp_plan
 from lightning_nd.layout.structure import read_model_facts
 from tests.models import build
 

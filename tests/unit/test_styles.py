@@ -8,7 +8,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from examples.lit import CausalLM
 from lightning_nd import ParallelConfig, ParallelDims, plan_layout
 from lightning_nd.layout.describe import layout_markdown
-from lightning_nd.parallel.tensor import is_colwise
+from lightning_nd.layout.tp_checks import is_colwise
 from lightning_nd.parallel.tp_styles import ShardingSequenceParallel, style_for
 from tests.models import build
 

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from lightning_nd.layout.positions import forward_signature
 from lightning_nd.nn.ring_attention import ring_attention
-from lightning_nd.parallel.context.sharding import tensors_of
+from lightning_nd.layout.batch import tensors_of
 
 @dataclass
 class _Region:

@@ -13,6 +13,8 @@ from typing import Literal
 
 import torch
 
+from lightning_nd.layout.batch import sequence_length
+
 Sharding = Literal["contiguous", "zigzag"]
 
 
@@ -39,20 +41,6 @@ def attention_flops_per_rank(seq_len: int, cp: int, sharding: Sharding, *, causa
         positions = shard_positions(seq_len, cp, rank, sharding)
         work.append(int((positions + 1).sum()) if causal else positions.numel() * seq_len)
     return work
-
-
-def token_shape(batch: object) -> tuple[int, int] | None:
-    """[batch, seq] of a batch's first integer two-dimensional tensor (its token ids)."""
-    for tensor in tensors_of(batch):
-        if tensor.ndim == 2 and not tensor.is_floating_point() and tensor.dtype != torch.bool:
-            return int(tensor.shape[0]), int(tensor.shape[1])
-    return None
-
-
-def sequence_length(batch: object) -> int | None:
-    """The sequence length of a batch: dim 1 of its first integer [batch, seq] tensor (token ids)."""
-    shape = token_shape(batch)
-    return shape[1] if shape is not None else None
 
 
 def shard_sequence(batch: object, positions: torch.Tensor, seq_len: int, keys: Sequence[str] | None = None) -> object:
@@ -93,13 +81,3 @@ def shard_batch(batch: object, cp: int, rank: int, keys: Sequence[str] | None) -
         )
     positions = shard_positions(seq_len, cp, rank, "zigzag")
     return shard_sequence(batch, positions, seq_len, keys), positions
-
-
-def tensors_of(value: object) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in tensors_of(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in tensors_of(v)]
-    return []

@@ -1,6 +1,6 @@
-"""Running a rank's pipeline stages under a torch schedule: checks, train/eval/predict steps, timings.
+"""Running a rank's pipeline stages under a torch schedule: train/eval/predict steps, timings.
 
-``check_schedule`` runs before any process group (pure arithmetic). `PipelineRunner` wraps torch's
+The checks and the bubble formula are `layout/schedules.py` (pure arithmetic). `PipelineRunner` wraps torch's
 ``PipelineStage`` objects and schedule for training: it feeds the model's inputs to every stage
 (the first stage takes them as its input, later stages read positions, masks and shapes from
 them), averages the loss over microbatches itself (so Lightning's gradient accumulation adds
@@ -21,63 +21,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
-from lightning_nd.layout.dims import closest_name
 from lightning_nd.parallel.pipeline.forward_only import forward_only
 from lightning_nd.parallel.pipeline.stage import pack_inputs
 from lightning_nd.runtime.profiling import PIPELINE, label, phase_label
-from lightning_nd.layout.pipeline_split import LOOPED, SCHEDULES, SINGLE_STAGE, V_SHAPED
+from lightning_nd.layout.schedules import SINGLE_STAGE, check_microbatches
 
 TORCH_NAMES = {
     "gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
     "interleaved_zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV",
 }
-
-
-def check_schedule(schedule: str, pp: int, stages_per_rank: int | None, microbatches: int | None) -> tuple[int, int]:
-    """Validate a schedule against the pipeline size; returns (stages per rank, microbatches) with defaults."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"`pp_schedule={schedule!r}` is not a schedule. HINT: did you mean"
-                         f" {closest_name(str(schedule), SCHEDULES)!r}? Choose from {', '.join(SCHEDULES)}.")
-    default = 1 if schedule in SINGLE_STAGE else 2
-    stages_per_rank = default if stages_per_rank is None else stages_per_rank
-    if schedule in SINGLE_STAGE and stages_per_rank != 1:
-        raise ValueError(f"`pp_schedule={schedule!r}` runs one stage per rank, not {stages_per_rank}. HINT: use"
-                         f" 'interleaved_1f1b' for {stages_per_rank} stages per rank, or pp_stages_per_rank=1.")
-    if schedule in V_SHAPED and stages_per_rank != 2:
-        raise ValueError(f"`pp_schedule={schedule!r}` is V-shaped: exactly 2 stages per rank. HINT: pp_stages_per_rank=2.")
-    if schedule in LOOPED and stages_per_rank < 2:
-        raise ValueError(f"`pp_schedule={schedule!r}` loops over several stages per rank. HINT: pp_stages_per_rank=2,"
-                         " or the single-stage schedule '1f1b'.")
-    microbatches = 2 * pp if microbatches is None else microbatches
-    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
-        raise ValueError(f"`pp_microbatches={microbatches!r}` must be a positive integer. HINT: {2 * pp} (2 x pp).")
-    num_stages = pp * stages_per_rank
-    least = 1 if schedule == "gpipe" else (num_stages if schedule in ("1f1b", "dualpipev") else pp)
-    if microbatches < least:
-        raise ValueError(f"`pp_schedule={schedule!r}` with {num_stages} stages needs at least {least} microbatches,"
-                         f" got pp_microbatches={microbatches}. HINT: pp_microbatches={max(least, 2 * pp)}.")
-    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and microbatches % max(1, microbatches // pp):
-        raise ValueError(f"`pp_schedule={schedule!r}` runs microbatches in rounds of pp={pp}: pp_microbatches="
-                         f"{microbatches} does not split into them. HINT: use a multiple of {pp}.")
-    return stages_per_rank, microbatches
-
-
-def check_microbatches(inputs: dict[str, Any], microbatches: int) -> None:
-    """Every input's batch dim must split into ``microbatches`` equal microbatches."""
-    sizes = {tuple(v.shape)[:1] for v in inputs.values() if isinstance(v, torch.Tensor)}
-    for (size,) in sizes:
-        if size % microbatches:
-            raise ValueError(
-                f"The batch has {size} samples per rank, which pp_microbatches={microbatches} does not divide."
-                f" HINT: use a batch size that is a multiple of {microbatches}, or set pp_microbatches to one"
-                " of its divisors (and `drop_last=True` for a short last training batch)."
-            )
-
-
-def theoretical_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
-    """Idle fraction of a step: (p-1)/(m+p-1); with v stages per rank (p-1)/(v*m+p-1)."""
-    v = 1 if schedule in SINGLE_STAGE else stages_per_rank
-    return (pp - 1) / (v * microbatches + pp - 1)
 
 
 class PipelineRunner:
