@@ -106,13 +106,18 @@ class ParallelDims:
     @classmethod
     def from_mapping(cls, sizes: Mapping[str, Any], world_size: int) -> ParallelDims:
         """Build from a mapping such as a Hydra config; unknown names raise with the closest valid one."""
-        for name in sizes:
+        cls.check_names(sizes)
+        return cls(**dict(sizes), world_size=world_size)
+
+    @staticmethod
+    def check_names(names: Sequence[str] | Mapping[str, Any]) -> None:
+        """Every name is a dim; an unknown one names the closest."""
+        for name in names:
             if name not in DIM_NAMES:
                 raise ValueError(
                     f"Unknown parallel dim `{name}`. HINT: did you mean `{closest_name(name, DIM_NAMES)}`?"
                     f" Valid dims: {', '.join(DIM_NAMES)}."
                 )
-        return cls(**dict(sizes), world_size=world_size)
 
     # ---- which techniques are on -------------------------------------------------------------
 

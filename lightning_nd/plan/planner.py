@@ -20,9 +20,10 @@ from lightning_nd.cost.layout_cost import LayoutCost, cost_layout
 from lightning_nd.cost.model_state import OPTIMIZER_STATES, check_optimizer
 from lightning_nd.cost.shape import Workload, model_shape
 from lightning_nd.layout.describe import human_bytes
-from lightning_nd.layout.record import Layout
-from lightning_nd.plan.params_only import params_only_markdown, params_only_rows
 from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.layout.record import Layout
+from lightning_nd.plan.dry_run import dry_run, parse_layout
+from lightning_nd.plan.params_only import params_only_markdown, params_only_rows
 from lightning_nd.plan.search import Batching, Search, print_progress, search
 from lightning_nd.plan.table import model_state_arithmetic, planner_json, planner_markdown, why
 
@@ -42,8 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any]) -> int:
     """Rank the layouts; exit status 0 when one fits, 1 when none does."""
-    from lightning_nd.plan.__main__ import dry_run
-
     memory_bytes = parse_bytes(args.gpu_memory)
     gpus_per_node = min(args.gpus_per_node or args.devices, args.devices)
     if gpus_per_node < 1:
@@ -91,8 +90,6 @@ def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any]) 
 
 def explain(result: Search, text: str, devices: int, params: int) -> str:
     """Where the layout ``text`` ranks, why, and its model state's arithmetic."""
-    from lightning_nd.plan.__main__ import parse_layout
-
     wanted = ParallelDims(**parse_layout(text), world_size=devices).as_dict()
     for index, candidate in enumerate(result.ranked, start=1):
         if all(candidate.sizes[name] == wanted[name] for name in candidate.sizes):

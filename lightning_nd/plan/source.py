@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_nd.runtime.probe import lightning_base
+
 
 class Holder(nn.Module):
     """Stands in for the LightningModule: the model under ``model``."""
@@ -24,11 +26,6 @@ class Holder(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-
-
-def is_lightning_module(module: nn.Module) -> bool:
-    """Without importing Lightning (plain models plan without it)."""
-    return any(cls.__name__ == "LightningModule" for cls in type(module).__mro__)
 
 
 def load_factory(spec: str) -> Any:
@@ -75,6 +72,6 @@ def build_model(spec: str | None, hf_path: str | None, hf_model_type: str | None
         built = factory()
     if not isinstance(built, nn.Module):
         raise ValueError(f"`--model {spec}` returned {type(built).__name__}, not an nn.Module or a LightningModule.")
-    if is_lightning_module(built):
+    if lightning_base(built) is not None:
         return built  # probed like `NDParallel.connect` probes it (`plan_for`)
     return Holder(built)

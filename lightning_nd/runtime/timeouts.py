@@ -6,6 +6,11 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+DEFAULTS: dict[str, timedelta | None] = {
+    "timeout": timedelta(minutes=5), "init_timeout": timedelta(minutes=20), "heartbeat_timeout": timedelta(seconds=60),
+}
+"""`NDParallel`'s timeouts when not given: a collective's, the first step's (compilation, loading), the watchdog's."""
+
 
 def check_timeouts(timeout: Any, init_timeout: Any, heartbeat_timeout: Any) -> tuple[timedelta, timedelta, timedelta | None]:
     """The three as ``timedelta`` (numbers are seconds, as a Hydra config gives them); refused when not positive."""

@@ -6,7 +6,6 @@ plan, the processes, the model's setup, checkpoints and failures; every step's h
 
 from __future__ import annotations
 
-import inspect
 import logging
 import warnings
 from collections.abc import Generator, Mapping, Sequence
@@ -17,20 +16,21 @@ from typing import Any, Literal
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_nd.layout.dims import ParallelDims, closest_name
-from lightning_nd.layout.options import ParallelConfig
+from lightning_nd.layout.arguments import check_keywords, read_arguments
+from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.plan import plan_layout
 from lightning_nd.layout.record import Layout
 from lightning_nd.layout.validate import check_config
 from lightning_nd.parallel.compose import ParallelizeReport
 from lightning_nd.runtime.materialize import materialize
 from lightning_nd.runtime.mesh import NDMesh, build_mesh
+from lightning_nd.runtime.probe import already_parallel, model_to_check
+from lightning_nd.runtime.timeouts import DEFAULTS as TIMEOUTS
 from lightning_nd.runtime.timeouts import check_timeouts
 from lightning_nd.strategy import lifecycle
 from lightning_nd.strategy.checkpointer import Checkpointer
@@ -38,7 +38,6 @@ from lightning_nd.strategy.events import EventBus
 from lightning_nd.strategy.failure_monitor import FailureMonitor
 from lightning_nd.strategy.pipeline_engine import PipelineEngine
 from lightning_nd.strategy.preflight import Preflight
-from lightning_nd.strategy.probe import already_parallel, model_to_check
 from lightning_nd.strategy.step_events import StepEvents
 from lightning_nd.strategy.step_hooks import StepHooks
 
@@ -82,24 +81,23 @@ class NDParallel(StepHooks):
         cp_shard_keys: Sequence[str] | None = None,
         cp_positions: Literal["position_ids", "model"] = "position_ids",
         init_on_meta: bool = True,
-        timeout: timedelta | float = timedelta(minutes=5),
-        init_timeout: timedelta | float = timedelta(minutes=20),
-        heartbeat_timeout: timedelta | float | None = timedelta(seconds=60),
+        timeout: timedelta | float = TIMEOUTS["timeout"],
+        init_timeout: timedelta | float = TIMEOUTS["init_timeout"],
+        heartbeat_timeout: timedelta | float | None = TIMEOUTS["heartbeat_timeout"],
         process_group_backend: str | None = None,
     ) -> None:
         timeout, init_timeout, heartbeat_timeout = check_timeouts(timeout, init_timeout, heartbeat_timeout)
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
                          timeout=init_timeout)
-        self._sizes = {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep}
-        ParallelDims.check_sizes(self._sizes)
-        self.config = ParallelConfig(
-            zero_stage=zero_stage, tp_plan=tp_plan, sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel, block_classes=block_classes,
-            activation_checkpointing=activation_checkpointing, compile=compile, cpu_offload=cpu_offload,
-            pp_schedule=pp_schedule, pp_microbatches=pp_microbatches, pp_stages_per_rank=pp_stages_per_rank,
-            pp_layers_per_stage=pp_layers_per_stage, pp_split=pp_split, cp_shard_keys=cp_shard_keys,
-            cp_positions=cp_positions)
-        check_config(self._sizes, self.config)
+        arguments = read_arguments(
+            {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp, "ep": ep},
+            {"zero_stage": zero_stage, "tp_plan": tp_plan, "sequence_parallel": sequence_parallel,
+             "loss_parallel": loss_parallel, "block_classes": block_classes,
+             "activation_checkpointing": activation_checkpointing, "compile": compile, "cpu_offload": cpu_offload,
+             "pp_schedule": pp_schedule, "pp_microbatches": pp_microbatches, "pp_stages_per_rank": pp_stages_per_rank,
+             "pp_layers_per_stage": pp_layers_per_stage, "pp_split": pp_split, "cp_shard_keys": cp_shard_keys,
+             "cp_positions": cp_positions})
+        self._sizes, self.config = arguments.sizes, arguments.config
         self._init_on_meta = init_on_meta
         self._cp_positions: Tensor | None = None
         self._dims: ParallelDims | None = None
@@ -118,16 +116,8 @@ class NDParallel(StepHooks):
     @classmethod
     def from_config(cls, options: Mapping[str, Any]) -> NDParallel:
         """Build from a mapping (a Hydra ``parallel`` group); an unknown key names the closest valid one."""
-        valid = [name for name in inspect.signature(cls.__init__).parameters if name != "self"]
-        for key in options:
-            if key not in valid:
-                raise ValueError(f"`NDParallel` has no option `{key}`. HINT: did you mean"
-                                 f" `{closest_name(key, valid)}`? Options: {', '.join(valid)}.")
+        check_keywords(options)
         return cls(**options)
-
-    @classmethod
-    def register_strategies(cls, registry: Any) -> None:
-        registry.register(cls.strategy_name, cls, description="N-D parallel: FSDP2/HSDP x TP x PP x CP x EP (lightning-nd)")
 
     # ---- what the run is ------------------------------------------------------------------------
 
@@ -296,5 +286,3 @@ class NDParallel(StepHooks):
 def _parameter_shapes(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(param.shape)) for name, param in module.named_parameters()]
 
-
-NDParallel.register_strategies(StrategyRegistry)

@@ -19,7 +19,7 @@ from lightning.pytorch import Callback, Trainer
 from examples.data import SyntheticTokens, TokenDataModule
 from lightning_nd import NDParallel
 from lightning_nd.parallel.pipeline.stage import PipelineStages
-from lightning_nd.plan.__main__ import plan_for
+from lightning_nd.plan.dry_run import plan_for, read_layout_arguments
 from tests.distributed.families import FamilyLM, build_family
 from tests.distributed.parity import full_copy
 from tests.models import VOCAB
@@ -38,7 +38,7 @@ class Losses(Callback):
 
 def _train(family: str, layout: dict[str, Any], world: int, batch: int) -> dict[str, Any]:
     try:
-        plan_for(NDParallel(**layout), world, FamilyLM(build_family(family)))
+        plan_for(read_layout_arguments(layout), world, FamilyLM(build_family(family)))
     except ValueError as refusal:
         return {"refused": str(refusal)}
     losses = Losses()

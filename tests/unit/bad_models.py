@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from examples.lit import CausalLM
 from tests.models import build
+
 
 class Mixer(nn.Module):
     """A block whose linear layers have names no auto-detection knows."""
@@ -110,4 +113,30 @@ def two_models() -> CausalLM:
 
 MIXER_PLAN = {"model.blocks.*.alpha": "colwise", "model.blocks.*.beta": "rowwise"}
 
-# (id, what the user does, exception type, substrings the message must contain)
+
+def lightning_module(factory: Callable[..., nn.Module], *args: object, **kwargs: object) -> Callable[[], CausalLM]:
+    """A zero-argument factory of the LightningModule a case connects, importable as MODULE:FACTORY by the dry
+    run (``--model tests.unit.bad_models:eager_llama``)."""
+    return lambda: CausalLM(model=factory(*args, **kwargs))
+
+
+llama = lightning_module(build, "llama")
+gpt = lightning_module(build, "gpt")
+eager_llama = lightning_module(hf_llama, attn_implementation="eager")
+windowed_llama = lightning_module(hf_llama, sliding_window=8)
+learned_positions = lightning_module(LearnedPositions)
+transformer = lightning_module(torch_transformer)
+alibi_falcon = lightning_module(falcon_alibi)
+batch_norm = lightning_module(batch_norm_net)
+sync_batch_norm = lightning_module(batch_norm_net, nn.SyncBatchNorm)
+router_logits_mixtral = lightning_module(hf_mixtral_router_logits)
+six_experts = lightning_module(moe, 6)
+biased_experts = lightning_module(moe, 8, bias=True)
+mixer = lightning_module(MixerNet)
+narrow_mixer = lightning_module(MixerNet, 16, 12)
+blocks_sharing_a_weight = lightning_module(shared_blocks)
+
+
+def hf_llama_in_configure_model() -> CausalLM:
+    """A Hugging Face Llama built in `configure_model` (its rotary embedding has no `reset_parameters`)."""
+    return CausalLM(model_factory=lambda: build("hf_llama"))

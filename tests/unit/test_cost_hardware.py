@@ -10,7 +10,7 @@ from lightning_nd.cost.comm import comm_per_step
 from lightning_nd.cost.hardware import PRESETS, Hardware, parse_bytes, parse_hardware
 from lightning_nd.cost.shape import Workload, model_shape
 from lightning_nd.cost.step_time import step_time
-from lightning_nd.plan.__main__ import dry_run
+from lightning_nd.plan.dry_run import dry_run
 from lightning_nd.plan.source import Holder
 
 CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,

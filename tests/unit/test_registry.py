@@ -13,7 +13,7 @@ import lightning_nd  # noqa: F401  (registers "nd")
 from examples.lit import CausalLM
 from lightning_nd import NDParallel
 from lightning_nd.layout.dims import DIM_NAMES, MESH_DIMS
-from lightning_nd.plan.__main__ import plan_for
+from lightning_nd.plan.dry_run import plan_for, read_layout_arguments
 from tests.models import build
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "parallel"
@@ -46,6 +46,6 @@ def test_every_parallel_config_builds_a_valid_layout_on_4_devices(path):
     assert all(dims[key] == devices // math.prod(v for k, v in dims.items() if k in MESH_DIMS and k != key)
                for key in fills)
     model = build("moe_llama" if options.get("ep", 1) > 1 else "llama" if options.get("tp", 1) != 1 else "llama8")
-    layout = plan_for(strategy, devices, CausalLM(model=model))  # the config plans on a model, as in a run
+    layout = plan_for(read_layout_arguments(options), devices, CausalLM(model=model))  # plans as a run would
     assert {key: layout.options[key] for key in options if key not in DIM_NAMES} == {
         key: value for key, value in options.items() if key not in DIM_NAMES}
