@@ -4,7 +4,8 @@ stop within seconds, saying which rank, instead of hanging until the process-gro
 Every rank bumps its own counter each ``interval``; rank r watches rank r+1 (so the store sees a few
 requests per rank per interval, whatever the world size). A counter that stops for ``dead_after``
 while its rank has not finished is a death: the watcher posts a verdict, and every rank that reads
-it prints it and exits 1. No clocks are compared between machines.
+it prints it and exits 1. No clocks are compared between machines. Rank 0, whose process usually hosts the store,
+exits last: once every rank still able to has acknowledged the verdict, or ``5 * interval`` after it.
 
 With evidence, a verdict comes sooner than ``dead_after``: a rank whose collective broke or timed out reads
 every counter for ``confirm_after`` (a counter that does not move in that window belongs to a dead rank); a
@@ -108,10 +109,30 @@ class RankWatchdog:
                 print(f"lightning-nd: rank {rank} {reason}. Rank {self.rank} stops too (exit 1) rather than wait for"
                       f" the process-group timeout.{self.hint()}", file=sys.stderr, flush=True)
 
+    def acknowledge(self) -> None:
+        """This rank has the verdict and has delivered it (its listeners, which may use the store, have run)."""
+        if self.rank != 0:
+            try:
+                self.store.add("read", 1)
+            except Exception:  # the store is gone: nobody waits for this rank any more
+                pass
+
     def linger(self) -> None:
-        """Rank 0's process usually hosts the store: before it exits, give the others time to read the verdict."""
-        if self.rank == 0:
-            time.sleep(5 * self.interval)
+        """Rank 0's process usually hosts the store: before it exits, give the others time to read the verdict,
+        at most ``5 * interval``, less once every rank that can still read it (all but a dead culprit and the
+        ranks that finished) has acknowledged."""
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + 5 * self.interval
+        try:
+            found = self.verdict()
+            dead = found[0] if found is not None and found[1].startswith("died") else None
+            readers = sum(1 for rank in range(1, self.world_size)
+                          if rank != dead and not self.store.check([f"done/{rank}"]))
+            while time.monotonic() < deadline and self.store.add("read", 0) < readers:
+                time.sleep(self.interval / 10)
+        except Exception:  # the store is gone: there is nothing left to wait for
+            return
 
     def _post(self, rank: int, reason: str) -> None:
         self.store.compare_set("verdict", "", f"{rank}|{reason}")  # the first verdict stands
@@ -146,6 +167,7 @@ class RankWatchdog:
             if rank != self.rank:
                 self.announce(rank, reason)
                 self._deliver(rank, reason)
+                self.acknowledge()
                 self.linger()
                 os._exit(1)
 

@@ -98,6 +98,7 @@ class FailureMonitor:
         else:
             watchdog.report_failure(summary)
             self._on_verdict(watchdog.rank, f"failed: {summary}", thread, communication)
+        watchdog.acknowledge()
         watchdog.halt()  # this rank is done with this run, even if the process carries on (a retry)
         watchdog.linger()
 
