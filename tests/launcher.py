@@ -1,7 +1,9 @@
 """Run a function on N real processes (gloo on CPU) and collect what each rank returns.
 
-Each rank is its own ``python -m tests.worker`` subprocess with the torchrun-style environment
-Lightning recognises, so a `Trainer(devices=N)` inside it never re-launches pytest (Lightning re-runs `sys.argv` in its child processes on CPU).
+Each rank is its own process running ``python -m tests.worker`` with the torchrun-style environment Lightning
+recognises, so a `Trainer(devices=N)` inside it never re-launches pytest (Lightning re-runs `sys.argv` in its child
+processes on CPU). The processes are forked from preloaded zygotes (`tests/zygote.py`), which saves each rank its
+imports; a rank whose environment the zygotes cannot give it starts fresh.
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ from typing import Any
 
 import torch
 
+from tests.zygote import RANK_VARIABLES, Zygotes
+
 REPO = Path(__file__).resolve().parents[1]
+FRESH = "FRESH_RANKS"
+"""Set (to anything) to start every rank as a fresh interpreter, as before the zygotes."""
 
 
 def free_port() -> int:
@@ -26,25 +32,52 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def rank_environment(world_size: int, rank: int, port: str, environment: dict[str, str | None] | None) -> dict[str, str]:
+    """A rank's environment: ours, the torchrun-style variables, one thread per rank; ``environment``: variables
+    to set (None: to remove)."""
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world_size),
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    for name, value in (environment or {}).items():
+        env.pop(name, None) if value is None else env.__setitem__(name, value)
+    return env
+
+
+_zygotes: Zygotes | None = None
+
+
+def zygotes() -> Zygotes:
+    """The session's zygotes, made for the environment every rank shares (`tests/zygote.py`)."""
+    global _zygotes
+    if _zygotes is None:
+        shared = {k: v for k, v in rank_environment(1, 0, "0", None).items() if k not in RANK_VARIABLES}
+        _zygotes = Zygotes(shared, str(REPO))
+    return _zygotes
+
+
 def start(target: str, world_size: int, out_dir: Path, environment: dict[str, str | None] | None = None,
-          **kwargs: Any) -> list[tuple[subprocess.Popen, Any]]:
-    """Start ``world_size`` ranks of ``target``; each rank's output goes to ``out_dir/rank<r>.log``.
-    ``environment``: variables to set in every rank (None: to remove)."""
+          **kwargs: Any) -> list[tuple[Any, Any]]:
+    """Start ``world_size`` ranks of ``target``; each rank's output goes to ``out_dir/rank<r>.log``. Each rank is
+    forked from a zygote, or started fresh where its environment differs from theirs or with ``FRESH_RANKS=1``.
+    Returns (process, open log file or None) per rank."""
     out_dir.mkdir(parents=True, exist_ok=True)
     port = str(free_port())
     procs = []
     for rank in range(world_size):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(world_size),
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "NODE_RANK": "0", "LOCAL_WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-        }
-        for name, value in (environment or {}).items():
-            env.pop(name, None) if value is None else env.__setitem__(name, value)
-        log = open(out_dir / f"rank{rank}.log", "w")
-        cmd = [sys.executable, "-m", "tests.worker", target, json.dumps(kwargs), str(out_dir)]
-        procs.append((subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log))
+        env = rank_environment(world_size, rank, port, environment)
+        log = out_dir / f"rank{rank}.log"
+        argv = ["tests.worker", target, json.dumps(kwargs), str(out_dir)]
+        proc = None if os.environ.get(FRESH) else zygotes().fork(rank, argv, env, str(log))
+        if proc is not None:
+            procs.append((proc, None))
+            continue
+        handle = open(log, "w")
+        procs.append((subprocess.Popen([sys.executable, "-m", *argv], env=env, cwd=REPO, stdout=handle,
+                                       stderr=subprocess.STDOUT), handle))
     return procs
 
 
@@ -56,7 +89,8 @@ def launch(target: str, world_size: int, out_dir: Path, timeout: float = 600, **
     procs = start(target, world_size, out_dir, **kwargs)
     first, failed = _wait_all([proc for proc, _ in procs], timeout)
     for _, log in procs:
-        log.close()
+        if log is not None:
+            log.close()
     if failed:
         codes = {rank: procs[rank][0].returncode for rank in failed}
         tails = "\n".join(_tail(out_dir / f"rank{rank}.log", rank, rank == first) for rank in range(world_size))
@@ -78,7 +112,8 @@ def exits(procs: list[tuple[subprocess.Popen, Any]], timeout: float) -> dict[int
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        log.close()
+        if log is not None:
+            log.close()
     return ended
 
 
