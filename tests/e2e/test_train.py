@@ -1,5 +1,7 @@
-"""The README's main job and a Hydra sweep, run as a user runs them; results read back with
-TensorBoard's own event reader."""
+"""The README's main job and a Hydra sweep, run exactly as a user runs them (``python examples/train.py ...``:
+Lightning starts the other processes); the other Hydra runs start one process per rank as torchrun does (the
+torchrun variables set, each forked from the test session's zygotes, `tests/zygote.py`). Results are read back
+with TensorBoard's own event reader."""
 
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ from tensorboard.util.tensor_util import make_ndarray
 
 from diagnostics.bottleneck_records import BOTTLENECK_FILE, LABELS, read_windows
 from lightning_nd import Layout
+from tests.launcher import exits, start
+
+TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,6 +42,18 @@ def run_train_script(args: list[str], timeout: float = 600) -> subprocess.Comple
     """examples/train.py in its own process (Lightning then launches the other ranks from there)."""
     return subprocess.run([sys.executable, "examples/train.py", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def run_train_ranks(args: list[str], world: int, out_dir: Path, timeout: float = 600,
+                    torchrun: bool = True) -> tuple[list[int | None], str]:
+    """examples/train.py on ``world`` processes, each a rank as torchrun starts it (``torchrun=False``: a plain
+    ``python examples/train.py`` in one process, without the torchrun variables). Returns every rank's exit code
+    (None: still running at ``timeout``, then killed) and all their output."""
+    environment = None if torchrun else dict.fromkeys(TORCHRUN_VARIABLES)
+    procs = start("tests.e2e.train_rank:run", world, out_dir, environment=environment, argv=args)
+    ended = exits(procs, timeout)
+    output = "\n".join((out_dir / f"rank{rank}.log").read_text() for rank in range(world))
+    return [ended[rank][0] if rank in ended else None for rank in range(world)], output
 
 
 def events(folder: Path) -> EventAccumulator:
@@ -110,9 +127,10 @@ def test_hydra_sweep_runs_every_layout(tmp_path):
 
 def test_3d_layout_trains_on_8_processes(tmp_path):
     """pp=2 x dp_shard=2 x tp=2 (+SP), the issue's acceptance command, shortened to 10 steps."""
-    done = run_train_script(["parallel=3d", "trainer.devices=8", "trainer.max_steps=10", "trainer.val_check_interval=10",
-                             "trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path}"], timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    codes, output = run_train_ranks(["parallel=3d", "trainer.devices=8", "trainer.max_steps=10",
+                                     "trainer.val_check_interval=10", "trainer.limit_val_batches=1",
+                                     f"hydra.run.dir={tmp_path}"], 8, tmp_path / "ranks")
+    assert codes == [0] * 8, output[-6000:]
     accumulator = events(tmp_path / "tensorboard")
     losses = [event.value for event in accumulator.Scalars("train_loss")]
     assert len(losses) == 10 and len(accumulator.Scalars("val_loss")) == 1
@@ -122,9 +140,10 @@ def test_3d_layout_trains_on_8_processes(tmp_path):
 
 
 def test_moe_model_trains_under_expert_parallelism(tmp_path):
-    done = run_train_script(["model=moe", "parallel=ep", "trainer.devices=4", "trainer.max_steps=10",
-                             "trainer.val_check_interval=10", "trainer.limit_val_batches=1", f"hydra.run.dir={tmp_path}"])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    codes, output = run_train_ranks(["model=moe", "parallel=ep", "trainer.devices=4", "trainer.max_steps=10",
+                                     "trainer.val_check_interval=10", "trainer.limit_val_batches=1",
+                                     f"hydra.run.dir={tmp_path}"], 4, tmp_path / "ranks")
+    assert codes == [0] * 4, output[-6000:]
     accumulator = events(tmp_path / "tensorboard")
     losses = [event.value for event in accumulator.Scalars("train_loss")]
     assert len(losses) == 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
@@ -135,24 +154,25 @@ def test_moe_model_trains_under_expert_parallelism(tmp_path):
     ("parallel.tp=3", "does not divide"),
     ("+parallel.dq=2", "has no option `dq`"),
 ])
-def test_bad_override_fails_before_training_with_a_hint(override, message):
-    done = run_train_script(["parallel=fsdp_tp", "trainer.devices=4", override], timeout=300)
-    output = done.stderr + done.stdout
-    assert done.returncode != 0
+def test_bad_override_fails_before_training_with_a_hint(override, message, tmp_path):
+    """In one plain process: it must fail before Lightning starts the other three."""
+    codes, output = run_train_ranks(["parallel=fsdp_tp", "trainer.devices=4", override, f"hydra.run.dir={tmp_path}"],
+                                    1, tmp_path / "ranks", timeout=300, torchrun=False)
+    assert codes[0] not in (0, None)
     assert message in output and "HINT" in output
     assert "Initializing distributed" not in output, "the error must come before any process group starts"
 
 
 def test_resume_under_another_layout_from_the_command_line(tmp_path):
-    first = run_train_script(["parallel=tp", "trainer.devices=2", "trainer.max_steps=4",
-                              "checkpoint.every_n_train_steps=2", f"hydra.run.dir={tmp_path / 'first'}"])
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    codes, output = run_train_ranks(["parallel=tp", "trainer.devices=2", "trainer.max_steps=4",
+                                     "checkpoint.every_n_train_steps=2", f"hydra.run.dir={tmp_path / 'first'}"], 2,
+                                    tmp_path / "first_ranks")
+    assert codes == [0, 0], output[-6000:]
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
     assert last.resolve().name == "step=4.ckpt"
-    second = run_train_script(["parallel=fsdp", "trainer.devices=2", "trainer.max_steps=6", f"ckpt_path={last}",
-                               f"hydra.run.dir={tmp_path / 'second'}"])
-    output = second.stdout + second.stderr
-    assert second.returncode == 0, output[-3000:]
+    codes, output = run_train_ranks(["parallel=fsdp", "trainer.devices=2", "trainer.max_steps=6", f"ckpt_path={last}",
+                                     f"hydra.run.dir={tmp_path / 'second'}"], 2, tmp_path / "second_ranks")
+    assert codes == [0, 0], output[-6000:]
     assert "resharded" in output and "'tp': 2" in output and "Restored all states" in output
     manifest = json.loads((tmp_path / "second" / "checkpoints" / "last.ckpt" / "lightning_nd.json").read_text())
     assert manifest["global_step"] == 6 and manifest["layout"]["tp"] == 1
