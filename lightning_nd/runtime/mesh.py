@@ -56,8 +56,30 @@ class NDMesh:
         return index
 
 
+_built: dict[tuple, NDMesh] = {}
+"""Meshes built in this process, by device type and shape: a later run of the same shape reuses one."""
+
+
 def build_mesh(dims: ParallelDims, device_type: str) -> NDMesh:
-    """Create the world mesh (needs an initialised default process group) with every named sub-mesh."""
+    """The world mesh (needs an initialised default process group) with every named sub-mesh.
+
+    A mesh of the same shape built earlier in this process, whose groups are all still registered (the default
+    group was not destroyed since), is returned again: its groups are the same communicators, while a new set
+    would stay alive beside it (nothing releases a mesh's groups, and each idle gloo group keeps a thread
+    waking). So a later stage (validate after fit) and a later Trainer of the same layout cost no new groups.
+    """
+    from torch.distributed.distributed_c10d import _world
+
+    key = (device_type, dims.shape, dims.ep)
+    cached = _built.get(key)
+    if cached is not None and all(group in _world.pg_map for name in cached.names
+                                  for group in cached[name].get_all_groups()):
+        return cached
+    _built[key] = _new_mesh(dims, device_type)
+    return _built[key]
+
+
+def _new_mesh(dims: ParallelDims, device_type: str) -> NDMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     shard_parts: tuple[str, ...] = ("dp_shard",)
