@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from tests.zygote import RANK_VARIABLES, Zygotes
+from tests.zygote import RANK_VARIABLES
+from tests.zygotes import Zygotes
 
 REPO = Path(__file__).resolve().parents[1]
 FRESH = "FRESH_RANKS"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.launcher import exits, launch, start
-from tests.zygote import Rank
+from tests.zygotes import Rank
 
 SCENARIO = "tests.distributed.process_scenario"
 
