@@ -1,0 +1,49 @@
+"""Two pytest workers share the machine (``-n 2 --dist loadgroup`` in pyproject's addopts), so the cores a launch
+leaves idle (ranks waiting for a timeout, one rank computing the reference) do not stay idle:
+
+- the tests that train on several processes run on one worker, as one group, in `GROUP`'s order: the training
+  tests first, the live diagnostics that judge timings (a straggler, a data-bound loader, the peak memory of a
+  re-run) last, once the other worker has nothing left;
+- the in-process tests, then the fault tests that mostly wait (`WAITING`: a rank stuck or killed, its peers
+  stopping within the timeout), each module a unit of its own, run on the other worker meanwhile.
+
+The grouping is by path, in the scheduler below: pytest-xdist's ``xdist_group`` marker does not group under
+pytest 9 (xdist 3.8 sets ``item._nodeid``, which pytest 9 no longer reads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from xdist.scheduler import LoadScopeScheduling
+
+GROUP = ("tests/distributed/", "tests/e2e/", "tests/diagnostics/test_memory_live.py",
+         "tests/diagnostics/test_bottleneck_live.py")
+WAITING = ("tests/diagnostics/test_hang_live.py", "tests/distributed/test_failures.py")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def place(path: str) -> tuple[int, int]:
+    """(0, index in `GROUP`) for the group, (1, 0) for an in-process test, (2, 0) for a waiting one."""
+    if path.startswith(WAITING):
+        return 2, 0
+    index = next((i for i, prefix in enumerate(GROUP) if path.startswith(prefix)), None)
+    return (1, 0) if index is None else (0, index)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: place(Path(str(item.path)).resolve().relative_to(ROOT).as_posix()))
+
+
+class GroupScheduling(LoadScopeScheduling):
+    """The group is one work unit (the biggest, so handed out first); a waiting module is one; every other test
+    is a unit of its own."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = nodeid.split("::", 1)[0]
+        kind, _ = place(path)
+        return "group" if kind == 0 else path if kind == 2 else nodeid
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling | None:  # noqa: ANN001
+    return GroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
