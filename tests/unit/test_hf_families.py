@@ -51,8 +51,10 @@ def tiny_model(model_type: str) -> torch.nn.Module:
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class()
     config = config_class(**{key: value for key, value in TINY.items() if hasattr(defaults, key)})
-    for name, sub in vars(config).items():  # vision and audio towers are built at their full default size otherwise
-        if isinstance(sub, transformers.PretrainedConfig) and name != "text_config":
+    # Nested configs (vision, audio, and a text model the top config does not forward to) keep their full default
+    # size otherwise: muse_glimmer's text model had 52 layers of width 6656, 23 s of fake-tensor forward and backward.
+    for sub in vars(config).values():
+        if isinstance(sub, transformers.PretrainedConfig):
             for key, value in TINY.items():
                 if hasattr(sub, key):
                     setattr(sub, key, value)
