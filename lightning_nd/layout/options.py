@@ -9,11 +9,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from torch.distributed.tensor.parallel import ParallelStyle
-
 from lightning_nd.layout.dims import closest_name
 from lightning_nd.layout.positions import CP_POSITIONS
 from lightning_nd.layout.schedules import check_schedule
+from lightning_nd.layout.tp_checks import is_torch_style
 
 ZERO_STAGES = (1, 2, 3)
 AC_MODES = ("none", "full", "selective")
@@ -87,7 +86,7 @@ class ParallelConfig:
             raise TypeError(f"`tp_plan` must map module-name patterns to styles, got {type(self.tp_plan).__name__}."
                             " HINT: `tp_plan={'layers.*.q_proj': 'colwise', 'layers.*.o_proj': 'rowwise'}`.")
         for pattern, style in self.tp_plan.items():
-            if not isinstance(pattern, str) or not isinstance(style, (str, ParallelStyle)):
+            if not isinstance(pattern, str) or not (isinstance(style, str) or is_torch_style(style)):
                 raise TypeError(f"`tp_plan` entry {pattern!r}: {style!r} must be a name pattern mapped to a style name"
                                 " or a torch `ParallelStyle`. HINT: e.g. 'colwise' or `ColwiseParallel()`.")
 

@@ -5,6 +5,7 @@ Pure inspection of an ``nn.Module``; nothing here changes the model or talks to 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -160,3 +161,10 @@ def is_experts(module: nn.Module) -> bool:
 def unsupported_experts(module: nn.Module) -> list[str]:
     """Parameters of an experts module that expert parallelism would not carry over (biases, extras)."""
     return [name for name, _ in module.named_parameters() if name not in ("gate_up_proj", "down_proj")]
+
+
+def torch_class(module: str, name: str) -> type | None:
+    """``module.name`` if ``module`` is loaded, else None. Planning never imports DTensor or FSDP for a check (about
+    1 s): an object of such a class (a style, a sharded parameter) exists only once its module is loaded, so a class
+    not loaded answers no."""
+    return getattr(sys.modules.get(module), name, None)

@@ -10,12 +10,10 @@ from collections.abc import Mapping
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_nd.layout.dims import divisors
 from lightning_nd.layout.structure import (
-    HEAD_ATTRS, KV_HEAD_ATTRS, ModelFacts, get_submodule, is_conv1d, is_linear, parent_name,
+    HEAD_ATTRS, KV_HEAD_ATTRS, ModelFacts, get_submodule, is_conv1d, is_linear, parent_name, torch_class,
 )
 
 SHARDED_OUTPUT = ("colwise", "packed_colwise", "packed_qkv")
@@ -25,11 +23,16 @@ COLWISE_WEIGHT = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_
 ROWWISE_WEIGHT = ("rowwise", "rowwise_split_input", "embedding_rowwise")
 
 
+def is_torch_style(value: object, name: str = "ParallelStyle") -> bool:
+    """``isinstance(value, torch.distributed.tensor.parallel.<name>)``, without importing it."""
+    cls = torch_class("torch.distributed.tensor.parallel", name)
+    return cls is not None and isinstance(value, cls)
+
+
 def is_colwise(style: object) -> bool:
     """Styles that fan a module's input out into per-rank heads or features."""
-    return style in SHARDED_OUTPUT or (
-        isinstance(style, ColwiseParallel) and not isinstance(style.output_layouts[0], Replicate)
-    )
+    return style in SHARDED_OUTPUT or (is_torch_style(style, "ColwiseParallel") and not isinstance(
+        style.output_layouts[0], torch_class("torch.distributed.tensor", "Replicate")))
 
 
 def head_counts(module: nn.Module) -> dict[str, int]:
@@ -81,9 +84,9 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
     """(dim, parts) that a tp style splits this parameter on (``parts`` > 1: each of that many equal parts is
     split on its own, a ``_StridedShard``); None when it stays whole on every tp rank."""
     # A colwise style object may split a fused weight part by part (`FusedColwiseParallel.parts`).
-    parts = PACKED_PARTS.get(style, getattr(style, "parts", 1) if isinstance(style, ColwiseParallel) else 1)  # type: ignore[arg-type]
-    colwise = style in COLWISE_WEIGHT or isinstance(style, ColwiseParallel)
-    rowwise = style in ROWWISE_WEIGHT or isinstance(style, RowwiseParallel)
+    parts = PACKED_PARTS.get(style, getattr(style, "parts", 1) if is_torch_style(style, "ColwiseParallel") else 1)  # type: ignore[arg-type]
+    colwise = style in COLWISE_WEIGHT or is_torch_style(style, "ColwiseParallel")
+    rowwise = style in ROWWISE_WEIGHT or is_torch_style(style, "RowwiseParallel")
     if isinstance(module, nn.Embedding):
         return (1, 1) if colwise else (0, 1) if rowwise else None
     out_dim = 1 if is_conv1d(module) else 0
@@ -148,8 +151,8 @@ def vocabulary_split_with_own_forward(model: nn.Module, entries: Mapping[str, ob
 
 
 def _is_plain_rowwise(style: object) -> bool:
-    if isinstance(style, RowwiseParallel):
-        return isinstance(style.input_layouts[0], Shard)
+    if is_torch_style(style, "RowwiseParallel"):
+        return isinstance(style.input_layouts[0], torch_class("torch.distributed.tensor", "Shard"))
     return style == "rowwise"
 
 

@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_nd.runtime.probe import check_initialisable, own_tensors
+
+
 def has_meta(module: nn.Module) -> bool:
-    return any(t.is_meta for t in _tensors(module))
-
-
-def _tensors(module: nn.Module, recurse: bool = True) -> Iterator[torch.Tensor]:
-    yield from module.parameters(recurse=recurse)
-    yield from module.buffers(recurse=recurse)
+    return any(t.is_meta for t in own_tensors(module))
 
 
 def shard_identity(tensor: torch.Tensor) -> tuple:
@@ -47,30 +44,6 @@ def _seed(base: int, module_index: int, identity: tuple) -> int:
     return int.from_bytes(digest[:8], "little") % (2**63)
 
 
-def uninitialisable(module: nn.Module) -> list[str]:
-    """Classes of modules that own parameters or buffers a meta-device build could not initialise
-    (no ``reset_parameters()``, and no other module that does initialises the same tensor)."""
-    covered = {
-        id(t) for m in module.modules() if callable(getattr(m, "reset_parameters", None)) for t in _tensors(m, False)
-    }
-    return sorted({
-        type(m).__name__ for m in module.modules()
-        if not callable(getattr(m, "reset_parameters", None)) and any(id(t) not in covered for t in _tensors(m, False))
-    })
-
-
-def check_initialisable(module: nn.Module) -> None:
-    """Raise, naming the fix, when materialising ``module`` would leave uninitialised memory."""
-    missing = uninitialisable(module)
-    if missing:
-        raise ValueError(
-            f"The model is built on the meta device (in `configure_model`), but {', '.join(missing)} cannot be"
-            " initialised there: they own parameters or buffers and have no `reset_parameters()`."
-            " HINT: give them a `reset_parameters()`, build the model in `__init__`, or pass"
-            " `NDParallel(init_on_meta=False)` to run `configure_model` on the real device."
-        )
-
-
 def materialize(module: nn.Module, device: torch.device, seed: int = 0) -> None:
     """Allocate and initialise every meta tensor of ``module``, each rank only its shards.
 
@@ -87,7 +60,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int = 0) -> None:
         # torch's warning is about exactly the gap the per-shard seeds close on CPU meshes.
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
         for index, submodule in enumerate(module.modules()):
-            own = list(_tensors(submodule, recurse=False))
+            own = list(own_tensors(submodule, recurse=False))
             if not own or not callable(getattr(submodule, "reset_parameters", None)):
                 continue
             earlier = {id(t): _local(t).clone() for t in own if id(t) in done}

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
 
-from lightning_nd.runtime.materialize import check_initialisable
+from lightning_nd.layout.structure import torch_class
 
 log = logging.getLogger("lightning_nd")
 
@@ -51,8 +51,37 @@ def model_to_check(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def already_parallel(module: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+    fsdp_module, dtensor = torch_class("torch.distributed.fsdp", "FSDPModule"), torch_class("torch.distributed.tensor",
+                                                                                             "DTensor")
+    return (fsdp_module is not None and any(isinstance(m, fsdp_module) for m in module.modules())) or (
+        dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters()))
 
-    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
+
+def own_tensors(module: torch.nn.Module, recurse: bool = True) -> Iterator[torch.Tensor]:
+    """The parameters, then the buffers."""
+    yield from module.parameters(recurse=recurse)
+    yield from module.buffers(recurse=recurse)
+
+
+def uninitialisable(module: torch.nn.Module) -> list[str]:
+    """Classes of modules that own parameters or buffers a meta-device build could not initialise
+    (no ``reset_parameters()``, and no other module that does initialises the same tensor)."""
+    covered = {
+        id(t) for m in module.modules() if callable(getattr(m, "reset_parameters", None)) for t in own_tensors(m, False)
+    }
+    return sorted({
+        type(m).__name__ for m in module.modules()
+        if not callable(getattr(m, "reset_parameters", None)) and any(id(t) not in covered for t in own_tensors(m, False))
+    })
+
+
+def check_initialisable(module: torch.nn.Module) -> None:
+    """Raise, naming the fix, when materialising ``module`` would leave uninitialised memory."""
+    missing = uninitialisable(module)
+    if missing:
+        raise ValueError(
+            f"The model is built on the meta device (in `configure_model`), but {', '.join(missing)} cannot be"
+            " initialised there: they own parameters or buffers and have no `reset_parameters()`."
+            " HINT: give them a `reset_parameters()`, build the model in `__init__`, or pass"
+            " `NDParallel(init_on_meta=False)` to run `configure_model` on the real device."
+        )
