@@ -1,14 +1,17 @@
 """Two pytest workers share the machine (``-n 2 --dist loadgroup`` in pyproject's addopts), so the cores a launch
 leaves idle (ranks waiting for a timeout, one rank computing the reference) do not stay idle:
 
-- the tests that train on several processes run on one worker, as one group, in `GROUP`'s order: the training
+- the tests that train on several processes are one unit, run by one worker in `GROUP`'s order: the training
   tests first, the live diagnostics that judge timings (a straggler, a data-bound loader, the peak memory of a
-  re-run) last, once the other worker has nothing left;
-- the in-process tests, then the fault tests that mostly wait (`WAITING`: a rank stuck or killed, its peers
-  stopping within the timeout), each module a unit of its own, run on the other worker meanwhile.
+  re-run) last;
+- the other worker takes the fault tests that mostly wait (`WAITING`: a rank stuck or killed, its peers stopping
+  within the timeout), each module a unit, then the in-process tests one by one (xdist hands out the units with
+  more tests first).
 
-The grouping is by path, in the scheduler below: pytest-xdist's ``xdist_group`` marker does not group under
-pytest 9 (xdist 3.8 sets ``item._nodeid``, which pytest 9 no longer reads)."""
+Two launches at once would be slower than one after the other (their ranks wait on each other's time slices),
+so no other multi-process module runs beside the group. The grouping is by path, in the scheduler below:
+pytest-xdist's ``xdist_group`` marker does not group under pytest 9 (xdist 3.8 sets ``item._nodeid``, which
+pytest 9 no longer reads)."""
 
 from __future__ import annotations
 

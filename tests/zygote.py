@@ -2,7 +2,7 @@
 skips importing torch, Lightning, transformers and this project (about 7 s of CPU each on 2 cores).
 
 A zygote is ``python -m tests.zygote``, started once per test session by `tests/zygotes.py` (the session's side):
-it imports `preload_modules()`, checks that it is still one thread with CUDA untouched, and then only forks.
+it imports `PRELOAD`, checks that it is still one thread with CUDA untouched, and then only forks.
 Requests and answers are JSON lines on its stdin and stdout: ``{"argv", "env", "cwd", "log"}`` -> ``{"pid"}`` at
 once, ``{"pid", "exit"}`` when that child ends (the zygote is its parent and reaps it). The child makes itself
 what a fresh ``python -m tests.worker ...`` would be (`_become_fresh`): the rank's environment, working
@@ -51,10 +51,6 @@ PRELOAD = ("torch", "torch.distributed.pipelining", "torch.distributed.fsdp", "t
            "tests.models", "tests.distributed.parity", "tests.distributed.families")
 """What the ranks import, less what reads the environment when imported: the scenario modules (several read
 ``WORLD_SIZE`` at import) are imported by each rank."""
-
-
-def preload_modules() -> list[str]:
-    return list(PRELOAD)
 
 
 def _die_with_parent() -> None:
@@ -187,7 +183,6 @@ def serve() -> None:
             children.discard(pid)
             answers.write(json.dumps({"pid": pid, "exit": os.waitstatus_to_exitcode(status)}) + "\n")
         answers.flush()
-
 
 
 if __name__ == "__main__":

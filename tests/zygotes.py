@@ -13,7 +13,7 @@ import sys
 import threading
 import warnings
 
-from tests.zygote import RANK_VARIABLES, SLOTS, preload_modules
+from tests.zygote import PRELOAD, RANK_VARIABLES, SLOTS
 
 
 class Rank:
@@ -49,8 +49,7 @@ class Zygote:
     """The test session's side of one zygote: start it, ask it for ranks, learn how they ended."""
 
     def __init__(self, env: dict[str, str], cwd: str) -> None:
-        self.env = env
-        self.process = subprocess.Popen([sys.executable, "-m", "tests.zygote", json.dumps(preload_modules())],
+        self.process = subprocess.Popen([sys.executable, "-m", "tests.zygote", json.dumps(PRELOAD)],
                                         env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.exits: dict[int, int] = {}
         self.ended = threading.Condition()

@@ -51,10 +51,13 @@ def model_to_check(model: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def already_parallel(module: torch.nn.Module) -> bool:
-    fsdp_module, dtensor = torch_class("torch.distributed.fsdp", "FSDPModule"), torch_class("torch.distributed.tensor",
-                                                                                             "DTensor")
-    return (fsdp_module is not None and any(isinstance(m, fsdp_module) for m in module.modules())) or (
-        dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters()))
+    """The user sharded it already (FSDP2 modules or DTensor parameters); neither exists before torch's module is
+    loaded, so nothing is imported to answer."""
+    fsdp_module = torch_class("torch.distributed.fsdp", "FSDPModule")
+    dtensor = torch_class("torch.distributed.tensor", "DTensor")
+    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in module.modules()):
+        return True
+    return dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters())
 
 
 def own_tensors(module: torch.nn.Module, recurse: bool = True) -> Iterator[torch.Tensor]:
