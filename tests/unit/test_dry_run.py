@@ -80,3 +80,17 @@ def test_a_70b_llama_at_64_devices(tmp_path, capsys):
     assert min(per_rank) > total / 32 / 2 * 0.85 and max(per_rank) < total / 32 / 2 * 1.25  # dp_shard=2 halves
     assert layout.ranks[0].params[0].dtype == "float32" and len(layout.roles["tp"][0]) == 8
     assert layout.warnings == ()
+
+
+GEMMA2 = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128}
+
+
+def test_a_family_without_sdpa_is_planned_eager_and_refused_under_cp(capsys):
+    """Gemma2 has no sdpa attention: the dry run builds it eager (as a run of it would be) instead of failing on
+    transformers' error, and context parallelism, which needs sdpa, is refused by name."""
+    argv = ("--hf-model-type", "gemma2", "--hf-kwargs", json.dumps(GEMMA2), "--devices", "4", "--layout")
+    code, out, err = _run(capsys, *argv, "dp_shard=2,tp=2")
+    assert code == 0 and "Gemma2ForCausalLM" in out, err
+    code, _, err = _run(capsys, *argv, "cp=2,dp_shard=2")
+    assert code == 2 and "attn_implementation='eager'" in err and "cp=1" in err, err
