@@ -64,15 +64,7 @@ def build_model(spec: str | None, hf_path: str | None, hf_model_type: str | None
         from transformers import AutoModelForCausalLM
 
         config = hf_config(hf_path, hf_model_type, hf_kwargs)
-        chosen = getattr(config, "_attn_implementation", None)
-        config._attn_implementation = chosen or "sdpa"
-        with torch.device("meta"):
-            try:
-                return Holder(AutoModelForCausalLM.from_config(config))
-            except ValueError as error:  # a family without an sdpa path (gemma2) runs eager: plan that
-                if chosen or "scaled_dot_product_attention" not in str(error):
-                    raise
-            config._attn_implementation = "eager"
+        with torch.device("meta"):  # transformers picks the attention a run of it gets: sdpa, or eager (gemma2)
             return Holder(AutoModelForCausalLM.from_config(config))
     factory = load_factory(spec)
     with torch.device("meta"):
