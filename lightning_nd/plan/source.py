@@ -64,8 +64,13 @@ def build_model(spec: str | None, hf_path: str | None, hf_model_type: str | None
         from transformers import AutoModelForCausalLM
 
         config = hf_config(hf_path, hf_model_type, hf_kwargs)
-        with torch.device("meta"):  # transformers picks the attention a run of it gets: sdpa, or eager (gemma2)
-            return Holder(AutoModelForCausalLM.from_config(config))
+        try:
+            with torch.device("meta"):  # transformers picks the attention a run of it gets: sdpa, or eager (gemma2)
+                return Holder(AutoModelForCausalLM.from_config(config))
+        except (AssertionError, ValueError, TypeError) as error:  # the family's own checks of its config
+            raise ValueError(f"transformers could not build {type(config).__name__}: {error or type(error).__name__}. "
+                             "HINT: fix the setting it names in --hf-kwargs or --hf-config (a small vocab_size needs "
+                             "pad_token_id, bos_token_id and eos_token_id below it).") from error
     factory = load_factory(spec)
     with torch.device("meta"):
         built = factory()

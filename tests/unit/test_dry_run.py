@@ -94,3 +94,11 @@ def test_a_family_without_sdpa_is_planned_eager_and_refused_under_cp(capsys):
     assert code == 0 and "Gemma2ForCausalLM" in out, err
     code, _, err = _run(capsys, *argv, "cp=2,dp_shard=2")
     assert code == 2 and "attn_implementation='eager'" in err and "cp=1" in err, err
+
+
+def test_a_config_the_family_rejects_exits_2_naming_it(capsys):
+    """Phi3's default pad_token_id (32000) outside a 128-token vocabulary: its embedding asserts; the dry run says
+    which family refused which setting (exit 2) instead of a traceback (exit 1)."""
+    code, _, err = _run(capsys, "--hf-model-type", "phi3", "--hf-kwargs", json.dumps(GEMMA2), "--devices", "4",
+                        "--layout", "tp=2")
+    assert code == 2 and "Phi3Config" in err and "Padding_idx" in err and "pad_token_id" in err, err
