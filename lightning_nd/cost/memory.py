@@ -136,9 +136,12 @@ def rank_memories(layout: Layout, shape: ModelShape, workload: Workload, *,
     """Every rank's `rank_memory`. Ranks whose pieces have the same names, sizes and placements at the same
     pipeline position cost the same (tp and FSDP peers, mostly): each is priced once."""
     priced: dict[tuple, RankMemory] = {}
+    pieces: dict[int, tuple] = {}  # ranks of a planned Layout that hold the same pieces share one tuple of them
     ranks = []
     for holding in layout.ranks:
-        key = (holding.coordinates["pp"], tuple((p.name, p.bytes, p.padded_bytes, p.placement) for p in holding.params))
+        if id(holding.params) not in pieces:
+            pieces[id(holding.params)] = tuple((p.name, p.bytes, p.padded_bytes, p.placement) for p in holding.params)
+        key = (holding.coordinates["pp"], pieces[id(holding.params)])
         if key not in priced:
             priced[key] = rank_memory(layout, shape, workload, holding.rank, optimizer=optimizer)
         memory = priced[key]

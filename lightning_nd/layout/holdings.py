@@ -70,6 +70,8 @@ class _Param:
     fsdp: tuple[str, int, int] | None
     """(role, size, dim) FSDP shards it over, or None."""
     placement: str
+    cut_by: tuple[str, ...]
+    """The index roles its piece on a rank depends on (tp, ep, and fsdp or expert_dp)."""
 
 
 def rank_holdings(
@@ -82,12 +84,18 @@ def rank_holdings(
     experts: set[str],
     precision: str | None = None,
 ) -> tuple[RankHolding, ...]:
-    """One `RankHolding` per global rank; ranks that hold the same piece share one `ParamShard`."""
+    """One `RankHolding` per global rank. A parameter's piece depends only on the rank's index along the roles that
+    cut it (`_Param.cut_by`); equal pieces (FSDP peers of an evenly split weight, mostly) are one `ParamShard`, and
+    ranks that hold the same pieces share one tuple."""
     copies = {f"{pipeline.attribute}.{last}" for _, last in pipeline.split.tied} if pipeline is not None else set()
     params = _params(module, dims, blocks, tp_entries, experts, precision, copies)
     inside, sizes = dims.dp_shard_in_ep, {"tp": dims.tp, "ep": dims.ep}
-    shared: dict[tuple, ParamShard] = {}
+    pieces = _Pieces(sizes)
+    own: dict[str, dict[tuple[int, ...], ParamShard]] = {param.name: {} for param in params}
+    cuts = {param.cut_by for param in params}
     by_stages: dict[tuple[int, ...], list[_Param]] = {}  # the parameters of each pp rank's stages, found once
+    held: dict[tuple, tuple[ParamShard, ...]] = {}
+    same: dict[tuple[int, ...], tuple[ParamShard, ...]] = {}  # ranks whose pieces are the same objects
     holdings = []
     for rank in range(dims.world_size):
         coords = dims.coordinates(rank)
@@ -97,15 +105,42 @@ def rank_holdings(
             by_stages[stages] = [p for p in params if prefixes is None or p.name.startswith(prefixes)]
         index = {"tp": coords["tp"], "ep": coords["ep"], "fsdp": coords["dp_shard"] * dims.cp + coords["cp"],
                  "expert_dp": coords["dp_replicate"] * (dims.dp_shard // inside) + coords["dp_shard"] // inside}
-        shards = []
-        for param in by_stages[stages]:
-            key = (param.name, index["tp"] if param.tp else None, index["ep"] if param.expert else None,
-                   index[param.fsdp[0]] if param.fsdp else None)
-            if key not in shared:
-                shared[key] = _shard(param, index, sizes)
-            shards.append(shared[key])
-        holdings.append(RankHolding(rank, coords, stages, tuple(shards)))
+        key = (stages, *index.values())
+        if key not in held:
+            where = {cut: tuple(index[role] for role in cut) for cut in cuts}
+            shards = []
+            for param in by_stages[stages]:
+                at = where[param.cut_by]
+                piece = own[param.name].get(at)
+                if piece is None:
+                    piece = own[param.name][at] = pieces.shard(param, index, at)
+                shards.append(piece)
+            held[key] = same.setdefault(tuple(map(id, shards)), tuple(shards))
+        holdings.append(RankHolding(rank, coords, stages, held[key]))
     return tuple(holdings)
+
+
+class _Pieces:
+    """A rank's `ParamShard` of a parameter, for one layout: each distinct piece computed and built once."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.sizes = sizes
+        self.shapes: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self.shards: dict[tuple, ParamShard] = {}
+
+    def shard(self, param: _Param, index: dict[str, int], at: tuple[int, ...]) -> ParamShard:
+        """``at``: the rank's index along ``param.cut_by``."""
+        geometry = (param.shape, param.tp, param.expert, param.fsdp, at)
+        if geometry not in self.shapes:
+            self.shapes[geometry] = _local_shapes(param, index, self.sizes)
+        shape, padded = self.shapes[geometry]
+        key = (param.name, shape, padded)
+        if key not in self.shards:
+            self.shards[key] = ParamShard(
+                name=param.name, kind=param.kind, shape=param.shape, local_shape=shape, placement=param.placement,
+                dtype=param.dtype, bytes=math.prod(shape) * param.element_size,
+                padded_bytes=math.prod(padded) * param.element_size)
+        return self.shards[key]
 
 
 def _params(module: nn.Module, dims: ParallelDims, blocks: tuple[str, ...], tp_entries: Mapping[str, object],
@@ -132,13 +167,15 @@ def _params(module: nn.Module, dims: ParallelDims, blocks: tuple[str, ...], tp_e
             placement.append(f"{fsdp[0]}:Shard({dim})")
         dtype = dtype_override if dtype_override is not None and param.is_floating_point() else param.dtype
         params.append(_Param(name, kind_of(name, owner, blocks, experts), tuple(param.shape),
-                             str(dtype).removeprefix("torch."), torch.empty((), dtype=dtype).element_size(), split,
-                             expert, fsdp, " ".join(placement) or "replicated"))
+                             str(dtype).removeprefix("torch."), dtype.itemsize, split,
+                             expert, fsdp, " ".join(placement) or "replicated",
+                             ("tp",) * (split is not None) + ("ep",) * expert + ((fsdp[0],) if fsdp else ())))
     return params
 
 
-def _shard(param: _Param, index: dict[str, int], sizes: dict[str, int]) -> ParamShard:
-    """This rank's piece of ``param``: tp, then ep, then FSDP cut the local tensor, FSDP padding to the first piece."""
+def _local_shapes(param: _Param, index: dict[str, int], sizes: dict[str, int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's piece of ``param`` (local, padded): tp, then ep, then FSDP cut the local tensor, FSDP padding
+    to the first piece."""
     shape = list(param.shape)
     if param.tp is not None:
         shape[param.tp[0]] = chunk_length(shape[param.tp[0]], sizes["tp"], index["tp"])
@@ -149,9 +186,7 @@ def _shard(param: _Param, index: dict[str, int], sizes: dict[str, int]) -> Param
         role, size, dim = param.fsdp
         padded[dim] = math.ceil(shape[dim] / size) if shape[dim] else 0
         shape[dim] = chunk_length(shape[dim], size, index[role])
-    return ParamShard(name=param.name, kind=param.kind, shape=param.shape, local_shape=tuple(shape),
-                      placement=param.placement, dtype=param.dtype, bytes=math.prod(shape) * param.element_size,
-                      padded_bytes=math.prod(padded) * param.element_size)
+    return tuple(shape), tuple(padded)
 
 
 def _stage_prefixes(pipeline: StagePlan | None, stages: tuple[int, ...]) -> tuple[str, ...] | None:

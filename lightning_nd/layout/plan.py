@@ -7,6 +7,9 @@ Every check runs here, in the order the composer will apply the techniques.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
 from torch import nn
 
 from lightning_nd.layout.dims import ParallelDims
@@ -16,10 +19,12 @@ from lightning_nd.layout.pipeline_split import pipeline_model, split_stages, sta
 from lightning_nd.layout.record import ExpertsPlacement, Layout, StagePlan, Technique, TPEntry
 from lightning_nd.layout.roles import role_groups, role_names
 from lightning_nd.layout.positions import describe_positions
-from lightning_nd.layout.structure import find_blocks, get_submodule, is_experts, read_model_facts
+from lightning_nd.layout.structure import ModelFacts, find_blocks, is_experts, read_model_facts
 from lightning_nd.layout.tp_checks import check_packed_biases_under_fsdp
 from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
 from lightning_nd.layout.validate import check_config, check_model, warn
+
+T = TypeVar("T")
 
 
 def plan_layout(
@@ -29,33 +34,37 @@ def plan_layout(
     *,
     precision: str | None = None,
     local_world_size: int | None = None,
+    memo: PlanMemo | None = None,
 ) -> Layout:
     """Check ``config`` and ``module`` against ``dims`` and record what every rank will hold.
 
     ``module``: the LightningModule (or any ``nn.Module``) as the composer will see it; ``precision``: the
     Trainer's (``bf16-mixed`` sets FSDP's dtypes, ``bf16-true`` the parameters'); ``local_world_size``:
-    processes per node, for the warning when a tp/cp/ep group spans nodes.
+    processes per node, for the warning when a tp/cp/ep group spans nodes; ``memo``: a `PlanMemo` kept across
+    plans of this same, unchanged module (the planner's candidates).
     """
+    memo = memo if memo is not None else PlanMemo()
     notes: list[str] = []
     for message in check_config(dims.as_dict(), config):
         warn(notes, message)
     notes += dims.check_topology(local_world_size)
     options = resolve_options(dims.as_dict(), config, precision)
-    blocks = find_blocks(module, block_class_list(config))
-    facts = read_model_facts(module, blocks)
+    classes = block_class_list(config)
+    blocks, facts = memo.get(("blocks", _identities(classes or ())), lambda: _blocks_and_facts(module, classes))
     check_model(module, dims, config, blocks, facts, notes)
     block_names = tuple(name for name, _ in blocks)
     plan = None
     if dims.tp > 1:
-        plan = resolve_tp_plan(module, config.tp_plan, tp=dims.tp, facts=facts,
-                               sequence_parallel=config.sequence_parallel)
+        plan = memo.get(("tp", dims.tp, config.sequence_parallel, block_names, _identities(config.tp_plan or {})),
+                        lambda: resolve_tp_plan(module, config.tp_plan, tp=dims.tp, facts=facts,
+                                                sequence_parallel=config.sequence_parallel))
         if config.loss_parallel and "colwise_gather_output" not in plan.entries.values():
             raise ValueError("`NDParallel(loss_parallel=True)` needs a vocabulary-sharded output head, and the plan"
                              " has none (a head tied to the embedding stays whole). HINT: set loss_parallel=False, or"
                              " put the head in `tp_plan` as 'colwise_gather_output'.")
         if dims.fsdp_enabled:
             check_packed_biases_under_fsdp(module, plan.entries, dims)
-    pipeline = _plan_stages(module, blocks, dims, config, options) if dims.pp > 1 else None
+    pipeline = _plan_stages(module, blocks, dims, config, options, memo) if dims.pp > 1 else None
     experts = _experts(module, dims)
     positions = describe_positions(module, dims.cp, config.cp_positions) if dims.cp > 1 else ""
     tp_entries = plan.entries if plan is not None else {}
@@ -74,13 +83,41 @@ def plan_layout(
     )
 
 
+class PlanMemo:
+    """What plans of one unchanged module share, for a caller that plans it many times (the planner ranks every
+    layout of one model): its blocks and sizes, each tp plan, each stage split, computed on first use. What raises
+    is not kept, so the next plan that needs it raises again."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, Any] = {}
+
+    def get(self, key: tuple, compute: Callable[[], T]) -> T:
+        if key not in self._kept:
+            self._kept[key] = compute()
+        return self._kept[key]
+
+
+def _identities(given: Iterable | Mapping) -> tuple:
+    """A key for what the user passed (classes, styles, lists): strings by value, anything else by identity."""
+    items = given.items() if isinstance(given, Mapping) else enumerate(given)
+    return tuple((key, value if isinstance(value, str) else id(value)) for key, value in items)
+
+
+def _blocks_and_facts(module: nn.Module, classes: list | None) -> tuple[list[tuple[str, nn.Module]], ModelFacts]:
+    blocks = find_blocks(module, classes)
+    return blocks, read_model_facts(module, blocks)
+
+
 def _plan_stages(module: nn.Module, blocks: list[tuple[str, nn.Module]], dims: ParallelDims, config: ParallelConfig,
-                 options: dict) -> StagePlan:
+                 options: dict, memo: PlanMemo) -> StagePlan:
     attribute, model = pipeline_model(module)
     prefix = attribute + "."
     model_blocks = [(name[len(prefix):], block) for name, block in blocks if name.startswith(prefix)]
-    split = split_stages(model, model_blocks, dims.pp * options["pp_stages_per_rank"],
-                         layers_per_stage=config.pp_layers_per_stage, split_points=config.pp_split)
+    stages = dims.pp * options["pp_stages_per_rank"]
+    key = ("stages", stages, tuple(name for name, _ in model_blocks), repr(config.pp_layers_per_stage),
+           repr(config.pp_split))
+    split = memo.get(key, lambda: split_stages(model, model_blocks, stages, layers_per_stage=config.pp_layers_per_stage,
+                                               split_points=config.pp_split))
     return StagePlan(attribute, split, stage_ranks(dims.pp, options["pp_stages_per_rank"], config.pp_schedule))
 
 
@@ -93,7 +130,16 @@ def _experts(module: nn.Module, dims: ParallelDims) -> tuple[ExpertsPlacement, .
 
 
 def _numel(module: nn.Module, names: list[str] | tuple[str, ...]) -> int:
-    return sum(p.numel() for name in names for p in get_submodule(module, name).parameters())
+    """Elements of the parameters of the modules ``names``, each module's counted once (as its ``parameters()``
+    gives them), in one walk of the model instead of one per module."""
+    wanted, counted, total = set(names), set(), 0
+    for name, param in module.named_parameters(remove_duplicate=False):
+        parts = name.split(".")[:-1]
+        for owner in (".".join(parts[:end]) for end in range(len(parts) + 1)):
+            if owner in wanted and (owner, id(param)) not in counted:
+                counted.add((owner, id(param)))
+                total += param.numel()
+    return total
 
 
 def _techniques(module: nn.Module, dims: ParallelDims, options: dict, blocks: list, plan: TPPlan | None,

@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_nd.layout.arguments import LayoutArguments, read_arguments, split_arguments
 from lightning_nd.layout.dims import ParallelDims
-from lightning_nd.layout.plan import plan_layout
+from lightning_nd.layout.plan import PlanMemo, plan_layout
 from lightning_nd.layout.record import Layout
 from lightning_nd.layout.schedules import check_microbatches
 from lightning_nd.layout.validate import check_config, check_sequence_lengths
@@ -49,9 +49,9 @@ def read_layout_arguments(arguments: Mapping[str, Any]) -> LayoutArguments:
 
 
 def plan_for(arguments: LayoutArguments, devices: int, module: nn.Module | None, *, precision: str | None = None,
-             gpus_per_node: int | None = None) -> Layout | None:
+             gpus_per_node: int | None = None, memo: PlanMemo | None = None) -> Layout | None:
     """What `Trainer(devices=devices, strategy=...)` checks when built, then what ``connect(module)`` plans
-    (None without a module)."""
+    (None without a module). ``memo``: `plan_layout`'s, for repeated plans of one module."""
     dims = ParallelDims(**arguments.sizes, world_size=devices)  # as the strategy makes them for the launcher
     check_config(dims.as_dict(), arguments.config)
     if module is None:
@@ -60,16 +60,18 @@ def plan_for(arguments: LayoutArguments, devices: int, module: nn.Module | None,
     if probe is None:
         raise ValueError(f"`{type(module).__name__}.configure_model` needs the running job (the device mesh), so"
                          " its model cannot be built before launch. HINT: plan a factory of the model itself.")
-    return plan_layout(probe, dims, arguments.config, precision=precision, local_world_size=gpus_per_node or devices)
+    return plan_layout(probe, dims, arguments.config, precision=precision, local_world_size=gpus_per_node or devices,
+                       memo=memo if probe is module else None)
 
 
 def dry_run(module: nn.Module, devices: int, sizes: Mapping[str, Any], options: Mapping[str, Any], *,
             precision: str | None = None, gpus_per_node: int | None = None, seq_len: int | None = None,
-            micro_batch: int | None = None) -> Layout:
+            micro_batch: int | None = None, memo: PlanMemo | None = None) -> Layout:
     """The Layout `Trainer(devices=devices, strategy=NDParallel(**sizes, **options)).fit(module)` makes, after
-    every check it makes first. ``module``: the LightningModule (or a `Holder` of the model)."""
+    every check it makes first. ``module``: the LightningModule (or a `Holder` of the model); ``memo``:
+    `plan_layout`'s `PlanMemo`, kept by a caller that plans the same module many times."""
     layout = plan_for(read_layout_arguments({**sizes, **options}), devices, module, precision=precision,
-                      gpus_per_node=gpus_per_node)
+                      gpus_per_node=gpus_per_node, memo=memo)
     assert layout is not None
     if seq_len is not None:
         check_batch_shape(layout, seq_len, micro_batch or 1)

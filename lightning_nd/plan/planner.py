@@ -21,6 +21,7 @@ from lightning_nd.cost.model_state import OPTIMIZER_STATES, check_optimizer
 from lightning_nd.cost.shape import Workload, model_shape
 from lightning_nd.layout.describe import human_bytes
 from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.layout.plan import PlanMemo
 from lightning_nd.layout.record import Layout
 from lightning_nd.plan.dry_run import dry_run, parse_layout
 from lightning_nd.plan.params_only import params_only_markdown, params_only_rows
@@ -65,10 +66,11 @@ def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any]) 
     precision = args.precision or "bf16-mixed"
     batching = Batching(args.seq_len, args.global_batch, args.micro_batch or 1, precision)
     hardware = parse_hardware(args.hardware)
+    memo = PlanMemo()  # the candidates share the model: its blocks, tp plans and stage splits are found once
 
     def plan(sizes: dict[str, int], extra: dict[str, Any]) -> Layout:
         return dry_run(module, args.devices, sizes, {**options, **extra}, precision=precision,
-                       gpus_per_node=gpus_per_node)
+                       gpus_per_node=gpus_per_node, memo=memo)
 
     result = search(plan, model_shape(module), args.devices, gpus_per_node, memory_bytes, batching,
                     optimizer=args.optimizer, hardware=hardware, options=options,
