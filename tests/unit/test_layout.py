@@ -11,6 +11,7 @@ import torch
 from examples.lit import CausalLM
 from lightning_nd import Layout, ParallelConfig, ParallelDims, plan_layout
 from lightning_nd.layout.holdings import chunk_length
+from lightning_nd.layout.plan import PlanMemo, _numel
 from lightning_nd.layout.roles import group_of, role_names
 from tests.models import build
 
@@ -127,3 +128,36 @@ def test_role_groups_follow_the_coordinates(sizes):
             assert all(dims.coordinates(r)["ep"] == mine["ep"] for r in experts_same)
             assert len(experts_same) == 8 // dims.tp // dims.pp // dims.ep
     assert ("ep" in role_names(dims)) == (dims.ep > 1)
+
+
+def test_plans_sharing_a_memo_are_the_plans_made_alone():
+    """The planner's `PlanMemo`: the same module planned under many layouts (tp 1 and 2, with and without sequence
+    parallelism, pp splits, ep, an explicit plan) gives each the Layout a plan of its own gives, and a layout that is
+    refused is refused again on the next plan that meets it, with the same message."""
+    memo, module = PlanMemo(), CausalLM(model=build("moe_llama"))
+    explicit = {"tp_plan": {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}}
+    trials = [({"tp": 2, "dp_shard": 4}, {}), ({"tp": 2, "dp_shard": 4}, {"sequence_parallel": True}),
+              ({"tp": 2, "pp": 2, "dp_shard": 2}, {}), ({"pp": 2, "dp_shard": 4}, {"pp_layers_per_stage": [1, 1]}),
+              ({"pp": 2, "dp_shard": 4}, {}), ({"ep": 2, "dp_shard": 8}, {}), ({"tp": 2, "dp_shard": 4}, explicit),
+              ({"tp": 2, "ep": 2, "dp_shard": 2, "dp_replicate": 2}, {}), ({"dp_shard": 8}, {})]
+    for sizes, options in trials * 2:
+        dims, config = ParallelDims(**sizes, world_size=8), ParallelConfig(**options)
+        assert plan_layout(module, dims, config, memo=memo) == plan_layout(module, dims, config), (sizes, options)
+    bad = ParallelDims(tp=4, dp_shard=2, world_size=8), ParallelConfig()  # 2 kv heads do not split over 4 ranks
+    messages = []
+    for _ in range(2):
+        with pytest.raises(ValueError) as refused:
+            plan_layout(module, *bad, memo=memo)
+        messages.append(str(refused.value))
+    with pytest.raises(ValueError) as alone:
+        plan_layout(module, *bad)
+    assert messages == [str(alone.value)] * 2 and "HINT" in messages[0]
+
+
+def test_the_parameters_a_technique_counts_are_its_modules_parameters():
+    model = CausalLM(model=build("gpt4"))  # the head's weight is the embedding's: counted for each of the two
+    leaves = [name for name, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    names = [*leaves, "model.blocks.0", "model.blocks.0.attn"]  # a block and a module inside it: each counts its own
+    expected = sum(p.numel() for name in names for p in model.get_submodule(name).parameters())
+    assert expected > sum(p.numel() for p in model.parameters())  # the tie and the nesting are both counted
+    assert _numel(model, names) == expected and _numel(model, [""]) == sum(p.numel() for p in model.parameters())
