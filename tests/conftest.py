@@ -5,12 +5,14 @@ leaves idle (ranks waiting for a timeout, one rank computing the reference) do n
   tests first, the live diagnostics that judge timings (a straggler, a data-bound loader, the peak memory of a
   re-run) last;
 - the other worker takes the fault tests that mostly wait (`WAITING`: a rank stuck or killed, its peers stopping
-  within the timeout), each module a unit, then the in-process tests one by one (xdist hands out the units with
-  more tests first).
+  within the timeout) and the end-to-end runs (`BESIDE`: the README's job, the Hydra runs), each module a unit,
+  then the in-process tests one by one (xdist hands out the units with more tests first).
 
-Two launches at once would be slower than one after the other (their ranks wait on each other's time slices),
-so no other multi-process module runs beside the group. The grouping is by path, in the scheduler below:
-pytest-xdist's ``xdist_group`` marker does not group under pytest 9 (xdist 3.8 sets ``item._nodeid``, which
+A launch beside the group's slows both (their ranks wait on each other's time slices), but the group alone kept
+about one core busy (105% of two over a 1188 s suite, the other worker idle after its first 500 s), so the
+end-to-end module, 184 s of the group's time, runs beside it: handed out early (it has more tests than the other
+units), it is expected to end long before the group's timing tests. The grouping is by path, in the scheduler
+below: pytest-xdist's ``xdist_group`` marker does not group under pytest 9 (xdist 3.8 sets ``item._nodeid``, which
 pytest 9 no longer reads)."""
 
 from __future__ import annotations
@@ -20,15 +22,16 @@ from pathlib import Path
 import pytest
 from xdist.scheduler import LoadScopeScheduling
 
-GROUP = ("tests/distributed/", "tests/e2e/", "tests/diagnostics/test_memory_live.py",
+GROUP = ("tests/distributed/", "tests/diagnostics/test_memory_live.py",
          "tests/diagnostics/test_bottleneck_live.py")
 WAITING = ("tests/diagnostics/test_hang_live.py", "tests/distributed/test_failures.py")
+BESIDE = ("tests/e2e/",)
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def place(path: str) -> tuple[int, int]:
-    """(0, index in `GROUP`) for the group, (1, 0) for an in-process test, (2, 0) for a waiting one."""
-    if path.startswith(WAITING):
+    """(0, index in `GROUP`) for the group, (1, 0) for an in-process test, (2, 0) for a module of its own."""
+    if path.startswith(WAITING + BESIDE):
         return 2, 0
     index = next((i for i, prefix in enumerate(GROUP) if path.startswith(prefix)), None)
     return (1, 0) if index is None else (0, index)
@@ -39,8 +42,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 class GroupScheduling(LoadScopeScheduling):
-    """The group is one work unit (the biggest, so handed out first); a waiting module is one; every other test
-    is a unit of its own."""
+    """The group is one work unit (the biggest, so handed out first); a waiting or end-to-end module is one; every
+    other test is a unit of its own."""
 
     def _split_scope(self, nodeid: str) -> str:
         path = nodeid.split("::", 1)[0]
