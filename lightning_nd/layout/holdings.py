@@ -91,7 +91,6 @@ def rank_holdings(
     params = _params(module, dims, blocks, tp_entries, experts, precision, copies)
     inside, sizes = dims.dp_shard_in_ep, {"tp": dims.tp, "ep": dims.ep}
     pieces = _Pieces(sizes)
-    own: dict[str, dict[tuple[int, ...], ParamShard]] = {param.name: {} for param in params}
     cuts = {param.cut_by for param in params}
     by_stages: dict[tuple[int, ...], list[_Param]] = {}  # the parameters of each pp rank's stages, found once
     held: dict[tuple, tuple[ParamShard, ...]] = {}
@@ -108,13 +107,7 @@ def rank_holdings(
         key = (stages, *index.values())
         if key not in held:
             where = {cut: tuple(index[role] for role in cut) for cut in cuts}
-            shards = []
-            for param in by_stages[stages]:
-                at = where[param.cut_by]
-                piece = own[param.name].get(at)
-                if piece is None:
-                    piece = own[param.name][at] = pieces.shard(param, index, at)
-                shards.append(piece)
+            shards = [pieces.shard(param, index, where[param.cut_by]) for param in by_stages[stages]]
             held[key] = same.setdefault(tuple(map(id, shards)), tuple(shards))
         holdings.append(RankHolding(rank, coords, stages, held[key]))
     return tuple(holdings)
@@ -125,11 +118,18 @@ class _Pieces:
 
     def __init__(self, sizes: dict[str, int]) -> None:
         self.sizes = sizes
+        self.found: dict[tuple[str, tuple[int, ...]], ParamShard] = {}  # by (name, index along its cut_by)
         self.shapes: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
         self.shards: dict[tuple, ParamShard] = {}
 
     def shard(self, param: _Param, index: dict[str, int], at: tuple[int, ...]) -> ParamShard:
         """``at``: the rank's index along ``param.cut_by``."""
+        found = self.found.get((param.name, at))
+        if found is None:
+            found = self.found[(param.name, at)] = self._build(param, index, at)
+        return found
+
+    def _build(self, param: _Param, index: dict[str, int], at: tuple[int, ...]) -> ParamShard:
         geometry = (param.shape, param.tp, param.expert, param.fsdp, at)
         if geometry not in self.shapes:
             self.shapes[geometry] = _local_shapes(param, index, self.sizes)
