@@ -12,7 +12,7 @@ for its optimizer state, the first stage's, as one process's optimizer has: save
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -60,15 +60,16 @@ def model_state(model: nn.Module, names: Names) -> dict[str, Tensor]:
     """The model's tensors (DTensor shards, no copies) under whole-model names."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    local = get_model_state_dict(model)
+    local = cast("dict[str, Tensor]", get_model_state_dict(model))
     return {original: local[owners[0]] for original, owners in names.by_original(local).items()}
 
 
 def set_model_state(model: nn.Module, names: Names, state: Mapping[str, Tensor], strict: bool = True) -> None:
     """Put ``state`` (whole-model names, tensors shaped like this rank's own) into the model."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, ValueType, set_model_state_dict
 
-    local = {name: state[names.original(name)] for name in get_local_names(model) if names.original(name) in state}
+    local: dict[str, ValueType] = {
+        name: state[names.original(name)] for name in get_local_names(model) if names.original(name) in state}
     set_model_state_dict(model, local, options=StateDictOptions(strict=strict))
 
 
@@ -82,14 +83,16 @@ def optimizer_state(model: nn.Module, optimizer: Optimizer, names: Names, create
     """``{"state": {name: {...}}, "param_groups": [hyperparameters]}``. An optimizer that has not stepped has no
     state: saved as such (torch would create it with a real zero-lr step, which changes the next update), or,
     with ``create`` (the target of a load), created so its shapes are known."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import DictValueType, ListDictValueType, get_optimizer_state_dict
 
     hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if not optimizer.state and not create:
         return {"state": {}, "param_groups": hyper}
     local = get_optimizer_state_dict(model, optimizer)
-    return {"state": {names.optimizer_name(name): value for name, value in local["state"].items()},
-            "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in local["param_groups"]]}
+    return {"state": {names.optimizer_name(name): value
+                      for name, value in cast(DictValueType, local["state"]).items()},
+            "param_groups": [{k: v for k, v in group.items() if k != "params"}
+                             for group in cast(ListDictValueType, local["param_groups"])]}
 
 
 def group_names(model: nn.Module, optimizer: Optimizer, names: Names) -> list[list[str]]:

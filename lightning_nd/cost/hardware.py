@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 from lightning_nd.layout.dims import closest_name
 
@@ -59,7 +60,7 @@ def parse_hardware(text: str) -> Hardware:
         raise ValueError(f"Unknown hardware `{name}` in `{text}`. HINT: did you mean"
                          f" `{closest_name(name, list(PRESETS))}`? Presets: {', '.join(PRESETS)}; override a field"
                          " with e.g. `h100,peak_flops=7e14`.")
-    changes: dict[str, float | int] = {}
+    changes: dict[str, Any] = {}
     for part in filter(None, overrides):
         field, _, value = (piece.strip() for piece in part.partition("="))
         if field not in OVERRIDABLE:
@@ -85,7 +86,7 @@ def parse_bytes(text: str) -> int:
     """``80GB`` (10**9 units), ``80GiB`` (2**30), ``512MB``, ``512MiB``; a bare number is GB."""
     match = SIZE.fullmatch(text)
     unit = match.group(2).lower() if match else None
-    if unit not in BYTE_UNITS or float(match.group(1)) <= 0:
+    if match is None or unit not in BYTE_UNITS or float(match.group(1)) <= 0:
         units = ", ".join(known.upper().replace("I", "i") for known in BYTE_UNITS if known)
         raise ValueError(f"`{text}` is not a memory size. HINT: write e.g. `80GB` (10**9 bytes) or `80GiB` (2**30);"
                          f" units: {units}; a bare number is GB.")

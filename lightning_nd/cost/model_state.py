@@ -86,7 +86,8 @@ def unit_elements(layout: Layout, holding: RankHolding) -> list[int]:
     """Elements of each FSDP unit of this rank when gathered (root unit first, then the blocks in order): one
     unit per block, the rest of the stage in the root unit; what FSDP does not manage (experts that each sit on
     one rank of their ep group) is never gathered."""
-    root, blocks, names = 0, {}, frozenset(layout.blocks)
+    root, names = 0, frozenset(layout.blocks)
+    blocks: dict[str, int] = {}
     for shard in holding.params:
         if "fsdp:Shard" not in shard.placement and "expert_dp:Shard" not in shard.placement:
             continue

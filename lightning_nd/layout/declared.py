@@ -7,21 +7,24 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import TypeVar
 
 from torch import nn
+
+Style = TypeVar("Style")
 
 
 def pattern_to_regex(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + r"[^.]+".join(re.escape(part) for part in pattern.split("*")) + "$")
 
 
-def expand(model: nn.Module, plan: Mapping[str, object], *, declared: bool = False) -> dict[str, object]:
+def expand(model: nn.Module, plan: Mapping[str, Style], *, declared: bool = False) -> dict[str, Style]:
     """Concrete module (or, where no module matches, parameter) names for each pattern; a pattern that matches
     nothing is an error, except in a plan the model declares: one plan serves every size of a family (dense
     layers of an MoE model, attention of a hybrid), and Hugging Face skips the entries that match nothing."""
     modules = [name for name, _ in model.named_modules() if name]
     params = [name for name, _ in model.named_parameters()]
-    resolved: dict[str, object] = {}
+    resolved: dict[str, Style] = {}
     for pattern, style in plan.items():
         regex = pattern_to_regex(pattern)
         matched = [name for name in modules if regex.match(name)] or [name for name in params if regex.match(name)]

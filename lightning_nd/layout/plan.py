@@ -68,11 +68,12 @@ def plan_layout(
     experts = _experts(module, dims)
     positions = describe_positions(module, dims.cp, config.cp_positions) if dims.cp > 1 else ""
     tp_entries = plan.entries if plan is not None else {}
+    tp_sources = plan.sources if plan is not None else {}
     return Layout(
         dims={name: value for name, value in dims.as_dict().items()},
         options_given=jsonable(config), options=options, blocks=block_names,
         tp=tuple(TPEntry(name, style if isinstance(style, str) else f"custom:{type(style).__name__}",
-                         plan.sources[name]) for name, style in tp_entries.items()),
+                         tp_sources[name]) for name, style in tp_entries.items()),
         tp_source=plan.source if plan is not None else None,
         pipeline=pipeline, experts=experts,
         roles={role: role_groups(dims, role) for role in role_names(dims)},

@@ -69,7 +69,8 @@ def describe_positions(module: nn.Module, cp: int, mode: str) -> str:
 def position_sources(model: nn.Module) -> list[str]:
     """What in ``model`` looks like positions or masks of its own: tables, buffers and modules named like
     positions, and torch's attention modules (their causal masks are built by the caller from the length)."""
-    found, inside = [], []
+    found: list[str] = []
+    inside: list[str] = []
     for name, module in model.named_modules():
         if any(name.startswith(f"{outer}.") for outer in inside):
             continue

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from lightning_nd.layout.pipeline_split import StageLayout
 
 FORMAT_VERSION = 1
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,7 @@ class Layout:
 def _plain(value: Any) -> Any:
     """A record field as JSON-ready values (dataclasses as dicts, tuples as lists)."""
     if is_dataclass(value):
-        return asdict(value)
+        return asdict(cast("DataclassInstance", value))
     if isinstance(value, (tuple, list)):
         return [_plain(v) for v in value]
     return value

@@ -7,18 +7,22 @@ style splits a parameter, which the Layout's per-rank holdings follow.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
-from lightning_nd.layout.dims import divisors
+from lightning_nd.layout.dims import ParallelDims, divisors
 from lightning_nd.layout.structure import (
     HEAD_ATTRS, KV_HEAD_ATTRS, ModelFacts, get_submodule, is_conv1d, is_linear, parent_name, torch_class,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
 SHARDED_OUTPUT = ("colwise", "packed_colwise", "packed_qkv")
 """Colwise styles whose output stays split (heads or features per rank): a rowwise layer must take it back."""
-PACKED_PARTS = {"packed_colwise": 2, "packed_qkv": 3}
+PACKED_PARTS: dict[object, int] = {"packed_colwise": 2, "packed_qkv": 3}
 COLWISE_WEIGHT = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise", *PACKED_PARTS)
 ROWWISE_WEIGHT = ("rowwise", "rowwise_split_input", "embedding_rowwise")
 
@@ -31,8 +35,10 @@ def is_torch_style(value: object, name: str = "ParallelStyle") -> bool:
 
 def is_colwise(style: object) -> bool:
     """Styles that fan a module's input out into per-rank heads or features."""
+    # A ColwiseParallel exists only once torch.distributed.tensor, and so its Replicate, is loaded.
     return style in SHARDED_OUTPUT or (is_torch_style(style, "ColwiseParallel") and not isinstance(
-        style.output_layouts[0], torch_class("torch.distributed.tensor", "Replicate")))
+        cast("ColwiseParallel", style).output_layouts[0],
+        cast(type, torch_class("torch.distributed.tensor", "Replicate"))))
 
 
 def head_counts(module: nn.Module) -> dict[str, int]:
@@ -84,7 +90,7 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
     """(dim, parts) that a tp style splits this parameter on (``parts`` > 1: each of that many equal parts is
     split on its own, a ``_StridedShard``); None when it stays whole on every tp rank."""
     # A colwise style object may split a fused weight part by part (`FusedColwiseParallel.parts`).
-    parts = PACKED_PARTS.get(style, getattr(style, "parts", 1) if is_torch_style(style, "ColwiseParallel") else 1)  # type: ignore[arg-type]
+    parts = PACKED_PARTS.get(style, getattr(style, "parts", 1) if is_torch_style(style, "ColwiseParallel") else 1)
     colwise = style in COLWISE_WEIGHT or is_torch_style(style, "ColwiseParallel")
     rowwise = style in ROWWISE_WEIGHT or is_torch_style(style, "RowwiseParallel")
     if isinstance(module, nn.Embedding):
@@ -130,7 +136,7 @@ def check_per_head_outputs(model: nn.Module, entries: Mapping[str, object], fact
             name = f"{parent}.{child}" if parent else child
             if not is_linear(layer) or is_colwise(entries.get(name)):
                 continue
-            width = layer.weight.shape[1 if is_conv1d(layer) else 0]
+            width = cast(torch.Tensor, layer.weight).shape[1 if is_conv1d(layer) else 0]
             fact = next((fact for fact, count in counts.items() if count == width), None)
             if fact is not None:
                 raise ValueError(
@@ -152,7 +158,8 @@ def vocabulary_split_with_own_forward(model: nn.Module, entries: Mapping[str, ob
 
 def _is_plain_rowwise(style: object) -> bool:
     if is_torch_style(style, "RowwiseParallel"):
-        return isinstance(style.input_layouts[0], torch_class("torch.distributed.tensor", "Shard"))
+        return isinstance(cast("RowwiseParallel", style).input_layouts[0],
+                          cast(type, torch_class("torch.distributed.tensor", "Shard")))
     return style == "rowwise"
 
 
@@ -188,7 +195,7 @@ def _feed_forward_plan(block: nn.Module) -> dict[str, str]:
     return {child: "colwise" if module.out_features >= module.in_features else "rowwise" for child, module in linears}
 
 
-def check_packed_biases_under_fsdp(model: nn.Module, entries: Mapping[str, object], dims: object) -> None:
+def check_packed_biases_under_fsdp(model: nn.Module, entries: Mapping[str, object], dims: ParallelDims) -> None:
     """A fused layer's bias split part by part over tp (``_StridedShard`` of its only dim) cannot also be sharded
     by FSDP: FSDP2 shards that same dim again in plain row order and mixes the parts' gradients (measured on
     GPT-2's ``c_attn`` at dp_shard=2 x tp=2: bias gradients wrong in 110 of 192 elements). Refused."""

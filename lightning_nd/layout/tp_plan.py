@@ -93,6 +93,7 @@ def resolve_tp_plan(
     sequence_parallel: bool,
 ) -> TPPlan:
     """Pick the plan source, expand it to concrete modules, add norms for SP, and check it against tp."""
+    entries: Mapping[str, object]
     if explicit:
         entries, source, kind = expand(model, explicit), "the plan passed to `NDParallel(tp_plan=...)`", "explicit"
     elif declared := declared_plan(model):
@@ -124,7 +125,7 @@ def resolve_tp_plan(
     return TPPlan(entries, source, {name: sources[name] for name in entries})
 
 
-def _paired(entries: dict[str, object]) -> dict[str, object]:
+def _paired(entries: Mapping[str, object]) -> dict[str, object]:
     """Name patterns guess; a guessed colwise layer without its rowwise partner (or the reverse) is left out."""
     sides: dict[str, set[str]] = {}
     for name, style in entries.items():
@@ -137,7 +138,7 @@ def _paired(entries: dict[str, object]) -> dict[str, object]:
     return {name: style for name, style in entries.items() if name not in alone}
 
 
-def _drop_tied(model: nn.Module, entries: dict[str, object]) -> dict[str, object]:
+def _drop_tied(model: nn.Module, entries: Mapping[str, object]) -> dict[str, object]:
     """A module whose weight is shared (a head tied to the embedding) stays replicated under TP:
     sharding it would replace the shared parameter in one module only and silently untie it."""
     owners: dict[int, list[str]] = {}

@@ -40,6 +40,8 @@ class MoEStats:
 
 
 class TopKRouter(nn.Module):
+    expert_bias: torch.Tensor
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, score_func: Literal["softmax", "sigmoid"] = "softmax",
                  norm_topk: bool = True) -> None:
         super().__init__()
@@ -134,6 +136,9 @@ class SwiGLU(nn.Module):
 
 
 class MoE(nn.Module):
+    step: torch.Tensor
+    load: torch.Tensor
+
     def __init__(
         self,
         hidden: int,
@@ -184,6 +189,7 @@ class MoE(nn.Module):
     def _account(self, logits: torch.Tensor, count: bool) -> None:
         """The auxiliary losses (recomputation rebuilds them the same way); with ``count``, stats, step, load."""
         experts, counts = self.gate.num_experts, self.experts.last_counts
+        assert counts is not None, "the experts ran in this forward"
         fraction = counts.float() / counts.sum()  # global under expert parallelism (see parallel/expert.py)
         mean_score = self.gate.scores(logits).mean(dim=0)
         balance = experts * (fraction * mean_score).sum()

@@ -87,6 +87,7 @@ def _post(hop: _Hop, tensor: torch.Tensor, step: int) -> None:
 def _tell(hop: _Hop, state: str) -> None:
     """Report the hop's send and receive to whoever listens (the flight recorder does not record p2p on gloo)."""
     if hop.report is not None:
+        assert hop.sending is not None, "told only while the hop is posted"
         size = hop.sending.numel() * hop.sending.element_size()
         for op, peer in zip(("send", "recv"), hop.peers):
             hop.report("p2p", {"op": op, "peer": peer, "bytes": size, "state": state, "time_s": time.perf_counter()})
@@ -98,6 +99,7 @@ def _wait(hop: _Hop) -> torch.Tensor:
             request.wait()
     _tell(hop, "completed")
     received, hop.requests, hop.sending, hop.received = hop.received, [], None, None
+    assert received is not None, "waited only on a posted hop"
     return received
 
 
@@ -182,6 +184,7 @@ def ring_attention(
         out, lse = _merge(out, lse, *_block(grouped_q, kv, positions, every_position[source], causal, scale))
         if hop:
             kv = _FinishHop.apply(placeholder, hop)
+    assert out is not None, "the ring has at least one step"
     return out.to(q.dtype).reshape(q.shape)
 
 

@@ -153,7 +153,7 @@ def _disable_kv_cache(module: nn.Module) -> None:
     ``config.use_cache=True`` even in training); their own gradient checkpointing turns it off too."""
     for name, submodule in module.named_modules():
         config = getattr(submodule, "config", None)
-        if getattr(config, "use_cache", False) is True:
+        if config is not None and getattr(config, "use_cache", False) is True:
             config.use_cache = False
             log.info("Set `%s.config.use_cache=False`: a KV cache breaks activation recomputation", name or "model")
 

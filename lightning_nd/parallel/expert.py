@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -51,11 +52,14 @@ class _ScaleGrad(torch.autograd.Function):
 class ExpertParallel(nn.Module):
     """This rank's experts of one layer, with the all-to-all dispatch and combine around them."""
 
+    gate_up_proj: DTensor
+    down_proj: DTensor
+
     def __init__(self, experts: nn.Module, mesh: DeviceMesh) -> None:
         super().__init__()
         group = mesh.get_group()
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.num_experts = experts.gate_up_proj.shape[0]
+        self.num_experts = cast(torch.Tensor, experts.gate_up_proj).shape[0]
         assert self.num_experts % size == 0, "the plan checks that ep divides every experts module"
         self.group, self.size, self.local = group, size, self.num_experts // size
         first = rank * self.local
@@ -119,6 +123,7 @@ class ExpertParallel(nn.Module):
         starts = torch.cumsum(counts.flatten(), 0) - counts.flatten()
         capacity = math.ceil(self.capacity_factor * tokens * top_k / self.num_experts) if self.capacity_factor else None
         if capacity is not None:  # every owner drops what exceeds capacity: from the global counts, no collective
+            assert self.last_counts is not None, "forward sets them before running the experts"
             self.last_dropped = int((self.last_counts - capacity).clamp_min(0).sum())
         output = torch.zeros_like(rows)
         gate_up_proj = _ScaleGrad.apply(self.gate_up_proj.to_local(), self.grad_scale)

@@ -16,8 +16,9 @@ first dim and shards over the second (HSDP).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -34,6 +35,16 @@ from torch.distributed.fsdp import (
 )
 
 from lightning_nd.layout.structure import model_of
+
+
+class _UnitOptions(TypedDict):
+    """The keyword arguments of `fully_shard` every unit shares."""
+
+    mesh: DeviceMesh | None
+    ignored_params: set[nn.Parameter] | None
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None]
+    mp_policy: MixedPrecisionPolicy
+    offload_policy: OffloadPolicy
 
 
 def apply_fsdp(
@@ -60,15 +71,16 @@ def apply_fsdp(
     and local. ``experts`` with an ``expert_mesh`` (the ranks holding the same experts) become units of their
     own, sharded and their gradients averaged over it.
     """
-    kwargs = {
+    kwargs: _UnitOptions = {
         "mesh": mesh,
         "ignored_params": ignored_params or None,
         "shard_placement_fn": _shard_placement,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy(),
     }
+    expert_kwargs: _UnitOptions = {**kwargs, "mesh": expert_mesh}
     for module in experts if expert_mesh is not None else ():
-        fully_shard(module, reshard_after_forward=zero_stage == 3, **{**kwargs, "mesh": expert_mesh})
+        fully_shard(module, reshard_after_forward=zero_stage == 3, **expert_kwargs)
     for index, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them.
         reshard = zero_stage == 3 and index < len(blocks) - 1

@@ -13,6 +13,7 @@ models that derive positions from it (Hugging Face) rely on.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeGuard, cast
 
 import torch
 from torch import nn
@@ -45,7 +46,8 @@ def apply_tp(
             continue
         shared = parent_name(name) not in block_names
         parallel_style = (
-            style if isinstance(style, ParallelStyle) else style_for(style, sequence_parallel, loss_parallel, shared)
+            style if isinstance(style, ParallelStyle)
+            else style_for(cast(str, style), sequence_parallel, loss_parallel, shared)
         )
         parallelize_module(get_submodule(model, name), tp_mesh, parallel_style)
     tp_rank = tp_mesh.get_local_rank()
@@ -98,8 +100,8 @@ def _divide_head_counts(name: str, module: nn.Module, tp: int, entries: Mapping[
         assert value % tp == 0, f"{name}.{attr}={value} passed the plan's check against tp={tp}"
         setattr(module, attr, value // tp)
     fused = [child for child, style in entries.items() if parent_name(child) == name and style in PACKED_PARTS]
-    if fused and isinstance(getattr(module, "split_size", None), int):
-        module.split_size //= tp
+    if fused and isinstance(split_size := getattr(module, "split_size", None), int):
+        setattr(module, "split_size", split_size // tp)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -109,7 +111,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, value: DTensor) -> DTensor:
-        ctx.mesh, ctx.dim = value.device_mesh, value.placements[0].dim
+        ctx.mesh, ctx.dim = value.device_mesh, cast(Shard, value.placements[0]).dim  # `_to_replicate` checked it
         full = wait_tensor(all_gather_single(value.to_local().contiguous(), gather_dim=ctx.dim, group=ctx.mesh))
         return DTensor.from_local(full, ctx.mesh, [Replicate()], run_check=False)
 
@@ -131,7 +133,7 @@ def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     return tuple(_to_replicate(a) for a in args), {k: _to_replicate(v) for k, v in kwargs.items()}
 
 
-def _is_plain_float(value: object) -> bool:
+def _is_plain_float(value: object) -> TypeGuard[torch.Tensor]:
     return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point()
 
 

@@ -94,8 +94,9 @@ class ReplicatedPartialGrad(ParallelStyle):
 
 
 def _use_local_parameters(module: nn.Module, args: tuple) -> None:
-    module._dtensor_parameters = dict(module._parameters)
-    for name, param in module._dtensor_parameters.items():
+    dtensor_parameters = dict(module._parameters)
+    setattr(module, "_dtensor_parameters", dtensor_parameters)
+    for name, param in dtensor_parameters.items():
         if isinstance(param, DTensor):
             module._parameters[name] = param.to_local(grad_placements=[Partial()])
 

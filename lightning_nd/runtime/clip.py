@@ -93,5 +93,6 @@ def clip_grad_norm_(
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for param in parameters:
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        assert grad is not None, "only parameters with a gradient are kept"
         grad.mul_(coefficient.to(grad.device, grad.dtype))
     return total

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import warnings
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -31,7 +33,7 @@ def shard_identity(tensor: torch.Tensor) -> tuple:
     if not isinstance(tensor, DTensor):
         return ()
     mesh = tensor.device_mesh
-    coordinate = mesh.get_coordinate() or []
+    coordinate: Sequence[int] = mesh.get_coordinate() or []
     return tuple(
         (mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else dim, coordinate[dim])
         for dim, placement in enumerate(tensor.placements)
@@ -78,12 +80,13 @@ def _reset_per_identity(submodule: nn.Module, own: list[torch.Tensor], seed: int
     identities = {id(t): shard_identity(t) for t in own}
     if len(set(identities.values())) == 1:
         torch.manual_seed(_seed(seed, index, next(iter(identities.values()))))
-        submodule.reset_parameters()
+        # `materialize` checked that the module has a callable `reset_parameters`, which `nn.Module` does not declare.
+        cast("Callable[[], None]", submodule.reset_parameters)()
         return
     kept: dict[int, torch.Tensor] = {}
     for identity in dict.fromkeys(identities.values()):
         torch.manual_seed(_seed(seed, index, identity))
-        submodule.reset_parameters()
+        cast("Callable[[], None]", submodule.reset_parameters)()
         for tensor in own:
             if identities[id(tensor)] == identity:
                 kept[id(tensor)] = _local(tensor).clone()

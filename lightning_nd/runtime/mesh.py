@@ -32,6 +32,7 @@ class NDMesh:
     def __getitem__(self, name: str | tuple[str, ...]) -> DeviceMesh:
         if isinstance(name, str) and name in self._named:
             return self._named[name]
+        assert self.world.mesh_dim_names is not None, "`build_mesh` names every dim of the world mesh"
         if isinstance(name, tuple) and all(part in self.world.mesh_dim_names for part in name):
             return self.world[name]
         raise KeyError(f"No sub-mesh named {name!r}. Valid names: {', '.join(self.names)}.")
@@ -50,8 +51,10 @@ class NDMesh:
     def local_rank(self, name: str) -> int:
         """This rank's index within its group along a named dim (row-major over an N-D sub-mesh)."""
         mesh = self[name]
+        coordinates = mesh.get_coordinate()
+        assert coordinates is not None, "this rank is in every sub-mesh of its world"
         index = 0
-        for size, coordinate in zip(mesh.shape, mesh.get_coordinate()):
+        for size, coordinate in zip(mesh.shape, coordinates):
             index = index * size + coordinate
         return index
 
@@ -83,15 +86,17 @@ def _new_mesh(dims: ParallelDims, device_type: str) -> NDMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     shard_parts: tuple[str, ...] = ("dp_shard",)
-    shape = dict(zip(MESH_DIMS, dims.shape))
+    shape: dict[str, int | tuple[int, int]] = dict(zip(MESH_DIMS, dims.shape))
     if dims.ep > 1:
         # EP borrows the inner part of dp_shard (and all of cp): split dp_shard in two real mesh dims.
         inside = dims.dp_shard_in_ep
         shard_parts = ("dp_shard_mod_ep", "dp_shard_in_ep")
         shape = {**shape, "dp_shard": (dims.dp_shard // inside, inside)}
-    world_names, world_shape = [], []
+    world_names: list[str] = []
+    world_shape: list[int] = []
     for name in MESH_DIMS:
-        sizes = shape[name] if isinstance(shape[name], tuple) else (shape[name],)
+        size = shape[name]
+        sizes = size if isinstance(size, tuple) else (size,)
         world_names += shard_parts if name == "dp_shard" else (name,)
         world_shape += sizes
     world = init_device_mesh(device_type, tuple(world_shape), mesh_dim_names=tuple(world_names))

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 
@@ -40,7 +41,7 @@ def model_to_check(model: torch.nn.Module) -> torch.nn.Module | None:
         trainer = getattr(model, "_trainer", None)
         probe = copy.deepcopy(model, memo={id(trainer): trainer} if trainer is not None else None)
         with torch.device("meta"):
-            probe.configure_model()
+            cast("Callable[[], None]", probe.configure_model)()  # a LightningModule's, as checked above
     except Exception as error:  # the hook needs the process group; `setup` plans the real model
         log.debug("configure_model could not run before the processes start (%s); planning in setup", error)
         return None

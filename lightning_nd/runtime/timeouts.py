@@ -9,12 +9,11 @@ from typing import Any
 DEFAULTS: dict[str, timedelta | None] = {
     "timeout": timedelta(minutes=5), "init_timeout": timedelta(minutes=20), "heartbeat_timeout": timedelta(seconds=60),
 }
-"""`NDParallel`'s timeouts when not given: a collective's, the first step's (compilation, loading), the watchdog's."""
 
 
 def check_timeouts(timeout: Any, init_timeout: Any, heartbeat_timeout: Any) -> tuple[timedelta, timedelta, timedelta | None]:
     """The three as ``timedelta`` (numbers are seconds, as a Hydra config gives them); refused when not positive."""
-    checked = []
+    checked: list[timedelta | None] = []
     for name, value in (("timeout", timeout), ("init_timeout", init_timeout), ("heartbeat_timeout", heartbeat_timeout)):
         if value is None and name == "heartbeat_timeout":
             checked.append(None)
@@ -28,6 +27,7 @@ def check_timeouts(timeout: Any, init_timeout: Any, heartbeat_timeout: Any) -> t
         checked.append(value)
     return checked[0], checked[1], checked[2]
 
+    assert checked[0] is not None and checked[1] is not None, "only heartbeat_timeout may be None"
 
 def set_timeout(timeout: timedelta) -> None:
     """Every process group of this process (the world and the mesh's) waits at most ``timeout``."""

@@ -8,8 +8,8 @@ and the same attention work.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal, cast
 
 import torch
 
@@ -52,7 +52,8 @@ def shard_sequence(batch: object, positions: torch.Tensor, seq_len: int, keys: S
             wanted = name in keys if keys is not None else value.ndim >= 2 and value.shape[1] == seq_len
             return value.index_select(1, positions.to(value.device)) if wanted else value
         if isinstance(value, Mapping):
-            return type(value)({k: shard(v, k) for k, v in value.items()})
+            # A batch's mapping type (a dict, Hugging Face's `BatchEncoding`) is built from a dict.
+            return cast("Callable[[dict], object]", type(value))({k: shard(v, k) for k, v in value.items()})
         if isinstance(value, (list, tuple)):
             return type(value)(shard(v) for v in value)
         return value

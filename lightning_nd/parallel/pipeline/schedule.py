@@ -117,6 +117,7 @@ class PipelineRunner:
         _, direction, kind, _ = method.split("_")
 
         def issued(chunk: int) -> list:
+            assert self._report is not None, "the stages' operations are wrapped only when reporting"
             ops = fn(chunk)
             for op in ops:
                 record = {"op": kind, "peer": op.peer, "bytes": op.tensor.numel() * op.tensor.element_size(),
@@ -129,6 +130,7 @@ class PipelineRunner:
 
     def _complete(self, done: Callable[[dict[str, Any]], bool]) -> None:
         """Mark pending operations complete: receives before the chunk that uses them runs, the rest at step end."""
+        assert self._report is not None, "operations are pending only when reporting"
         finished = [op for op in self._pending if done(op)]
         self._pending = [op for op in self._pending if not done(op)]
         for op in finished:
@@ -139,6 +141,7 @@ class PipelineRunner:
             # torch sizes the backward buffers from a loss on placeholder outputs (uninitialised memory) before
             # the first microbatch runs: a loss of the right graph, without running the module's code on them.
             return output.sum() * 0.0
+        assert self._loss is not None, "`train_step` sets the loss before the schedule runs"
         return self._loss(output, target) * self._scale
 
     def train_step(self, inputs: Any, target: Any, loss: Callable, accumulate: int = 1) -> torch.Tensor:
@@ -190,6 +193,7 @@ class PipelineRunner:
         result = torch.cat(outputs) if self.has_last else None
         holder = [(tuple(result.shape), str(result.dtype)) if result is not None else None]
         dist.broadcast_object_list(holder, src=self.last_stage_rank, group=self.group)
+        assert holder[0] is not None, "the last stage sends its output's shape"
         shape, dtype = holder[0]
         if result is None:
             result = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=self.device)

@@ -40,6 +40,7 @@ class _Carry(nn.Module):
         self._slot = slot
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        assert self._slot.carried is not None, "only a stage after the first carries a unit in"
         return self._slot.carried
 
 

@@ -54,8 +54,8 @@ class TiedWeights:
         for first, last in self.pairs:
             if first is not None and last is not None:
                 _local(last).copy_(_local(first))
-            elif self.group is not None and (first is not None or last is not None):
-                dist.broadcast(_local(first if first is not None else last), src=self._src, group=self.group)
+            elif self.group is not None and (held := first if first is not None else last) is not None:
+                dist.broadcast(_local(held), src=self._src, group=self.group)
 
     @torch.no_grad()
     def sum_grads(self) -> None:
@@ -63,11 +63,12 @@ class TiedWeights:
         of the step (with gradient accumulation, the last micro-batch's) and before clipping."""
         for first, last in self.pairs:
             if first is not None and last is not None:
-                _local(_grad(first)).add_(_local(_grad(last)))
-                _local(last.grad).copy_(_local(first.grad))
-            elif self.group is not None and (first is not None or last is not None):
+                first_grad, last_grad = _grad(first), _grad(last)
+                _local(first_grad).add_(_local(last_grad))
+                _local(last_grad).copy_(_local(first_grad))
+            elif self.group is not None and (held := first if first is not None else last) is not None:
                 with comm_label("pp", "tied_all_reduce"):
-                    dist.all_reduce(_local(_grad(first if first is not None else last)), group=self.group)
+                    dist.all_reduce(_local(_grad(held)), group=self.group)
 
     def after(self, closure: Callable[[], Any]) -> Callable[[], Any]:
         """``closure`` (Lightning's training step and backward), then `sum_grads`."""
