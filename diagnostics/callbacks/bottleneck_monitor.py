@@ -227,12 +227,12 @@ class BottleneckMonitor(Callback):
         tokens_per_s = tokens / step_s if step_s > 0 and tokens > 0 else None
         context = WindowContext(
             first_step=first, last_step=last, dims=dict(layout.dims) if layout is not None else {}, roles=roles,
-            pp_schedule=layout.options.get("pp_schedule") if layout is not None else None,
-            pp_microbatches=layout.options.get("pp_microbatches") if layout is not None else None,
-            pp_stages_per_rank=layout.options.get("pp_stages_per_rank", 1) if layout is not None else 1,
+            pp_schedule=layout.options.pp_schedule if layout is not None else None,
+            pp_microbatches=layout.options.pp_microbatches if layout is not None else None,
+            pp_stages_per_rank=layout.options.pp_stages_per_rank if layout is not None else 1,
             num_workers=getattr(trainer.train_dataloader, "num_workers", None), hosts=self._hosts,
-            tokens_per_s=tokens_per_s, mfu=self._mfu(trainer, pl_module, tokens_per_s, int(vectors[0][-1])),
-            options={**(dict(layout.options) if layout is not None else {}), "precision": str(trainer.precision)})
+            tokens_per_s=tokens_per_s, mfu=self._mfu(trainer, pl_module, tokens_per_s, sequence_length_of(vectors[0])),
+            options={**(layout.options.to_dict() if layout is not None else {}), "precision": str(trainer.precision)})
         diagnosis = self.classifier(ranks, context)  # it sees each collective's wait still inside it
         record = WindowRecord(context=context, ranks=attribute_waiting(ranks, roles), diagnosis=diagnosis)
         self._write(trainer, record, profiled=any(r.comm for r in ranks))

@@ -149,7 +149,7 @@ class MemoryMonitor(Callback):
                                          "activations": expected.get("activations_bytes"),
                                          "temporaries": expected.get("temporaries_bytes"), "non_pytorch": None,
                                          "total": expected.get("peak_bytes")}, sources),
-            advice=advice, dims=dict(layout.dims) if layout else {}, options=dict(layout.options) if layout else {},
+            advice=advice, dims=dict(layout.dims) if layout else {}, options=layout.options.to_dict() if layout else {},
             notes=tuple(notes))
 
 

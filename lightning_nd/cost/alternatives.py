@@ -38,12 +38,12 @@ def memory_changes(layout: Layout, workload: Workload) -> list[Change]:
     sizes = {name: dims[name] for name in DIMS}
     changes = []
     order = ("none", "selective", "full")
-    for mode in order[order.index(options["activation_checkpointing"]) + 1:]:
+    for mode in order[order.index(options.activation_checkpointing) + 1:]:
         changes.append(Change(f"NDParallel(activation_checkpointing={mode!r})", {"activation_checkpointing": mode},
                               detail="recompute activations in backward: about a third more compute" if mode == "full"
                               else "recompute all but matmul and attention outputs"))
     sharded = any(t.technique in ("fsdp", "hsdp") for t in layout.techniques)
-    if sharded and options["zero_stage"] < 3 and dims["pp"] == 1:
+    if sharded and options.zero_stage < 3 and dims["pp"] == 1:
         changes.append(Change("NDParallel(zero_stage=3)", {"zero_stage": 3},
                               detail="free gathered parameters after each block's forward: one more all-gather"))
     if dims["dp_replicate"] > 1:
@@ -56,10 +56,10 @@ def memory_changes(layout: Layout, workload: Workload) -> list[Change]:
             moved = {**sizes, dim: dims[dim] * 2, "dp_shard": dims["dp_shard"] // 2}
             changes.append(Change(f"NDParallel({dim}={moved[dim]}, dp_shard={moved['dp_shard']})", sizes=moved,
                                   detail=f"{what}; the batch ranks halve (twice the accumulation for the same batch)"))
-    if dims["tp"] > 1 and not options["sequence_parallel"]:
+    if dims["tp"] > 1 and not options.sequence_parallel:
         changes.append(Change("NDParallel(sequence_parallel=True)", {"sequence_parallel": True},
                               detail="shard the residual stream's activations over tp too"))
-    if dims["pp"] > 1 and options["pp_schedule"] == "gpipe":
+    if dims["pp"] > 1 and options.pp_schedule == "gpipe":
         changes.append(Change("NDParallel(pp_schedule='1f1b')", {"pp_schedule": "1f1b"},
                               detail="keep at most pp microbatches in flight, not all of them"))
     if workload.batch > 1 and workload.batch % 2 == 0:
@@ -86,7 +86,7 @@ def price(layout: Layout, changes: list[Change], shape: ModelShape, workload: Wo
                 continue
             trial_workload = _rebatched(workload, layout, trial)
         elif change.options:
-            trial = replace(layout, options={**layout.options, **change.options})
+            trial = replace(layout, options=replace(layout.options, **change.options))
         if change.batch is not None:
             trial_workload = replace(workload, batch=change.batch, accumulation=workload.accumulation * 2)
         if not runnable(trial, trial_workload):
@@ -99,11 +99,11 @@ def runnable(layout: Layout, workload: Workload) -> bool:
     """Whether a batch of this shape can run under the layout: the microbatches divide it (pp), the sequence
     splits into 2 x cp chunks (cp) and over tp (sequence parallelism)."""
     dims, options = layout.dims, layout.options
-    if dims["pp"] > 1 and workload.batch % options["pp_microbatches"]:
+    if dims["pp"] > 1 and workload.batch % options.pp_microbatches:
         return False
     if dims["cp"] > 1 and workload.seq_len % (2 * dims["cp"]):
         return False
-    return not (options["sequence_parallel"] and workload.seq_len // dims["cp"] % dims["tp"])
+    return not (options.sequence_parallel and workload.seq_len // dims["cp"] % dims["tp"])
 
 
 def _rebatched(workload: Workload, before: Layout, after: Layout) -> Workload:

@@ -79,8 +79,8 @@ class _Run:
             units = {unit for stage in holding.stages for unit in pipeline.split.stages[stage]}
             self.blocks = len(units & set(pipeline.split.blocks))
             self.has_embedding, self.has_head = 0 in holding.stages, pipeline.num_stages - 1 in holding.stages
-        self.gathers, self.reduces = _fsdp_passes(layout.options["zero_stage"], layout.dims["pp"],
-                                                  layout.options["pp_microbatches"], self.micro_steps)
+        self.gathers, self.reduces = _fsdp_passes(layout.options.zero_stage, layout.dims["pp"],
+                                                  layout.options.pp_microbatches, self.micro_steps)
 
     def full_bytes(self, role: str, size: int, dtype: str | None) -> int:
         """Bytes of this rank's shards over ``role`` made whole (FSDP's padded shards x ``size``), in ``dtype``
@@ -104,8 +104,8 @@ def _fsdp_passes(zero_stage: int, pp: int, microbatches: int, micro_steps: int) 
 
 def _sharded(run: _Run, size: int, role: str) -> tuple[int, str]:
     options = run.layout.options
-    gathered = run.full_bytes(role, size, options["param_dtype"])
-    reduced = run.full_bytes(role, size, options["reduce_dtype"])
+    gathered = run.full_bytes(role, size, options.param_dtype)
+    reduced = run.full_bytes(role, size, options.reduce_dtype)
     moved = (run.gathers * gathered + run.reduces * reduced) * (size - 1) // size
     return moved, f"all-gather params x{run.gathers} + reduce-scatter grads x{run.reduces}"
 
@@ -120,7 +120,7 @@ def _expert_dp(run: _Run, size: int) -> tuple[int, str]:
 
 
 def _dp_replicate(run: _Run, size: int) -> tuple[int, str]:
-    shard = run.full_bytes("fsdp", 1, run.layout.options["reduce_dtype"])
+    shard = run.full_bytes("fsdp", 1, run.layout.options.reduce_dtype)
     return run.reduces * 2 * shard * (size - 1) // size, f"all-reduce grad shards x{run.reduces}"
 
 
@@ -128,10 +128,10 @@ def _tp(run: _Run, size: int) -> tuple[int, str]:
     options, shape = run.layout.options, run.shape
     activation = run.tokens * shape.hidden * run.activation_bytes
     all_reduces = 4 * run.blocks + run.has_embedding + run.has_head
-    gathers_logits = run.has_head and not options["loss_parallel"]
+    gathers_logits = run.has_head and not options.loss_parallel
     logits = run.tokens * shape.vocab * run.activation_bytes if gathers_logits else 0
     moved = run.micro_steps * (2 * all_reduces * activation + logits) * (size - 1) // size
-    kind = "all-gather + reduce-scatter" if options["sequence_parallel"] else "all-reduce"
+    kind = "all-gather + reduce-scatter" if options.sequence_parallel else "all-reduce"
     return moved, f"{kind} activations x{all_reduces} per micro-step" + (" + all-gather logits" if logits else "")
 
 

@@ -20,6 +20,8 @@ chunks of 1/v of the rank's blocks, looped BFS all m v.
 
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import asdict, dataclass, replace
 
 from lightning_nd.cost.activations import block_backward_bytes, block_bytes, head_bytes, logits_bytes
@@ -58,7 +60,7 @@ class RankMemory:
 
 def tokens_per_microbatch(layout: Layout, workload: Workload) -> int:
     """Tokens one rank's blocks see in one forward: the micro-batch (pp splits the batch) x the local sequence."""
-    microbatches = layout.options["pp_microbatches"] if layout.dims["pp"] > 1 else 1
+    microbatches = layout.options.pp_microbatches if layout.dims["pp"] > 1 else 1
     return max(1, workload.batch // microbatches) * (workload.seq_len // layout.dims["cp"])
 
 
@@ -67,7 +69,7 @@ def in_flight(layout: Layout, pp_rank: int) -> tuple[int, int]:
     p, options = layout.dims["pp"], layout.options
     if p == 1:
         return 1, 1
-    m, v, schedule = options["pp_microbatches"], options["pp_stages_per_rank"], options["pp_schedule"]
+    m, v, schedule = options.pp_microbatches, options.pp_stages_per_rank, options.pp_schedule
     if schedule == "gpipe":
         return m, 1
     if schedule == "1f1b":
@@ -86,23 +88,23 @@ def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int
     blocks = len({block_of(p.name, names) for p in holding.params} - {None})
     chunks, chunks_per_stage = in_flight(layout, holding.coordinates["pp"])
     tokens, element = tokens_per_microbatch(layout, workload), workload.activation_bytes
-    tp, recompute, pp = dims["tp"], options["activation_checkpointing"], dims["pp"] > 1
-    split = {"tp": tp, "sequence_parallel": options["sequence_parallel"], "cp": dims["cp"],
+    tp, recompute, pp = dims["tp"], options.activation_checkpointing, dims["pp"] > 1
+    split: dict[str, Any] = {"tp": tp, "sequence_parallel": options.sequence_parallel, "cp": dims["cp"],
              "local_seq": workload.seq_len // dims["cp"], "ep": dims["ep"]}
     per_block = block_bytes(shape, tokens, element, recompute=recompute, **split)
     block_activations = chunks * (blocks // chunks_per_stage) * per_block
     has_loss = layout.pipeline is None or layout.pipeline.num_stages - 1 in holding.stages
-    loss_parallel = options["loss_parallel"]
+    loss_parallel = options.loss_parallel
     head = 0
     if has_loss:
-        losses_in_flight = options["pp_microbatches"] if pp and options["pp_schedule"] == "gpipe" else 1
+        losses_in_flight = options.pp_microbatches if pp and options.pp_schedule == "gpipe" else 1
         head = losses_in_flight * head_bytes(shape, tokens, element, tp=tp, loss_parallel=loss_parallel)
     if pp and not has_loss:  # the schedule keeps each microbatch's stage output until its gradient comes back
         head = chunks * tokens * shape.hidden * element
     activations = block_activations + head
     # Under cpu_offload FSDP keeps the sharded parameters, gradients and optimizer state in host memory (the step
     # runs there too): the device holds only what is gathered, the activations and the temporaries.
-    offloaded = bool(options.get("cpu_offload"))
+    offloaded = bool(options.cpu_offload)
     base = 0 if offloaded else state.params_allocated_bytes + state.optimizer_bytes
     # Under pp, FSDP accumulates the stage's gradients unsharded over the microbatches (the schedule turns its
     # reduction off until the last; without FSDP they accumulate in place), and the previous step's gradients
@@ -114,7 +116,7 @@ def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int
     # (zero 1: unsharded, every unit; `parallel/fsdp.py`).
     accumulated = 0
     if workload.accumulation > 1 and not pp:
-        accumulated = state.stage_grads_bytes if options["zero_stage"] == 1 and state.stage_grads_bytes else old_grads
+        accumulated = state.stage_grads_bytes if options.zero_stage == 1 and state.stage_grads_bytes else old_grads
     recomputed = block_bytes(shape, tokens, element, **split) if recompute == "full" and blocks else 0
     loss_grads = 2 * logits_bytes(shape, tokens, tp=tp, loss_parallel=loss_parallel) if has_loss else 0
     in_block = block_backward_bytes(shape, tokens, element, tp=tp) if blocks else 0

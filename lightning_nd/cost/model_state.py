@@ -64,11 +64,11 @@ def model_state(layout: Layout, rank: int, optimizer: str = "adamw") -> ModelSta
     params = holding.param_bytes
     counters = len(holding.params) * STEP_COUNTER_BYTES if STEP_COUNTERS[optimizer] else 0
     own = DTYPE_BYTES.get(holding.params[0].dtype, 4) if holding.params else 4
-    gather, reduce = (DTYPE_BYTES.get(options.get(key) or "", own) for key in ("param_dtype", "reduce_dtype"))
+    gather, reduce = (DTYPE_BYTES.get(dtype or "", own) for dtype in (options.param_dtype, options.reduce_dtype))
     units = unit_elements(layout, holding) if fsdp_on(layout) else [0]
     # zero 1 and 2 keep every unit gathered from forward to backward; so does the pipeline's backward at zero 3
     # (it turns resharding after backward off until the last microbatch).
-    everything = options["zero_stage"] in (1, 2) or layout.dims["pp"] > 1
+    everything = options.zero_stage in (1, 2) or layout.dims["pp"] > 1
     kept = units if everything or len(units) < 2 else [units[0], units[-1]]
     return ModelState(
         params_bytes=params, grads_bytes=params, optimizer_bytes=states * params + counters,

@@ -61,7 +61,7 @@ def step_time(layout: Layout, shape: ModelShape, workload: Workload, hardware: H
         raise ValueError(f"`gpus_per_node={gpus_per_node!r}` must be a positive int. HINT: e.g. 8 for a DGX node.")
     dims, options = layout.dims, layout.options
     tokens = workload.batch * workload.seq_len * workload.accumulation
-    recompute = RECOMPUTE_FACTOR[options["activation_checkpointing"]]
+    recompute = RECOMPUTE_FACTOR[options.activation_checkpointing]
     flops = flops_per_token(shape, workload.seq_len) * tokens * recompute / (dims["tp"] * dims["cp"] * dims["pp"])
     compute_s = flops / hardware.peak_flops
     comm_s, link = {}, {}
@@ -72,8 +72,8 @@ def step_time(layout: Layout, shape: ModelShape, workload: Workload, hardware: H
     overlapped_s = sum(seconds for dim, seconds in comm_s.items() if dim in OVERLAPPED)
     critical_s = sum(seconds for dim, seconds in comm_s.items() if dim not in OVERLAPPED)
     exposed_s = critical_s + max(0.0, overlapped_s - compute_s)
-    bubble = (theoretical_bubble(options["pp_schedule"], dims["pp"], options["pp_microbatches"],
-                                 options["pp_stages_per_rank"]) if dims["pp"] > 1 else 0.0)
+    bubble = (theoretical_bubble(options.pp_schedule, dims["pp"], options.pp_microbatches,
+                                 options.pp_stages_per_rank) if dims["pp"] > 1 else 0.0)
     return StepTime(compute_s=compute_s, comm_s=comm_s, link=link, exposed_comm_s=exposed_s, bubble_fraction=bubble,
                     total_s=(compute_s + exposed_s) / (1 - bubble), flops_per_step=flops)
 

@@ -66,8 +66,8 @@ def pipeline_table(layout: Layout) -> list[str]:
     if plan is None:
         return []
     owner = {stage: rank for rank, stages in enumerate(plan.ranks) for stage in stages}
-    lines = [f"Split from {plan.split.source}; schedule {layout.options['pp_schedule']},"
-             f" {layout.options['pp_microbatches']} microbatches.", "", "| stage | pp rank | units |", "|---|---|---|"]
+    lines = [f"Split from {plan.split.source}; schedule {layout.options.pp_schedule},"
+             f" {layout.options.pp_microbatches} microbatches.", "", "| stage | pp rank | units |", "|---|---|---|"]
     for index, units in enumerate(plan.split.stages):
         blocks = [u for u in units if u in plan.split.blocks]
         span = f"{blocks[0]}..{blocks[-1]}" if len(blocks) > 1 else blocks[0]

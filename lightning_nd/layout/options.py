@@ -6,7 +6,7 @@ records and the composer reads). The config object itself is never changed.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from lightning_nd.layout.dims import closest_name
@@ -121,20 +121,69 @@ def block_class_list(config: ParallelConfig) -> list[type | str] | None:
 PRECISION_DTYPES = {"bf16-mixed": ("bfloat16", "float32")}
 
 
-def resolve_options(sizes: dict[str, int], config: ParallelConfig, precision: str | None = None) -> dict[str, Any]:
-    """Every option with its default for these dims filled in, JSON-able: what the composer applies."""
+@dataclass(frozen=True, kw_only=True)
+class ResolvedOptions:
+    """The options a `Layout` records and the composer applies: `ParallelConfig` with every default filled for the
+    run's dims and precision, classes and torch styles by name. Its JSON keys (``to_dict``) are the fields'."""
+
+    zero_stage: int = 3
+    tp_plan: Mapping[str, str] | None = None
+    """Explicit plan: pattern -> style name (a torch `ParallelStyle` by its class name)."""
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    block_classes: tuple[str, ...] | None = None
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    compile: str | None = None
+    """The torch.compile backend, None when blocks are not compiled."""
+    cpu_offload: bool = False
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int = 1
+    pp_stages_per_rank: int = 1
+    pp_layers_per_stage: tuple[int, ...] | None = None
+    pp_split: tuple[str, ...] | None = None
+    cp_shard_keys: tuple[str, ...] | None = None
+    cp_positions: str = "position_ids"
+    precision: str | None = None
+    """The Trainer's precision (``bf16-mixed``...), None when not known (the dry run without one)."""
+    param_dtype: str | None = None
+    """What FSDP gathers parameters in (half the traffic under bf16-mixed); None: their own dtype."""
+    reduce_dtype: str | None = None
+    """What FSDP reduces gradients in; None: their own dtype."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: sequences as lists, the plan as a dict."""
+        return {f.name: _listed(getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> ResolvedOptions:
+        """From ``to_dict``'s form (a ``layout.json``): a key this version does not know is left out, a missing one
+        takes its default (files written before it existed)."""
+        known = {f.name for f in fields(cls)}
+        typed: dict[str, Any] = {key: (tuple(value) if isinstance(value, list) else dict(value) if isinstance(value, Mapping) else value)
+                 for key, value in values.items() if key in known}
+        return cls(**typed)
+
+
+def _listed(value: object) -> object:
+    if isinstance(value, tuple):
+        return list(value)
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+def resolve_options(sizes: dict[str, int], config: ParallelConfig, precision: str | None = None) -> ResolvedOptions:
+    """Every option with its default for these dims filled in: what the composer applies."""
     stages_per_rank, microbatches = (check_schedule(config.pp_schedule, sizes["pp"], config.pp_stages_per_rank,
                                                     config.pp_microbatches) if sizes["pp"] > 1 else (1, 1))
     param_dtype, reduce_dtype = PRECISION_DTYPES.get(str(precision), (None, None))
     compile_backend = config.compile if isinstance(config.compile, str) else ("inductor" if config.compile else None)
-    return {
+    return ResolvedOptions.from_dict({
         **jsonable(config),
         "zero_stage": config.zero_stage if config.zero_stage is not None else (2 if sizes["pp"] > 1 else 3),
         "pp_stages_per_rank": stages_per_rank, "pp_microbatches": microbatches,
         "compile": compile_backend, "precision": precision,
         # FSDP gathers parameters in param_dtype (half the traffic under bf16-mixed) and reduces in reduce_dtype.
         "param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
-    }
+    })
 
 
 def jsonable(config: ParallelConfig) -> dict[str, Any]:

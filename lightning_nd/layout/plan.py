@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.holdings import rank_holdings
-from lightning_nd.layout.options import ParallelConfig, block_class_list, jsonable, resolve_options
+from lightning_nd.layout.options import ParallelConfig, ResolvedOptions, block_class_list, jsonable, resolve_options
 from lightning_nd.layout.pipeline_split import pipeline_model, split_stages, stage_ranks
 from lightning_nd.layout.record import ExpertsPlacement, Layout, StagePlan, Technique, TPEntry
 from lightning_nd.layout.roles import role_groups, role_names
@@ -110,16 +110,16 @@ def _blocks_and_facts(module: nn.Module, classes: list | None) -> tuple[list[tup
 
 
 def _plan_stages(module: nn.Module, blocks: list[tuple[str, nn.Module]], dims: ParallelDims, config: ParallelConfig,
-                 options: dict, memo: PlanMemo) -> StagePlan:
+                 options: ResolvedOptions, memo: PlanMemo) -> StagePlan:
     attribute, model = pipeline_model(module)
     prefix = attribute + "."
     model_blocks = [(name[len(prefix):], block) for name, block in blocks if name.startswith(prefix)]
-    stages = dims.pp * options["pp_stages_per_rank"]
+    stages = dims.pp * options.pp_stages_per_rank
     key = ("stages", stages, tuple(name for name, _ in model_blocks), repr(config.pp_layers_per_stage),
            repr(config.pp_split))
     split = memo.get(key, lambda: split_stages(model, model_blocks, stages, layers_per_stage=config.pp_layers_per_stage,
                                                split_points=config.pp_split))
-    return StagePlan(attribute, split, stage_ranks(dims.pp, options["pp_stages_per_rank"], config.pp_schedule))
+    return StagePlan(attribute, split, stage_ranks(dims.pp, options.pp_stages_per_rank, config.pp_schedule))
 
 
 def _experts(module: nn.Module, dims: ParallelDims) -> tuple[ExpertsPlacement, ...]:
@@ -143,7 +143,7 @@ def _numel(module: nn.Module, names: list[str] | tuple[str, ...]) -> int:
     return total
 
 
-def _techniques(module: nn.Module, dims: ParallelDims, options: dict, blocks: list, plan: TPPlan | None,
+def _techniques(module: nn.Module, dims: ParallelDims, options: ResolvedOptions, blocks: list, plan: TPPlan | None,
                 pipeline: StagePlan | None, experts: tuple[ExpertsPlacement, ...],
                 positions: str) -> tuple[Technique, ...]:
     """The composer's steps, in its order: pipeline split, EP, CP, TP, AC, compile, FSDP/HSDP."""
@@ -153,7 +153,7 @@ def _techniques(module: nn.Module, dims: ParallelDims, options: dict, blocks: li
     if pipeline is not None:
         steps.append(Technique("pipeline_split", "pp", tuple(pipeline.units()), total, {
             "stages": pipeline.num_stages, "source": pipeline.split.source, "split": pipeline.split.describe(),
-            "schedule": options["pp_schedule"], "microbatches": options["pp_microbatches"]}))
+            "schedule": options.pp_schedule, "microbatches": options.pp_microbatches}))
     if experts:
         modules = tuple(e.module for e in experts)
         steps.append(Technique("expert_parallel", "ep", modules, _numel(module, modules), {"ep": dims.ep}))
@@ -162,17 +162,17 @@ def _techniques(module: nn.Module, dims: ParallelDims, options: dict, blocks: li
     if plan is not None:
         modules = tuple(plan.entries)
         steps.append(Technique("tensor_parallel", "tp", modules, _numel(module, modules), {
-            "tp": dims.tp, "sequence_parallel": options["sequence_parallel"],
-            "loss_parallel": options["loss_parallel"], "source": plan.source}))
-    if options["activation_checkpointing"] != "none":
+            "tp": dims.tp, "sequence_parallel": options.sequence_parallel,
+            "loss_parallel": options.loss_parallel, "source": plan.source}))
+    if options.activation_checkpointing != "none":
         steps.append(Technique("activation_checkpointing", None, tuple(names), _numel(module, names),
-                               {"mode": options["activation_checkpointing"]}))
-    if options["compile"]:
-        steps.append(Technique("compile", None, tuple(names), _numel(module, names), {"backend": options["compile"]}))
+                               {"mode": options.activation_checkpointing}))
+    if options.compile:
+        steps.append(Technique("compile", None, tuple(names), _numel(module, names), {"backend": options.compile}))
     if dims.dp_enabled or dims.fsdp_enabled:
         hsdp = dims.dp_replicate > 1
         units = "each stage's blocks and the stage" if pipeline is not None else f"{len(names)} blocks and the root"
         steps.append(Technique("hsdp" if hsdp else "fsdp", "hsdp" if hsdp else "fsdp", tuple(names), total, {
-            "replicate": dims.dp_replicate, "shard": dims.dp_shard * dims.cp, "zero_stage": options["zero_stage"],
+            "replicate": dims.dp_replicate, "shard": dims.dp_shard * dims.cp, "zero_stage": options.zero_stage,
             "units": units}))
     return tuple(steps)

@@ -10,12 +10,13 @@ import json
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from lightning_nd.layout.options import ResolvedOptions
 from lightning_nd.layout.pipeline_split import StageLayout
 
-FORMAT_VERSION = 1
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
+FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,7 @@ class Layout:
     dims: dict[str, int]
     options_given: dict[str, Any]
     """The `NDParallel` options as the user passed them (JSON-able form)."""
-    options: dict[str, Any]
+    options: ResolvedOptions
     """The same, resolved: zero stage, microbatches, stages per rank, dtypes, block classes."""
     blocks: tuple[str, ...]
     tp: tuple[TPEntry, ...]
@@ -158,6 +159,7 @@ class Layout:
 
     def to_dict(self) -> dict[str, Any]:
         values = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "ranks"}
+        values["options"] = self.options.to_dict()
         pieces: dict[int, dict[str, Any]] = {}  # ranks holding the same piece share one ParamShard
         values["ranks"] = [{
             "rank": holding.rank, "coordinates": dict(holding.coordinates), "stages": list(holding.stages),
@@ -188,7 +190,7 @@ class Layout:
             tuple(ParamShard(**{**p, "shape": tuple(p["shape"]), "local_shape": tuple(p["local_shape"])})
                   for p in r["params"])) for r in values["ranks"])
         return cls(
-            dims=dict(values["dims"]), options_given=dict(values["options_given"]), options=dict(values["options"]),
+            dims=dict(values["dims"]), options_given=dict(values["options_given"]), options=ResolvedOptions.from_dict(values["options"]),
             blocks=tuple(values["blocks"]), tp=tuple(TPEntry(**e) for e in values["tp"]), tp_source=values["tp_source"],
             pipeline=pipeline, experts=tuple(ExpertsPlacement(**e) for e in values["experts"]),
             roles={k: [list(g) for g in v] for k, v in values["roles"].items()},

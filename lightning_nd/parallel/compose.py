@@ -62,7 +62,7 @@ def parallelize(
         if "expert_parallel" in steps:
             _apply_ep(module, mesh, layout, report, steps["expert_parallel"])
         if "context_parallel" in steps:
-            attach_position_hooks(fsdp_root(module), layout.options["cp_positions"])
+            attach_position_hooks(fsdp_root(module), layout.options.cp_positions)
             _done(report, steps["context_parallel"])
         _apply(module, blocks, tp_entries or None, mesh, layout, report, steps, forward_methods=forward_methods)
         return report
@@ -75,7 +75,7 @@ def parallelize(
         if "expert_parallel" in steps:
             _apply_ep(stage, mesh, layout, report, steps["expert_parallel"], quiet=quiet)
         if "context_parallel" in steps:
-            attach_position_hooks(stage.module, layout.options["cp_positions"])
+            attach_position_hooks(stage.module, layout.options.cp_positions)
             if not quiet:
                 _done(report, steps["context_parallel"])
         entries = stage_tp_entries(tp_entries, plan.attribute, stage) if tp_entries else None
@@ -104,23 +104,23 @@ def _apply(
     names, block_modules = [name for name, _ in blocks], [block for _, block in blocks]
     done = (lambda technique: None) if quiet else (lambda technique: _done(report, technique))  # noqa: E731
     if tp_entries is not None and "tensor_parallel" in steps:
-        apply_tp(module, mesh["tp"], tp_entries, sequence_parallel=options["sequence_parallel"],
-                 loss_parallel=options["loss_parallel"], block_names=names)
+        apply_tp(module, mesh["tp"], tp_entries, sequence_parallel=options.sequence_parallel,
+                 loss_parallel=options.loss_parallel, block_names=names)
         done(steps["tensor_parallel"])
     if "activation_checkpointing" in steps:
         _disable_kv_cache(module)
-        apply_ac(block_modules, options["activation_checkpointing"])
+        apply_ac(block_modules, options.activation_checkpointing)
         done(steps["activation_checkpointing"])
-    if "compile" in steps:
-        apply_compile(block_modules, options["compile"])
+    if "compile" in steps and options.compile:
+        apply_compile(block_modules, options.compile)
         done(steps["compile"])
     for kind in ("fsdp", "hsdp"):
         if kind in steps:
             dtype = lambda name: getattr(torch, name) if name else None  # noqa: E731
             apply_fsdp(
-                module, block_modules, mesh[kind], zero_stage=options["zero_stage"],
-                param_dtype=dtype(options["param_dtype"]), reduce_dtype=dtype(options["reduce_dtype"]),
-                cpu_offload=options["cpu_offload"], forward_methods=forward_methods, root_unit=root_unit,
+                module, block_modules, mesh[kind], zero_stage=options.zero_stage,
+                param_dtype=dtype(options.param_dtype), reduce_dtype=dtype(options.reduce_dtype),
+                cpu_offload=options.cpu_offload, forward_methods=forward_methods, root_unit=root_unit,
                 **_expert_sharding(module, mesh, layout),
             )
             done(steps[kind])

@@ -84,7 +84,7 @@ def check_batch_shape(layout: Layout, seq_len: int, micro_batch: int) -> None:
     batch = {"input_ids": torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")}
     if dims["cp"] > 1:
         batch, _ = shard_batch(batch, dims["cp"], 0, None)
-    if layout.options["sequence_parallel"]:
+    if layout.options.sequence_parallel:
         check_sequence_lengths(batch, dims["tp"])
     if dims["pp"] > 1:
-        check_microbatches(batch, layout.options["pp_microbatches"])
+        check_microbatches(batch, layout.options.pp_microbatches)

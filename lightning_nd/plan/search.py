@@ -132,13 +132,13 @@ def _batch_options(sizes: dict[str, int], batching: Batching) -> tuple[Workload,
 def _least_recompute(layout: Layout, sizes: dict[str, int], shape: ModelShape, workload: Workload, memory_bytes: int,
                      optimizer: str, hardware: Hardware | None, gpus_per_node: int) -> Candidate:
     for mode in RECOMPUTE_ORDER:
-        trial = replace(layout, options={**layout.options, "activation_checkpointing": mode})
+        trial = replace(layout, options=replace(layout.options, activation_checkpointing=mode))
         cost = cost_layout(trial, shape, workload, optimizer=optimizer, hardware=hardware, gpus_per_node=gpus_per_node)
         fits = cost.peak.peak_bytes <= memory_bytes
         if fits:
             break
     keys = ("zero_stage", "activation_checkpointing") + (("pp_schedule", "pp_microbatches") if sizes["pp"] > 1 else ())
-    options = {key: trial.options[key] for key in keys}
+    options = {key: getattr(trial.options, key) for key in keys}
     return Candidate(sizes, options, trial, workload, cost, fits)
 
 

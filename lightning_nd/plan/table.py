@@ -72,7 +72,7 @@ def model_state_arithmetic(layout: Layout, peak: RankMemory, params: int) -> str
     model_split, fsdp = dims["tp"] * dims["pp"], dims["dp_shard"] * dims["cp"]
     share = params / model_split
     element = DTYPE_BYTES.get(layout.rank(peak.rank).params[0].dtype, 4)
-    stage = layout.options["zero_stage"]
+    stage = layout.options.zero_stage
     paper = {1: 4 * share + ZERO_PAPER_K * share / fsdp, 2: 2 * share + (2 + ZERO_PAPER_K) * share / fsdp,
              3: (4 + ZERO_PAPER_K) * share / fsdp}[stage]
     dp = dims["dp_replicate"] * dims["dp_shard"]

@@ -6,8 +6,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+STEP_TIMEOUT, INIT_TIMEOUT, HEARTBEAT_TIMEOUT = timedelta(minutes=5), timedelta(minutes=20), timedelta(seconds=60)
+"""`NDParallel`'s timeouts when not given: a collective's, the first step's (compilation, loading), the watchdog's."""
 DEFAULTS: dict[str, timedelta | None] = {
-    "timeout": timedelta(minutes=5), "init_timeout": timedelta(minutes=20), "heartbeat_timeout": timedelta(seconds=60),
+    "timeout": STEP_TIMEOUT, "init_timeout": INIT_TIMEOUT, "heartbeat_timeout": HEARTBEAT_TIMEOUT,
 }
 
 
@@ -25,9 +27,9 @@ def check_timeouts(timeout: Any, init_timeout: Any, heartbeat_timeout: Any) -> t
                              f" {2 if name == 'heartbeat_timeout' else 1} s. HINT: e.g. `{name}=timedelta(minutes=5)`"
                              f"{' or None to turn the watchdog off' if name == 'heartbeat_timeout' else ''}.")
         checked.append(value)
+    assert checked[0] is not None and checked[1] is not None, "only heartbeat_timeout may be None"
     return checked[0], checked[1], checked[2]
 
-    assert checked[0] is not None and checked[1] is not None, "only heartbeat_timeout may be None"
 
 def set_timeout(timeout: timedelta) -> None:
     """Every process group of this process (the world and the mesh's) waits at most ``timeout``."""

@@ -8,7 +8,8 @@ dict lookup), so an unobserved run pays nothing measurable (``benchmarks/overhea
 Who delivers what, and when:
 - `BeforeProcessGroup`: in every rank's process, before ``init_process_group`` (set NCCL / flight-recorder
   variables there; a later fit in the same process finds the group started); `ProcessGroupsCreated` right
-  after the mesh is built; `LayoutReady` in ``setup``, before the composer applies the Layout.
+  after the mesh is built; `LayoutReady` in ``setup``, before the composer applies the Layout; `LayoutApplied`
+  right after it (what the composer applied, the rank table, the model's shape).
 - `StepPhase` (data_wait, forward, backward, optimizer; per microbatch under pp), `StageTiming`,
   `PointToPoint` (issued / completed, by our code and by the pipeline schedule), `CollectiveWait` (the
   strategy's own collectives: loss and metric reductions, the clipping norm), `RoutingCounts` (each MoE
@@ -24,10 +25,14 @@ Who delivers what, and when:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from lightning_nd.cost.shape import ModelShape
 from lightning_nd.layout.record import Layout
+
+if TYPE_CHECKING:
+    from lightning.pytorch.strategies import Strategy
 
 log = logging.getLogger("lightning_nd")
 
@@ -69,6 +74,19 @@ class ProcessGroupsCreated(Event):
 class LayoutReady(Event):
     hook: ClassVar[str] = "on_nd_layout_ready"
     layout: Layout
+
+
+@dataclass(frozen=True)
+class LayoutApplied(Event):
+    hook: ClassVar[str] = "on_nd_layout_applied"
+    layout: Layout
+    applied: tuple[str, ...] | None
+    """The composer's line per technique it applied (the "Applied ..." log lines), in its order; None when
+    `configure_model` parallelized the model itself (the Layout is then what the plan would have done)."""
+    rank_table: str
+    """Every rank's coordinates on the mesh, as a markdown table."""
+    shape: ModelShape | None
+    """The whole model's sizes read before it was split (None when the cost model cannot read them)."""
 
 
 @dataclass(frozen=True)
@@ -187,19 +205,21 @@ class FailureVerdict(Event):
     """This rank's own step broke on a communication error (a timeout, a lost peer): it was waiting, not at fault."""
 
 
-ALL_EVENTS = (BeforeProcessGroup, ProcessGroupsCreated, LayoutReady, StepPhase, StageTiming, PointToPoint,
-              CollectiveWait, RoutingCounts, CheckpointSaved, CheckpointLoaded, MemoryPlanned, OutOfMemory, FailureVerdict)
+ALL_EVENTS = (BeforeProcessGroup, ProcessGroupsCreated, LayoutReady, LayoutApplied, StepPhase, StageTiming,
+              PointToPoint, CollectiveWait, RoutingCounts, CheckpointSaved, CheckpointLoaded, MemoryPlanned, OutOfMemory,
+              FailureVerdict)
 
 
-@dataclass
 class EventBus:
-    """Listeners by hook name; `emit` calls each, a listener's exception is logged and does not stop the run."""
+    """Listeners by hook name; `emit` calls each with ``(sender, event)`` (the sender: the strategy); a listener's
+    exception is logged and does not stop the run."""
 
-    strategy: Any = None
-    _listeners: dict[str, list[Any]] = field(default_factory=dict)
-    _subscribed: list[Any] = field(default_factory=list)
+    def __init__(self, sender: Strategy) -> None:
+        self.sender = sender
+        self._listeners: dict[str, list[object]] = {}
+        self._subscribed: list[object] = []
 
-    def subscribe(self, listener: Any) -> None:
+    def subscribe(self, listener: object) -> None:
         if any(listener is known for known in self._subscribed):
             return
         self._subscribed.append(listener)
@@ -213,6 +233,6 @@ class EventBus:
     def emit(self, event: Event) -> None:
         for listener in self._listeners.get(event.hook, ()):
             try:
-                getattr(listener, event.hook)(self.strategy, event)
+                getattr(listener, event.hook)(self.sender, event)
             except Exception:  # a diagnostic must never take the training run down with it
                 log.exception("lightning-nd: listener %s failed on %s", type(listener).__name__, type(event).__name__)

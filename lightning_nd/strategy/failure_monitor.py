@@ -30,7 +30,7 @@ COMMUNICATION_ERRORS = ("connection closed", "connection reset", "broken pipe", 
 class FailureMonitor:
     def __init__(self, step_timeout: timedelta, init_timeout: timedelta, heartbeat_timeout: timedelta | None,
                  barrier: Callable[[], None], resume_hint: Callable[[], str],
-                 on_verdict: Callable[[int, str, str], None]) -> None:
+                 on_verdict: Callable[[int, str, str, bool], None]) -> None:
         self.step_timeout, self.init_timeout, self.heartbeat_timeout = step_timeout, init_timeout, heartbeat_timeout
         self._barrier, self._resume_hint, self._deliver = barrier, resume_hint, on_verdict
         self._watchdog: RankWatchdog | None = None
@@ -114,9 +114,10 @@ def _describe(exception: BaseException) -> tuple[str, str]:
     """One line for the verdict, and the text of the whole chain: a wrapper (the pipeline schedule re-raises a
     peer's broken connection as a bare ``RuntimeError``) must not hide its cause."""
     chain: list[BaseException] = []
-    while exception is not None and all(exception is not seen for seen in chain):
-        chain.append(exception)
-        exception = exception.__cause__ or exception.__context__
+    link: BaseException | None = exception
+    while link is not None and all(link is not seen for seen in chain):
+        chain.append(link)
+        link = link.__cause__ or link.__context__
     lines = [(e, line.strip()) for e in chain for line in str(e).splitlines() if line.strip()]
     summary = f"{type(lines[0][0]).__name__}: {lines[0][1]}" if lines else type(chain[0]).__name__
     return summary[:600], "\n".join(f"{type(e).__name__}: {e}" for e in chain)

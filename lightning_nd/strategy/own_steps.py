@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -62,6 +62,7 @@ class _ModelCall(nn.Module):
 @contextmanager
 def _standing_in(module: nn.Module, attribute: str, output: Any) -> Iterator[_ModelCall]:
     real = module._modules[attribute]
+    assert real is not None, f"the pipelined model is `{attribute}`"
     stand_in = _ModelCall(real, output)
     module._modules[attribute] = stand_in
     try:
@@ -100,12 +101,12 @@ def microbatch(batch: Any, index: int, count: int, size: int) -> Any:
     if isinstance(batch, Mapping):
         parts = {key: microbatch(value, index, count, size) for key, value in batch.items()}
         try:
-            return type(batch)(parts)
+            return cast(Any, type(batch))(parts)
         except TypeError:
             return parts
     if isinstance(batch, (list, tuple)):
-        parts = [microbatch(value, index, count, size) for value in batch]
-        return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
+        pieces = [microbatch(value, index, count, size) for value in batch]
+        return type(batch)(*pieces) if hasattr(batch, "_fields") else type(batch)(pieces)
     return batch
 
 
@@ -136,11 +137,11 @@ def step_loss(result: Any, module: nn.Module, step: str) -> Tensor:
 
 @contextmanager
 def _logging_to(module: nn.Module, sink: Callable[..., None]) -> Iterator[None]:
-    module.log = sink  # an instance attribute shadows `LightningModule.log` (and `log_dict`, which calls it)
+    vars(module)["log"] = sink  # an instance attribute shadows `LightningModule.log` (and `log_dict`, which calls it)
     try:
         yield
     finally:
-        del module.log
+        del vars(module)["log"]
 
 
 class _Discard:

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 
 from lightning_nd.layout.record import Layout
@@ -32,8 +33,8 @@ from lightning_nd.parallel.pipeline.schedule import PipelineRunner, full_value
 from lightning_nd.parallel.pipeline.stage import pack_inputs
 from lightning_nd.parallel.pipeline.tied import TiedWeights
 from lightning_nd.runtime.clip import align_grads_to_params
+from lightning_nd.runtime.mesh import NDMesh
 from lightning_nd.strategy import own_steps
-
 
 
 def split_batch(module: LightningModule, batch: Any, need_target: bool = True) -> tuple[Any, Any]:
@@ -54,18 +55,25 @@ def split_batch(module: LightningModule, batch: Any, need_target: bool = True) -
     )
 
 
+def _pipeline_loss(module: LightningModule) -> Callable[[Any, Any], Tensor]:
+    """The module's ``pipeline_loss(output, target)`` hook."""
+    return cast(Callable[[Any, Any], Tensor], getattr(module, "pipeline_loss"))
+
+
 class PipelineEngine:
     """A rank's pipeline: the schedule runner and the gradients it hands back to Lightning's backward."""
 
-    def __init__(self, strategy: Any, report: ParallelizeReport, layout: Layout, group: Any, device: torch.device,
-                 on_operation: Callable[[str, dict[str, Any]], None] | None) -> None:
-        """``report``: what the composer built (this rank's stages); ``on_operation``: hears of microbatch phases
-        and point-to-point operations (None when nobody listens)."""
+    def __init__(self, report: ParallelizeReport, layout: Layout, mesh: NDMesh, precision: Precision,
+                 device: torch.device, on_operation: Callable[[str, dict[str, Any]], None] | None) -> None:
+        """``report``: what the composer built (this rank's stages); ``precision``: the strategy's precision plugin
+        (the steps' contexts); ``on_operation``: hears of microbatch phases and point-to-point operations (None when
+        nobody listens)."""
         assert layout.pipeline is not None
-        self.strategy, self.report = strategy, report
-        self.runner = PipelineRunner(report.stages, layout.pipeline.ranks, layout.options["pp_schedule"],
-                                     layout.options["pp_microbatches"], group, device, on_operation)
-        self.tied = TiedWeights(report.stages, layout.pipeline, strategy.device_mesh)
+        self.report, self.precision, self.pp = report, precision, layout.dims["pp"]
+        group = mesh.group("pp")
+        self.runner = PipelineRunner(report.stages, layout.pipeline.ranks, layout.options.pp_schedule,
+                                     layout.options.pp_microbatches, group, device, on_operation)
+        self.tied = TiedWeights(report.stages, layout.pipeline, mesh)
         self._grads: list[Tensor | None] = []
         self._window_open = False
         self.attribute, self.device = layout.pipeline.attribute, device
@@ -102,11 +110,11 @@ class PipelineEngine:
             self._window_open = True
             for param in params:
                 param.grad = None
-        with self.strategy.precision_plugin.train_step_context():
+        loss: Tensor | None
+        with self.precision.train_step_context():
             if self._scored_by_strategy(module):
                 inputs, target = split_batch(module, args[0])
-                loss = self.runner.train_step(inputs, target, lambda out, tgt: module.pipeline_loss(out, tgt),
-                                              accumulate=accumulate)
+                loss = self.runner.train_step(inputs, target, _pipeline_loss(module), accumulate=accumulate)
             else:
                 loss = self._own_train(module, args, accumulate)
         if loss is None:
@@ -119,20 +127,19 @@ class PipelineEngine:
         return loss
 
     def evaluate(self, module: LightningModule, args: tuple, stage: str) -> Tensor | None:
-        context = (self.strategy.precision_plugin.val_step_context if stage == "val"
-                   else self.strategy.precision_plugin.test_step_context)
+        context = self.precision.val_step_context if stage == "val" else self.precision.test_step_context
         with context():
             if not self._scored_by_strategy(module):
                 return self._own_evaluate(module, args, "validation_step" if stage == "val" else "test_step")
             inputs, target = split_batch(module, args[0])
-            loss = self.runner.eval_step(inputs, target, lambda out, tgt: module.pipeline_loss(out, tgt))
+            loss = self.runner.eval_step(inputs, target, _pipeline_loss(module))
         module.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def predict(self, module: LightningModule, args: tuple) -> Tensor:
         """The model's output for the whole batch, on every rank; its inputs as the module's ``predict_step``
         (or ``pipeline_inputs``) calls it."""
-        with self.strategy.precision_plugin.predict_step_context():
+        with self.precision.predict_step_context():
             inputs = self._inputs(module, module.predict_step, args)
             if inputs is None:
                 raise ValueError(f"`{type(module).__name__}.predict_step` did not call the model. HINT: call it, or"
@@ -149,7 +156,7 @@ class PipelineEngine:
             return pack_inputs(hook(args[0])[0])
         inputs = own_steps.capture(module, self.attribute, step, args)
         if inputs is not None and inputs.get("output_router_logits"):
-            check_router_logits_under_pp(module, self.strategy.dims.pp, asked=True)
+            check_router_logits_under_pp(module, self.pp, asked=True)
         return inputs
 
     def _keep_output(self, main: Tensor, output: Any, aux: Tensor | None) -> None:
@@ -232,14 +239,10 @@ class PipelineEngine:
         return None if value is None else torch.tensor(value, device=self.device)
 
     def backward(self, module: LightningModule, loss: Tensor) -> Tensor:
-        """The schedule ran backward already; its gradients come back, Lightning's hooks still run."""
+        """The schedule ran backward already: its gradients come back where Lightning's backward leaves them, and the
+        precision plugin's hooks around backward run."""
         for param, grad in zip(module.parameters(), self._grads):
             param.grad = grad
         self._grads = []
         align_grads_to_params(module.parameters())
-        strategy = self.strategy
-        strategy.pre_backward(loss)
-        loss = strategy.precision_plugin.pre_backward(loss, module)
-        loss = strategy.precision_plugin.post_backward(loss, module)
-        strategy.post_backward(loss)
-        return loss
+        return self.precision.post_backward(self.precision.pre_backward(loss, module), module)

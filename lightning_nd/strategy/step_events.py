@@ -15,10 +15,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_nd.runtime.profiling import comm_label, phase_label
 from lightning_nd.strategy.events import (
@@ -95,7 +95,7 @@ class StepEvents:
         finally:
             self.bus.emit(CollectiveWait(op, role, time.perf_counter() - start))
 
-    def report(self, role: str):
+    def report(self, role: str) -> Callable[[str, dict[str, Any]], None] | None:
         """A ``report(kind, fields)`` callback for the pipeline runner and ring attention; None if nobody listens."""
         if not (self.bus.wants(StepPhase) or self.bus.wants(PointToPoint)):
             return None
@@ -118,10 +118,10 @@ class StepEvents:
                                       pipeline_timings["idle_s"]))
         if self._routers and self.bus.wants(RoutingCounts):
             for name, module in self._routers:
-                counts = module.last_counts
+                counts = cast("Tensor | None", module.last_counts)
                 if counts is not None:
                     self.bus.emit(RoutingCounts(self.step, name, tuple(int(c) for c in counts.tolist()),
-                                                int(module.last_dropped)))
+                                                int(cast(Tensor, module.last_dropped))))
 
     def backward_done(self) -> None:
         self._backward_end = time.perf_counter()

@@ -154,7 +154,7 @@ def test_the_plan_says_how_the_model_gets_its_positions_or_refuses():
         plan_layout(LearnedPositions(), dims, ParallelConfig())
     opted_out = plan_layout(LearnedPositions(), dims, ParallelConfig(cp_positions="model"))
     assert cp(opted_out).endswith("finds its global positions itself (cp_positions='model')")
-    assert opted_out.options["cp_positions"] == "model"
+    assert opted_out.options.cp_positions == "model"
 
 
 def test_torch_transformer_attention_is_routed_causal_in_training_and_evaluation(monkeypatch):

@@ -37,7 +37,7 @@ def test_json_is_the_layout(capsys):
                         "--precision", "bf16-mixed", "--json")
     assert code == 0
     layout = Layout.from_json(out)
-    assert layout.dims["dp_shard"] == 2 and layout.options["param_dtype"] == "bfloat16"
+    assert layout.dims["dp_shard"] == 2 and layout.options.param_dtype == "bfloat16"
     assert json.loads(out)["ranks"][0]["param_bytes"] == layout.rank(0).param_bytes
 
 

@@ -4,6 +4,8 @@ through JSON and back; the options stay as given; TP entries carry their source;
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,11 +75,11 @@ def test_planning_leaves_the_config_as_given_and_resolves_the_defaults():
     layout = plan_layout(CausalLM(model=build("llama8")), ParallelDims(pp=2, dp_shard=2, world_size=4), config)
     assert vars(config) == before
     assert layout.options_given["zero_stage"] is None and layout.options_given["pp_microbatches"] is None
-    assert (layout.options["zero_stage"], layout.options["pp_stages_per_rank"], layout.options["pp_microbatches"]) == (
+    assert (layout.options.zero_stage, layout.options.pp_stages_per_rank, layout.options.pp_microbatches) == (
         2, 2, 4)
     bf16 = plan_layout(CausalLM(model=build("llama")), ParallelDims(world_size=2), ParallelConfig(),
                        precision="bf16-mixed")
-    assert (bf16.options["param_dtype"], bf16.options["reduce_dtype"], bf16.options["zero_stage"]) == (
+    assert (bf16.options.param_dtype, bf16.options.reduce_dtype, bf16.options.zero_stage) == (
         "bfloat16", "float32", 3)
     assert {shard.dtype for shard in bf16.rank(0).params} == {"float32"}  # FSDP keeps fp32 shards under bf16-mixed
     true_bf16 = plan_layout(CausalLM(model=build("llama")), ParallelDims(world_size=2), ParallelConfig(),
@@ -161,3 +163,28 @@ def test_the_parameters_a_technique_counts_are_its_modules_parameters():
     expected = sum(p.numel() for name in names for p in model.get_submodule(name).parameters())
     assert expected > sum(p.numel() for p in model.parameters())  # the tie and the nesting are both counted
     assert _numel(model, names) == expected and _numel(model, [""]) == sum(p.numel() for p in model.parameters())
+
+
+def test_layout_files_written_before_the_typed_options_load_and_write_back_the_same():
+    from lightning_nd.layout.options import ResolvedOptions
+
+    files = sorted((Path(__file__).parents[1] / "data" / "traces").glob("*/layout.json"))
+    assert len(files) >= 7
+    for path in files:
+        values = json.loads(path.read_text())
+        layout = Layout.from_json(path.read_text())
+        assert isinstance(layout.options, ResolvedOptions)
+        assert json.loads(layout.to_json()) == values, path
+    older = {key: value for key, value in values["options"].items() if key not in ("cp_positions", "reduce_dtype")}
+    options = ResolvedOptions.from_dict({**older, "a_later_option": 1})
+    assert (options.cp_positions, options.reduce_dtype) == ("position_ids", None)
+    assert options.to_dict().keys() == values["options"].keys()
+
+
+def test_the_resolved_options_are_typed_and_frozen():
+    layout = plan_layout(build("llama"), ParallelDims(dp_shard=2, tp=2, world_size=4),
+                         ParallelConfig(block_classes=["DecoderLayer"]))
+    assert layout.options.block_classes == ("DecoderLayer",) and layout.options.zero_stage == 3
+    assert layout.to_dict()["options"]["block_classes"] == ["DecoderLayer"]
+    with pytest.raises(AttributeError):
+        layout.options.zero_stage = 2  # type: ignore[misc]

@@ -47,5 +47,5 @@ def test_every_parallel_config_builds_a_valid_layout_on_4_devices(path):
                for key in fills)
     model = build("moe_llama" if options.get("ep", 1) > 1 else "llama" if options.get("tp", 1) != 1 else "llama8")
     layout = plan_for(read_layout_arguments(options), devices, CausalLM(model=model))  # plans as a run would
-    assert {key: layout.options[key] for key in options if key not in DIM_NAMES} == {
+    assert {key: layout.options.to_dict()[key] for key in options if key not in DIM_NAMES} == {
         key: value for key, value in options.items() if key not in DIM_NAMES}
