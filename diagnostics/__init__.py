@@ -1,7 +1,7 @@
 """Diagnostics for N-D parallel runs: thin Lightning callbacks (``callbacks/``) over probes that record
 (``collect/``), pure analyses of recorded data (``analysis/``) and the cards they become (``report/``); the records
-themselves (``records.py``, ``memory_records.py``, ``bottleneck_records.py``) are what the offline CLI
-(``python -m diagnostics``) reads back. ``all_monitors()`` turns everything on."""
+themselves (``records/``, one JSON codec for all) are what the offline CLI (``python -m diagnostics``) reads
+back. ``all_monitors()`` turns everything on."""
 
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ import sys
 from pathlib import Path
 
 from diagnostics.analysis.nccl_findings import nccl_findings, topology_table
-from diagnostics.analysis.nccl_log import NcclRankLog, parse_nccl_dir
+from diagnostics.analysis.nccl_log import parse_nccl_dir
+from diagnostics.records import NcclRankLog
 from diagnostics.report.nccl_card import nccl_text
 
 LAYOUT_FILE = "layout.json"
@@ -141,8 +142,7 @@ def _hang(args: argparse.Namespace) -> int:
 def _trace(args: argparse.Namespace) -> int:
     from diagnostics.analysis.bottleneck import attribute_waiting, classify
     from diagnostics.analysis.trace import dims_from_trace, find_traces, rank_times, read_trace, trace_steps
-    from diagnostics.bottleneck_records import WindowContext, WindowRecord
-    from diagnostics.records import to_json
+    from diagnostics.records import WindowContext, WindowRecord, to_json
     from diagnostics.report.bottleneck_card import bottleneck_markdown
 
     given = Path(args.dir).resolve()

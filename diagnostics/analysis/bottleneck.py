@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from statistics import median
 
 from diagnostics.analysis.bottleneck_advice import Straggler, Window, advice, count, mean, percent, secs
-from diagnostics.bottleneck_records import PHASES, Diagnosis, RankTimes, WindowContext
+from diagnostics.records import PHASES, Diagnosis, RankTimes, WindowContext
 
 Classifier = Callable[[Sequence[RankTimes], WindowContext], Diagnosis]
 """The type of `classify`, and of any classifier a user passes instead of it."""

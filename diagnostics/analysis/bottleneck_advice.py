@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from diagnostics.bottleneck_records import RankTimes, WindowContext
+from diagnostics.records import RankTimes, WindowContext
 
 BUBBLE_TARGET = 0.12
 """The theoretical bubble the microbatch advice aims under: past it, more microbatches buy little."""

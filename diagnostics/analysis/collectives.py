@@ -35,7 +35,9 @@ class GroupTrace:
 
 
 @dataclass(frozen=True)
-class Finding:
+class CollectiveDivergence:
+    """Where one captured member's collectives part from its group's majority sequence."""
+
     rank: int
     kind: str
     """behind, skipped, mismatch."""
@@ -118,11 +120,11 @@ def _role_votes(traces: list[GroupTrace], stage_of: dict[int, int]) -> tuple[dic
     return votes, examples
 
 
-def compare_groups(traces: list[GroupTrace], stage_of: dict[int, int] | None = None) -> list[Finding]:
+def compare_groups(traces: list[GroupTrace], stage_of: dict[int, int] | None = None) -> list[CollectiveDivergence]:
     """Per group, each captured member against the group's majority sequence (``stage_of``: rank -> pp coordinate)."""
     stage_of = stage_of or {}
     votes, examples = _role_votes(traces, stage_of)
-    findings = []
+    divergences = []
     for group in traces:
         front, context = group.front, _context(group, stage_of)
         reference = {seq: _majority(group, seq, votes, context) for seq in range(1, front + 1)}
@@ -136,19 +138,21 @@ def compare_groups(traces: list[GroupTrace], stage_of: dict[int, int] | None = N
             if diverged is None:
                 tie = _unsettled_tie(group, reference, rank)
                 if tie is not None:
-                    findings.append(tie)
+                    divergences.append(tie)
                 elif last < front and example.get(last + 1) is not None:
-                    findings.append(Finding(rank, "behind", group, last + 1, example[last + 1], None))
+                    divergences.append(CollectiveDivergence(rank, "behind", group, last + 1, example[last + 1], None))
                 continue
             shift = _shift(seqs, reference, diverged, last, front)
             if shift:
-                findings.append(Finding(rank, "skipped", group, diverged, example.get(diverged), None, shift))
+                divergences.append(CollectiveDivergence(rank, "skipped", group, diverged, example.get(diverged), None,
+                                                        shift))
             else:
-                findings.append(Finding(rank, "mismatch", group, diverged, example.get(diverged), seqs[diverged]))
-    return findings
+                divergences.append(CollectiveDivergence(rank, "mismatch", group, diverged, example.get(diverged),
+                                                        seqs[diverged]))
+    return divergences
 
 
-def _unsettled_tie(group: GroupTrace, reference: dict[int, tuple | None], rank: int) -> Finding | None:
+def _unsettled_tie(group: GroupTrace, reference: dict[int, tuple | None], rank: int) -> CollectiveDivergence | None:
     """Two members disagree where the group stopped (its front), with no majority and no other group of the dim to
     settle it: both are named. Earlier ties are left alone: the run went past them, so they are not what broke."""
     for seq in (group.front,):
@@ -158,7 +162,7 @@ def _unsettled_tie(group: GroupTrace, reference: dict[int, tuple | None], rank: 
         other = next((seqs[seq] for member, seqs in group.entries.items() if member != rank and seq in seqs
                       and signature(seqs[seq]) != signature(issued)), None)
         if other is not None:
-            return Finding(rank, "mismatch", group, seq, other, issued)
+            return CollectiveDivergence(rank, "mismatch", group, seq, other, issued)
     return None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from diagnostics.analysis.collectives import Finding, GroupTrace, compare_groups, group_traces, pending
+from diagnostics.analysis.collectives import CollectiveDivergence, GroupTrace, compare_groups, group_traces, pending
 from diagnostics.analysis.point_to_point import Unmatched, pending_receives, unmatched
 from diagnostics.records import CollectiveEntry, Culprit, Frame, HangReport, RankCapture
 
@@ -87,21 +87,21 @@ def _where(capture: RankCapture) -> str | None:
     return str(frame) if frame else None
 
 
-def _from_finding(finding: Finding, captures: dict[int, RankCapture]) -> Culprit:
-    group, rank = finding.group, finding.rank
+def _from_divergence(divergence: CollectiveDivergence, captures: dict[int, RankCapture]) -> Culprit:
+    group, rank = divergence.group, divergence.rank
     waited = _waited(group, captures, rank)
-    if finding.kind == "mismatch":
-        issued, expected = finding.issued, finding.expected
+    if divergence.kind == "mismatch":
+        issued, expected = divergence.issued, divergence.expected
         detail = f"it issued {_call(issued)} where its peers issued {_call(expected)}"
-        return Culprit(rank, "mismatch", group.role, group.ranks, _op(issued), finding.seq, _call_site(issued),
+        return Culprit(rank, "mismatch", group.role, group.ranks, _op(issued), divergence.seq, _call_site(issued),
                        waited, detail)
-    if finding.kind == "skipped":
-        detail = (f"its later collectives paired with its peers' earlier ones ({finding.skipped} behind), so"
+    if divergence.kind == "skipped":
+        detail = (f"its later collectives paired with its peers' earlier ones ({divergence.skipped} behind), so"
                   " they carried the wrong data or failed")
-        return Culprit(rank, "skipped", group.role, group.ranks, _op(finding.expected), finding.seq,
-                       _call_site(finding.expected), waited, detail)
+        return Culprit(rank, "skipped", group.role, group.ranks, _op(divergence.expected), divergence.seq,
+                       _call_site(divergence.expected), waited, detail)
     where = _where(captures[rank])
-    return Culprit(rank, "stuck", group.role, group.ranks, _op(finding.expected), finding.seq, where, waited,
+    return Culprit(rank, "stuck", group.role, group.ranks, _op(divergence.expected), divergence.seq, where, waited,
                    f"never joined it; its main thread is at {where}")
 
 
@@ -190,22 +190,22 @@ def hang_report(captures: dict[int, RankCapture], world_size: int, dead: Iterabl
     traces = group_traces(captures)
     coordinates = next((c.coordinates for c in captures.values() if c.coordinates), {})
     stage_of = {int(rank): coords.get("pp", 0) for rank, coords in coordinates.items()}
-    findings = compare_groups(traces, stage_of)
+    divergences = compare_groups(traces, stage_of)
     p2p = unmatched(captures)
     roles = _role_groups(captures)
     dead = sorted(set(dead))
     missing = [rank for rank in range(world_size) if rank not in captures]
     evidence = [_failed(c) for c in captures.values() if c.error]
-    evidence += [_from_finding(f, captures) for f in findings if f.kind in ("mismatch", "skipped")]
+    evidence += [_from_divergence(f, captures) for f in divergences if f.kind in ("mismatch", "skipped")]
     evidence += [_from_unmatched(u, captures, roles, traces) for u in p2p if u.kind == "never_sent" and u.skipped]
-    elsewhere = [_from_finding(f, captures) for f in findings
+    elsewhere = [_from_divergence(f, captures) for f in divergences
                  if f.kind == "behind" and not _busy(f.rank, captures, traces)]
     elsewhere += [_from_unmatched(u, captures, roles, traces) for u in p2p
                   if not u.skipped and u.rank in captures and not _busy(u.rank, captures, traces)]
     absent = [_absent(rank, captures, traces, roles, rank in dead) for rank in sorted(set(dead) | set(missing))]
     culprits = evidence or elsewhere or absent
     if not culprits:  # everyone waits for someone: name the ranks that are behind, and where they wait
-        culprits = [_from_finding(f, captures) for f in findings if f.kind == "behind"]
+        culprits = [_from_divergence(f, captures) for f in divergences if f.kind == "behind"]
     unique: dict[int, Culprit] = {}
     for culprit in sorted(culprits, key=lambda c: -(c.waited_s or 0)):
         unique.setdefault(culprit.rank, culprit)

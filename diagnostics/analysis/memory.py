@@ -6,7 +6,7 @@ Pure: the measuring is ``diagnostics.collect.memory``, the estimates come from t
 
 from __future__ import annotations
 
-from diagnostics.memory_records import KINDS, Advice, MemoryFigure, MemoryReport
+from diagnostics.records import KINDS, Advice, MemoryFigure, MemoryReport
 
 PARTS = KINDS[:-1]
 

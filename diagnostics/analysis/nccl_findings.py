@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from diagnostics.analysis.nccl_log import NcclComm, NcclRankLog
+from diagnostics.records import NcclComm, NcclRankLog
 
 Severity = Literal["error", "warning", "info"]
 LATENCY_ROLES = ("tp", "cp", "ep")
@@ -17,7 +17,9 @@ LATENCY_ROLES = ("tp", "cp", "ep")
 
 
 @dataclass(frozen=True)
-class Finding:
+class NcclFinding:
+    """One thing wrong or slow about a run's communicators, as its NCCL logs show it, and its fix."""
+
     severity: Severity
     title: str
     detail: str
@@ -126,7 +128,7 @@ def _ranks(logs) -> tuple[int, ...]:
     return tuple(sorted({log.global_rank for log in logs if log.global_rank is not None}))
 
 
-def _version_findings(logs: list[NcclRankLog]) -> list[Finding]:
+def _version_findings(logs: list[NcclRankLog]) -> list[NcclFinding]:
     findings = []
     versions = _by_value(logs, lambda log: log.nccl_version)
     mismatch_warned = [log for log in logs if any("Mismatched NCCL version" in w for w in log.warnings)]
@@ -135,7 +137,7 @@ def _version_findings(logs: list[NcclRankLog]) -> list[Finding]:
         if mismatch_warned:
             warning = next(w for w in mismatch_warned[0].warnings if "Mismatched NCCL version" in w)
             detail += f". NCCL itself stopped init: \"{warning}\""
-        findings.append(Finding(
+        findings.append(NcclFinding(
             "error", "NCCL versions differ across ranks", detail,
             "Run one NCCL on every node: the same container image or torch wheel (compare"
             " `python -c \"import torch; print(torch.cuda.nccl.version())\"` on each node) and no other libnccl.so"
@@ -143,14 +145,14 @@ def _version_findings(logs: list[NcclRankLog]) -> list[Finding]:
             _ranks([log for found in versions.values() for log in found] + mismatch_warned)))
     builds = _by_value(logs, lambda log: log.cuda_version)
     if len(builds) > 1 and len(versions) <= 1:
-        findings.append(Finding(
+        findings.append(NcclFinding(
             "warning", "NCCL is built for different CUDA versions",
             "; ".join(f"+cuda{v} ({_where(found)})" for v, found in sorted(builds.items())),
             "Install the same torch/NCCL build (same `+cuXXX` wheel or image) on every node.",
             _ranks([log for found in builds.values() for log in found])))
     drivers = _by_value(logs, lambda log: log.cuda_driver_version)
     if len(drivers) > 1:
-        findings.append(Finding(
+        findings.append(NcclFinding(
             "info", "CUDA drivers differ across ranks",
             "; ".join(f"driver CUDA {v} ({_where(found)})" for v, found in sorted(drivers.items())),
             "Install one NVIDIA driver version on every node (`nvidia-smi` shows it); mixed drivers are supported"
@@ -159,14 +161,14 @@ def _version_findings(logs: list[NcclRankLog]) -> list[Finding]:
     return findings
 
 
-def _init_findings(logs: list[NcclRankLog], groups: list[CommGroup], roles: dict | None) -> list[Finding]:
+def _init_findings(logs: list[NcclRankLog], groups: list[CommGroup], roles: dict | None) -> list[NcclFinding]:
     findings = []
     logged = {log.global_rank for log in logs if log.global_rank is not None}
     expected = set(range(max((g.n_ranks or 0 for g in groups), default=0)))
     expected |= {r for groups_ in (roles or {}).values() for group in groups_ for r in group}
     missing = sorted(expected - logged) if logged else []
     if missing:
-        findings.append(Finding(
+        findings.append(NcclFinding(
             "error", "No NCCL log for some ranks",
             f"No log for rank(s) {format_ranks(missing)}: the logs hold ranks {format_ranks(logged)} of the run's"
             f" {len(expected)}.",
@@ -184,7 +186,7 @@ def _init_findings(logs: list[NcclRankLog], groups: list[CommGroup], roles: dict
                       f"{'; ranks ' + format_ranks(done) + ' completed' if done else ''}.")
             if warned:
                 detail += f" First NCCL WARN: \"{warned[0]}\""
-            findings.append(Finding(
+            findings.append(NcclFinding(
                 "error", "NCCL init never completed", detail,
                 "Read that rank's last log lines and stderr: init stops when a peer crashed or never started, when"
                 " nodes cannot reach each other on the chosen interface (set `NCCL_SOCKET_IFNAME` to the one they"
@@ -193,7 +195,7 @@ def _init_findings(logs: list[NcclRankLog], groups: list[CommGroup], roles: dict
         if g.n_ranks and len(g.members) < g.n_ranks and not missing:
             # Only a world-sized communicator says who is absent: a subgroup's other members are unknown.
             absent = sorted(logged - set(g.ranks)) if g.n_ranks == len(expected) else []
-            findings.append(Finding(
+            findings.append(NcclFinding(
                 "error", f"Communicator {g.group_id} was started by {len(g.members)} of its {g.n_ranks} ranks",
                 f"Only ranks {format_ranks(g.ranks)} logged it; "
                 + (f"the logs of rank(s) {format_ranks(absent)} never start it." if absent
@@ -204,7 +206,7 @@ def _init_findings(logs: list[NcclRankLog], groups: list[CommGroup], roles: dict
     return findings
 
 
-def _env_findings(logs: list[NcclRankLog], groups: list[CommGroup]) -> list[Finding]:
+def _env_findings(logs: list[NcclRankLog], groups: list[CommGroup]) -> list[NcclFinding]:
     findings = []
     multi_node = any(g.n_nodes > 1 for g in groups) or len({h for log in logs for h in log.hosts}) > 1
     flags = {
@@ -224,7 +226,8 @@ def _env_findings(logs: list[NcclRankLog], groups: list[CommGroup]) -> list[Find
     for name, (severity, title, detail, advice) in flags.items():
         found = [log for log in logs if log.env.get(name) == "1"]
         if found:
-            findings.append(Finding(severity, title, f"`{name}=1` on {_where(found)}. {detail}", advice, _ranks(found)))
+            findings.append(NcclFinding(severity, title, f"`{name}=1` on {_where(found)}. {detail}", advice,
+                                        _ranks(found)))
     differing = {}
     for name in sorted({n for log in logs for n in log.env}):
         values = _by_value(logs, lambda log, n=name: log.env.get(n))
@@ -233,14 +236,14 @@ def _env_findings(logs: list[NcclRankLog], groups: list[CommGroup]) -> list[Find
     if differing:
         detail = "; ".join(f"`{n}`: " + ", ".join(f"{v!r} ({_where(found)})" for v, found in sorted(vals.items()))
                            for n, vals in differing.items())
-        findings.append(Finding(
+        findings.append(NcclFinding(
             "warning", "NCCL variables differ across ranks", detail,
             "Export the same `NCCL_*` variables to every rank (through the launcher, not a node's shell profile).",
             _ranks([log for vals in differing.values() for found in vals.values() for log in found])))
     return findings
 
 
-def _network_findings(groups: list[CommGroup]) -> list[Finding]:
+def _network_findings(groups: list[CommGroup]) -> list[NcclFinding]:
     findings = []
     socket = [g for g in groups if g.n_nodes > 1 and ("NET/Socket" in g.transports or (
         not g.transports and any(c.network == "Socket" for _, c, _ in g.members)))]
@@ -252,7 +255,7 @@ def _network_findings(groups: list[CommGroup]) -> list[Finding]:
                   f" ({', '.join(interfaces) or 'interface not logged'}).")
         if no_ib:
             detail += f" NCCL found no InfiniBand device (`NET/IB : No device found`) on {_where(no_ib)}."
-        findings.append(Finding(
+        findings.append(NcclFinding(
             "warning", "Inter-node traffic uses TCP sockets (NET/Socket), not InfiniBand/RoCE", detail,
             "If the nodes have IB/RoCE NICs, make them visible to NCCL (rdma-core/libibverbs in the image,"
             " `/dev/infiniband` passed into the container, `NCCL_IB_HCA` naming the HCAs; on AWS EFA install"
@@ -267,7 +270,7 @@ def _network_findings(groups: list[CommGroup]) -> list[Finding]:
     for name, found in by_role.items():
         spans = "; ".join(f"ranks {format_ranks(g.ranks)} on {', '.join(g.hosts)} via {', '.join(g.transports)}"
                           for g in found)
-        findings.append(Finding(
+        findings.append(NcclFinding(
             "warning", f"`{name}` groups cross nodes: their collectives go over the network", spans,
             f"Keep `{name}` inside a node: make it the innermost mesh dim with {name} <= GPUs per node"
             " (`LOCAL_WORLD_SIZE`), and launch so consecutive global ranks share a node (torchrun's default; SLURM"
@@ -276,7 +279,7 @@ def _network_findings(groups: list[CommGroup]) -> list[Finding]:
     return findings
 
 
-def nccl_findings(logs: list[NcclRankLog], roles: dict[str, list[list[int]]] | None = None) -> list[Finding]:
+def nccl_findings(logs: list[NcclRankLog], roles: dict[str, list[list[int]]] | None = None) -> list[NcclFinding]:
     """Everything worth acting on, errors first."""
     groups = comm_groups(logs, roles)
     findings = (_version_findings(logs) + _init_findings(logs, groups, roles) + _env_findings(logs, groups)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 
-from diagnostics.memory_records import OomMessage
+from diagnostics.records import OomMessage
 
 UNITS = {"bytes": 1, "B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3, "TiB": 1024**4}
 TEXT_LIMIT = 500

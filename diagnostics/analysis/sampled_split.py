@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from diagnostics.bottleneck_records import PHASES, RankTimes
+from diagnostics.records import PHASES, RankTimes
 
 REGIONS = {"data_wait": ("data_wait", "host"), "forward": ("forward",), "backward": ("backward",),
            "optimizer": ("optimizer",), "pipeline": ("pipeline_idle",)}

@@ -32,7 +32,7 @@ from diagnostics.analysis.trace_gpu import device_events, device_split
 from diagnostics.analysis.trace_timeline import (OUTSIDE, PHASE, PIPELINE, STEP, Labeller, State, cpu_part,
                                                  fallback_phases, main_thread, sorted_events, thread_events,
                                                  timeline)
-from diagnostics.bottleneck_records import PHASES, RankTimes
+from diagnostics.records import PHASES, RankTimes
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 MESH_DIMS = DIMS[:5]

@@ -7,7 +7,7 @@ per mesh role, in proportions applied to the window's means (`diagnostics.analys
 figures meet in one all-gather; rank 0 classifies the window (`diagnostics.analysis.bottleneck.classify`, or your
 own ``classifier``) and writes:
 
-- ``<log_dir>/diagnostics/bottleneck.jsonl``: one line per window (`diagnostics.bottleneck_records.WindowRecord`);
+- ``<log_dir>/diagnostics/bottleneck.jsonl``: one line per window (`diagnostics.records.WindowRecord`);
 - TensorBoard: ``bottleneck/<phase>_s`` and ``bottleneck/comm_<role>_s`` as mean / min / max across ranks, the
   throughput over the batch ranks (``throughput/tokens_per_s``, ``throughput/mfu``), the card
   ``diagnostics/bottleneck`` and the figure ``diagnostics/step_phases``; with a `TroubleshootingView`, the charts;
@@ -35,14 +35,14 @@ from diagnostics.analysis.bottleneck import attribute_waiting, classify
 from diagnostics.analysis.sampled_split import split_window
 from diagnostics.analysis.trace import read_trace, trace_steps
 from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
-from diagnostics.bottleneck_records import BOTTLENECK_FILE, PHASES, RankTimes, WindowContext, WindowRecord
 from diagnostics.collect.gather import gather_floats
 from diagnostics.collect.step_clock import StepClock, mean_row
-from diagnostics.collect.window_vector import ROLES, rank_times_of, window_vector
-from diagnostics.records import to_json, write_atomic
+from diagnostics.collect.window_vector import ROLES, rank_times_of, sequence_length_of, tokens_of, window_vector
+from diagnostics.records import BOTTLENECK_FILE, PHASES, RankTimes, WindowContext, WindowRecord, to_json, write_atomic
 from diagnostics.report.bottleneck_card import bottleneck_markdown, bottleneck_summary, step_phase_image
 from diagnostics.report.tensorboard import log_image, log_text, spread
 from lightning_nd.cost.hardware import PRESETS, parse_hardware
+from lightning_nd.cost.shape import ModelShape
 from lightning_nd.cost.step_time import flops_per_token
 from lightning_nd.layout.batch import token_shape
 from lightning_nd.runtime.profiling import recording
@@ -67,6 +67,7 @@ class BottleneckMonitor(Callback):
         self.classifier = classifier or classify
         self.clock = StepClock()
         self.layout: Any = None
+        self.shape: ModelShape | None = None
         self.records: list[WindowRecord] = []
         self.folder: Path | None = None
         self._profiler: Any = None
@@ -104,6 +105,9 @@ class BottleneckMonitor(Callback):
                 view.margin("communication", f"{role} (s)", f"bottleneck/comm_{role}_s")
         view.multiline("throughput", "tokens/s over the batch ranks", ["throughput/tokens_per_s"])
         view.multiline("throughput", "MFU", ["throughput/mfu"])
+
+    def on_nd_layout_applied(self, strategy: Any, event: Any) -> None:
+        self.shape = event.shape  # read before the composer split the model: the MFU's FLOPs per token
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         hosts = [socket.gethostname()] * trainer.world_size
@@ -223,7 +227,7 @@ class BottleneckMonitor(Callback):
         roles = layout.roles if layout is not None else {}
         step_s = sum(r.step_s for r in ranks) / len(ranks)
         batch_ranks = layout.dims["dp_replicate"] * layout.dims["dp_shard"] if layout is not None else 1
-        tokens = sum(v[-2] for v in vectors) * batch_ranks / trainer.world_size / (last - first + 1)
+        tokens = sum(tokens_of(v) for v in vectors) * batch_ranks / trainer.world_size / (last - first + 1)
         tokens_per_s = tokens / step_s if step_s > 0 and tokens > 0 else None
         context = WindowContext(
             first_step=first, last_step=last, dims=dict(layout.dims) if layout is not None else {}, roles=roles,
@@ -260,8 +264,7 @@ class BottleneckMonitor(Callback):
         self.records.append(record)
 
     def _mfu(self, trainer: Trainer, pl_module: LightningModule, tokens_per_s: float | None, seq_len: int) -> float | None:
-        shape = getattr(getattr(trainer.strategy, "preflight", None), "shape", None)
-        name = self.hardware
+        shape, name = self.shape, self.hardware
         if name is None and pl_module.device.type == "cuda":
             device = torch.cuda.get_device_name(pl_module.device).lower()
             name = next((preset for preset in PRESETS if preset in device), None)

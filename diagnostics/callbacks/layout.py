@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from lightning_nd.layout.describe import layout_markdown
+from lightning_nd.strategy.events import LayoutApplied
 
 
 class LayoutCard(Callback):
@@ -14,13 +17,19 @@ class LayoutCard(Callback):
     and their sources, the pipeline stages, the experts, what was applied, what one rank holds, the warnings
     and every rank's coordinates: the dry run's tables (`python -m lightning_nd.plan`)."""
 
+    def __init__(self) -> None:
+        self.applied: LayoutApplied | None = None
+
+    def on_nd_layout_applied(self, strategy: Any, event: LayoutApplied) -> None:
+        self.applied = event
+
     @rank_zero_only
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        layout = getattr(trainer.strategy, "layout_or_none", None)
-        if layout is None:
+        event = self.applied
+        if event is None:
             return
-        report = trainer.strategy.report
-        card = layout_markdown(layout, report.lines() if report is not None else None, trainer.strategy.dims.rank_table())
+        card = layout_markdown(event.layout, list(event.applied) if event.applied is not None else None,
+                               event.rank_table)
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
                 logger.experiment.add_text("lightning_nd/layout", card, global_step=0)

@@ -26,8 +26,7 @@ from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.analysis.oom import parse_oom
 from diagnostics.collect.gather import gather_floats
 from diagnostics.collect.memory import cuda_memory, model_state_bytes, process_memory, snapshot_if_recording
-from diagnostics.memory_records import MEMORY_FILE, MemoryReport, memory_report_from_dict
-from diagnostics.records import to_json, write_atomic
+from diagnostics.records import MEMORY_FILE, MemoryReport, from_dict, to_json, write_atomic
 from diagnostics.report.memory_card import memory_card, memory_summary
 from diagnostics.report.tensorboard import log_text, spread
 from lightning_nd.strategy.events import OUT_OF_MEMORY_WORDS
@@ -169,7 +168,7 @@ def _wait_for(path: Path) -> MemoryReport | None:
     deadline = time.monotonic() + CULPRIT_WAIT_S
     while time.monotonic() < deadline:
         if path.is_file():
-            return memory_report_from_dict(json.loads(path.read_text()))
+            return from_dict(MemoryReport, json.loads(path.read_text()))
         time.sleep(0.1)
     return None
 

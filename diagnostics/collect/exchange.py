@@ -13,7 +13,7 @@ from pathlib import Path
 from diagnostics.records import (
     CAPTURE_FILE,
     RankCapture,
-    capture_from_dict,
+    from_dict,
     read_captures,
     to_dict,
     to_json,
@@ -56,7 +56,7 @@ class CaptureExchange:
                 if self._store(lambda store: store.check([key])):
                     payload = self._store(lambda store: store.get(key))
                     if payload is not None:
-                        found[rank] = capture_from_dict(json.loads(zlib.decompress(payload)))
+                        found[rank] = from_dict(RankCapture, json.loads(zlib.decompress(payload)))
             for rank, capture in read_captures(self.folder).items():
                 found.setdefault(rank, capture)
             waiting = [r for r in range(self.world_size) if r not in found and r not in skip]

@@ -1,10 +1,10 @@
 """One rank's bottleneck window as a fixed-length list of floats, for the window's one all-gather, and back:
 steps, step_s, every phase, the exposed communication per role of `ROLES`, the residual, the tokens this rank
-saw and the full sequence length."""
+saw and the full sequence length. Only this module knows the positions."""
 
 from __future__ import annotations
 
-from diagnostics.bottleneck_records import PHASES, RankTimes
+from diagnostics.records import PHASES, RankTimes
 from lightning_nd.layout.roles import EXPERT_ROLES, ROLE_DIMS
 
 ROLES = (*ROLE_DIMS, *EXPERT_ROLES, "world", "group", "other")
@@ -30,3 +30,13 @@ def rank_times_of(rank: int, values: list[float]) -> RankTimes | None:
     comm_values = values[2 + len(PHASES):2 + len(PHASES) + len(ROLES)]
     comm = {role: seconds for role, seconds in zip(ROLES, comm_values) if seconds > 0}
     return RankTimes(rank=rank, steps=steps, step_s=step_s, phases=phases, comm=comm, residual_s=values[-3])
+
+
+def tokens_of(values: list[float]) -> float:
+    """The tokens the rank saw in the window (``tokens[0]`` of `window_vector`)."""
+    return values[-2]
+
+
+def sequence_length_of(values: list[float]) -> int:
+    """The full sequence length of the window's last batch (``tokens[1]`` of `window_vector`)."""
+    return int(values[-1])

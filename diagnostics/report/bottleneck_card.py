@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from diagnostics.bottleneck_records import PHASES, RankTimes, WindowRecord
+from diagnostics.records import PHASES, RankTimes, WindowRecord
 
 COLOURS = {"data_wait": (230, 159, 0), "forward": (0, 114, 178), "backward": (86, 180, 233),
            "optimizer": (0, 158, 115), "pipeline_idle": (204, 121, 167), "waiting": (213, 94, 0),

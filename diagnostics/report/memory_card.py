@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diagnostics.analysis.memory import human_bytes, verdict
-from diagnostics.memory_records import Advice, MemoryFigure, MemoryReport, OomMessage
+from diagnostics.records import Advice, MemoryFigure, MemoryReport, OomMessage
 
 UNKNOWN_ON_CPU = "unknown (CPU keeps no allocator statistics)"
 SUMMARY_ADVICE = 3

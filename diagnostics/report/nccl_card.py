@@ -3,8 +3,8 @@ markdown, and aligned text for the console of ``python -m diagnostics nccl``).""
 
 from __future__ import annotations
 
-from diagnostics.analysis.nccl_findings import Finding, format_ranks
-from diagnostics.analysis.nccl_log import NcclRankLog
+from diagnostics.analysis.nccl_findings import NcclFinding, format_ranks
+from diagnostics.records import NcclRankLog
 
 FINDING_COLUMNS = ("severity", "finding", "ranks", "advice")
 RANK_COLUMNS = ("rank", "host", "pid", "NCCL", "CUDA (build)", "CUDA (driver)", "network", "init complete")
@@ -38,7 +38,7 @@ def _comm_rows(topology: list[dict]) -> list[tuple[str, ...]]:
              "yes" if row["nvls"] else "no", row["init_complete"]) for row in topology]
 
 
-def _finding_rows(findings: list[Finding]) -> list[tuple[str, ...]]:
+def _finding_rows(findings: list[NcclFinding]) -> list[tuple[str, ...]]:
     return [(f.severity, f"**{f.title}**: {f.detail}", format_ranks(f.ranks), f.advice) for f in findings]
 
 
@@ -54,7 +54,7 @@ def _text_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[s
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in [columns, *rows]]
 
 
-def nccl_markdown(logs: list[NcclRankLog], findings: list[Finding], topology: list[dict]) -> str:
+def nccl_markdown(logs: list[NcclRankLog], findings: list[NcclFinding], topology: list[dict]) -> str:
     """Three tables: the findings (severity, finding, ranks, advice), the ranks, the communicators."""
     lines = ["**NCCL findings**", ""]
     lines += _markdown_table(FINDING_COLUMNS, _finding_rows(findings)) if findings else [NO_FINDINGS]
@@ -64,7 +64,7 @@ def nccl_markdown(logs: list[NcclRankLog], findings: list[Finding], topology: li
     return "\n".join(lines)
 
 
-def nccl_text(logs: list[NcclRankLog], findings: list[Finding], topology: list[dict]) -> str:
+def nccl_text(logs: list[NcclRankLog], findings: list[NcclFinding], topology: list[dict]) -> str:
     """The same report for a terminal: findings as blocks (their advice is long), the tables aligned."""
     lines = [f"NCCL logs of {len(logs)} rank(s): {len(findings)} finding(s)"]
     for f in findings:

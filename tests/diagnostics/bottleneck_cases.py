@@ -3,7 +3,7 @@ step from its parts, a window's context, balanced ranks, and eight ranks with on
 
 from __future__ import annotations
 
-from diagnostics.bottleneck_records import PHASES, RankTimes, WindowContext
+from diagnostics.records import PHASES, RankTimes, WindowContext
 
 DIMS = {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "ep": 1}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from diagnostics.analysis.bottleneck import Thresholds, classify
-from diagnostics.bottleneck_records import Diagnosis
+from diagnostics.records import Diagnosis
 from tests.diagnostics.bottleneck_cases import balanced, context, eight_ranks_one_slow, times
 
 

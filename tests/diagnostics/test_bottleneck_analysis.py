@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 
 from diagnostics.analysis.bottleneck import Classifier, Thresholds, attribute_waiting, classify, waiting_by_role
-from diagnostics.bottleneck_records import LABELS, PHASES, Diagnosis, RankTimes, WindowContext
+from diagnostics.records import LABELS, PHASES, Diagnosis, RankTimes, WindowContext
 from tests.diagnostics.bottleneck_cases import balanced, context, eight_ranks_one_slow, times
 
 

@@ -13,7 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
-from diagnostics.bottleneck_records import PHASES
+from diagnostics.records import PHASES
 from tests.launcher import launch
 
 TWO = {

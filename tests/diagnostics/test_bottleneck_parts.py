@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 from diagnostics.analysis.sampled_split import split_window
-from diagnostics.bottleneck_records import PHASES, Diagnosis, RankTimes, WindowContext, WindowRecord, read_windows
 from diagnostics.collect.step_clock import StepClock, mean_row
-from diagnostics.records import to_json
+from diagnostics.records import PHASES, Diagnosis, RankTimes, WindowContext, WindowRecord, read_windows, to_json
 from diagnostics.report.bottleneck_card import BAR_WIDTH, COLOURS, bottleneck_markdown, step_phase_image
 
 TRACES = Path(__file__).parents[1] / "data" / "traces"

@@ -13,10 +13,10 @@ from diagnostics.records import (
     CollectiveEntry,
     Frame,
     GroupRecord,
+    HangReport,
     PointToPointRecord,
     RankCapture,
-    capture_from_dict,
-    report_from_dict,
+    from_dict,
     to_json,
     write_atomic,
 )
@@ -182,10 +182,10 @@ def test_records_round_trip_through_json_and_the_cli_reads_a_run_folder(tmp_path
     captures = {r: capture(r, [*history("1", 9), entry("1", 10, 60, retired=False)], [DP]) for r in (0, 1, 3)}
     captures[2] = capture(2, history("1", 9), [DP], stack=SLEEP)
     for rank, one in captures.items():
-        assert capture_from_dict(json.loads(to_json(one))) == one
+        assert from_dict(RankCapture, json.loads(to_json(one))) == one
         write_atomic(tmp_path / "diagnostics" / f"rank{rank}" / "capture.json", to_json(one))
     report = hang_report(captures, 4)
-    assert report_from_dict(json.loads(to_json(report))) == report
+    assert from_dict(HangReport, json.loads(to_json(report))) == report
     assert main(["hang", str(tmp_path)]) == 1
     assert "rank 2 never joined all_reduce #10 on the dp_shard group" in capsys.readouterr().out
     (tmp_path / "empty").mkdir()

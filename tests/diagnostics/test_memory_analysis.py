@@ -11,8 +11,7 @@ import pytest
 
 from diagnostics.analysis.memory import breakdown, human_bytes, largest_gap, largest_part, rank_advice, verdict
 from diagnostics.analysis.oom import parse_oom
-from diagnostics.memory_records import KINDS, MemoryReport, memory_report_from_dict
-from diagnostics.records import to_dict, to_json
+from diagnostics.records import KINDS, MemoryReport, from_dict, to_dict, to_json
 from diagnostics.report.memory_card import UNKNOWN_ON_CPU, memory_card, memory_summary
 
 SAMPLES = Path(__file__).resolve().parents[1] / "data" / "oom"
@@ -184,10 +183,10 @@ def test_summary_is_the_verdict_and_the_top_three():
 
 def test_report_round_trips_through_json():
     original = report()
-    again = memory_report_from_dict(json.loads(to_json(original)))
+    again = from_dict(MemoryReport, json.loads(to_json(original)))
     assert again == original
     assert to_dict(again) == to_dict(original)
     two_processes = replace(original, oom=parse_oom((SAMPLES / "cuda_2_1_two_processes.txt").read_text()))
-    assert memory_report_from_dict(json.loads(to_json(two_processes))) == two_processes
+    assert from_dict(MemoryReport, json.loads(to_json(two_processes))) == two_processes
     bare = MemoryReport(0, None, None, "cpu", None, None, (), (), {}, {})
-    assert memory_report_from_dict(json.loads(to_json(bare))) == bare
+    assert from_dict(MemoryReport, json.loads(to_json(bare))) == bare

@@ -14,7 +14,8 @@ import pytest
 
 from diagnostics.__main__ import main
 from diagnostics.analysis.nccl_findings import nccl_findings, topology_table
-from diagnostics.analysis.nccl_log import NcclRankLog, parse_nccl_dir, parse_nccl_log, rank_from_name
+from diagnostics.analysis.nccl_log import parse_nccl_dir, parse_nccl_log, rank_from_name
+from diagnostics.records import NcclRankLog
 from diagnostics.report.nccl_card import nccl_markdown
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "nccl"

@@ -19,7 +19,7 @@ import pytest
 
 from diagnostics.analysis.trace import (TraceStep, dims_from_trace, find_traces, rank_times, read_trace, trace_rank,
                                         trace_steps)
-from diagnostics.bottleneck_records import PHASES
+from diagnostics.records import PHASES
 from tests.diagnostics.trace_cases import op
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"

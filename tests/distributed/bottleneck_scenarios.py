@@ -68,7 +68,7 @@ def monitored(cases: dict[str, dict[str, Any]], folder: str, every: int = 4, ste
     from lightning.pytorch.loggers import TensorBoardLogger
 
     from diagnostics import BottleneckMonitor, TroubleshootingView
-    from diagnostics.bottleneck_records import BOTTLENECK_FILE, read_windows
+    from diagnostics.records import BOTTLENECK_FILE, read_windows
 
     world, results = int(os.environ["WORLD_SIZE"]), {}
     for name, case in cases.items():

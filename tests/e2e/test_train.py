@@ -17,7 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util.tensor_util import make_ndarray
 
-from diagnostics.bottleneck_records import BOTTLENECK_FILE, LABELS, read_windows
+from diagnostics.records import BOTTLENECK_FILE, LABELS, read_windows
 from lightning_nd import Layout
 from tests.launcher import exits, start
 

@@ -18,7 +18,7 @@ LIGHTNING = ("lightning", "pytorch_lightning")
 PHASES = (
     # (modules, what they must not load), in this order: an earlier phase's modules stay loaded. ``x.*``: the
     # package ``x`` and every module in it.
-    (("diagnostics.analysis.*", "diagnostics.records", "diagnostics.bottleneck_records", "diagnostics.memory_records"),
+    (("diagnostics.analysis.*", "diagnostics.records.*"),
      ("torch", "lightning_nd", *LIGHTNING, "transformers")),
     (("lightning_nd", "lightning_nd.layout.*", "lightning_nd.cost.*", "lightning_nd.plan.*"),
      (*LIGHTNING, "transformers", "torch.distributed.pipelining")),

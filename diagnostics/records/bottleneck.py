@@ -3,16 +3,13 @@ mesh role, the window's context, and the diagnosis (``<log_dir>/diagnostics/bott
 
 The contract between `diagnostics.callbacks.bottleneck_monitor` (live), `diagnostics.analysis.trace` (profiler
 traces, live and offline), `diagnostics.analysis.bottleneck` (the classifier) and ``python -m diagnostics trace``.
-Nothing here imports torch or Lightning.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-BOTTLENECK_FILE = "bottleneck.jsonl"
 PHASES = ("data_wait", "forward", "backward", "optimizer", "pipeline_idle", "waiting", "host")
 """Where a rank's step goes, communication carved out: ``data_wait`` the loader's fetch; ``forward``,
 ``backward``, ``optimizer`` their compute only; ``pipeline_idle`` a pipeline stage waiting for its neighbours;
@@ -99,21 +96,3 @@ class WindowRecord:
     ranks: tuple[RankTimes, ...]
     """One per rank, by rank (ranks are unique)."""
     diagnosis: Diagnosis
-
-
-def window_from_dict(values: dict[str, Any]) -> WindowRecord:
-    context = dict(values["context"])
-    context["hosts"] = {int(rank): host for rank, host in context.get("hosts", {}).items()}
-    return WindowRecord(context=WindowContext(**context), ranks=tuple(RankTimes(**r) for r in values["ranks"]),
-                        diagnosis=Diagnosis(**{**values["diagnosis"], "advice": tuple(values["diagnosis"]["advice"])}))
-
-
-def read_windows(text: str) -> list[WindowRecord]:
-    """Every line of a ``bottleneck.jsonl``; a line cut short by a dying process is skipped."""
-    windows = []
-    for line in text.splitlines():
-        try:
-            windows.append(window_from_dict(json.loads(line)))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return windows

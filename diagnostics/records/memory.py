@@ -1,16 +1,12 @@
 """What the memory probe records when a rank runs out of memory: the parsed message, the breakdown measured next
 to the analytic expectation, and the ranked fixes (``<log_dir>/diagnostics/memory-rank<R>.json``).
-
-Kept apart from ``records.py`` (the hang records) so each stays one concept; written with ``records.to_json``.
-Nothing here imports torch or Lightning.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-MEMORY_FILE = "memory-rank{rank}.json"
 KINDS = ("params", "grads", "optimizer", "activations", "temporaries", "non_pytorch", "total")
 
 
@@ -84,30 +80,8 @@ class MemoryReport:
     """In ``KINDS`` order, the total last."""
     advice: tuple[Advice, ...]
     """Largest saving first."""
-    dims: dict[str, int]
+    dims: dict[str, int] = field(default_factory=dict)
     """The layout that ran out (``{"dp_shard": 4, "tp": 2}``)."""
-    options: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
     """The ``NDParallel`` options it ran with (activation checkpointing, mixed precision, ...)."""
     notes: tuple[str, ...] = ()
-
-
-def _oom_from_dict(values: dict[str, Any]) -> OomMessage:
-    known = {f.name for f in fields(OomMessage)}
-    rest = {k: v for k, v in values.items() if k in known and k != "other_processes"}
-    others = tuple((int(pid), int(count)) for pid, count in values.get("other_processes", ()))
-    return OomMessage(other_processes=others, **rest)
-
-
-def memory_report_from_dict(values: dict[str, Any]) -> MemoryReport:
-    """The inverse of ``records.to_dict`` on a ``MemoryReport``."""
-    oom = _oom_from_dict(values["oom"]) if values.get("oom") is not None else None
-    return MemoryReport(
-        rank=int(values["rank"]), step=values.get("step"), culprit=values.get("culprit"), device=values["device"],
-        capacity_bytes=values.get("capacity_bytes"), oom=oom,
-        figures=tuple(MemoryFigure(**figure) for figure in values["figures"]),
-        advice=tuple(Advice(**advice) for advice in values["advice"]),
-        dims=dict(values.get("dims", {})), options=dict(values.get("options", {})),
-        notes=tuple(values.get("notes", ())))
-
-
-__all__ = ["KINDS", "MEMORY_FILE", "Advice", "MemoryFigure", "MemoryReport", "OomMessage", "memory_report_from_dict"]

@@ -1,19 +1,11 @@
-"""What the probes record, as plain dataclasses with JSON I/O: the contract between the live monitors, the files a
-failed run leaves (``<log_dir>/diagnostics/``), ``tests/data`` and the offline CLI (``python -m diagnostics``).
-
-Nothing here imports torch or Lightning: a record read back from disk is the same object the probe made.
+"""What the collective probe records when a run fails (``<log_dir>/diagnostics/rank<R>/capture.json``) and the
+hang verdict over every rank's capture (``hang.json``): flight-recorder entries, the point-to-point ledger, each
+thread's stack, the rank's process groups, and the culprits.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any
-
-CAPTURE_FILE = "capture.json"
-HANG_FILE = "hang.json"
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -129,66 +121,3 @@ class HangReport:
     summary: tuple[str, ...]
     """One sentence per culprit in mesh terms, then the consequences."""
     reason: str = ""
-
-
-def to_dict(value: Any) -> Any:
-    """A record (or anything holding records) as plain JSON-able values."""
-    if hasattr(value, "__dataclass_fields__"):
-        return {f.name: to_dict(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [to_dict(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): to_dict(v) for k, v in value.items()}
-    return value
-
-
-def to_json(record: Any, indent: int | None = 1) -> str:
-    return json.dumps(to_dict(record), indent=indent)
-
-
-def _frames(values: list[dict[str, Any]]) -> tuple[Frame, ...]:
-    return tuple(Frame(str(v["file"]), int(v["line"]), str(v["name"])) for v in values)
-
-
-def capture_from_dict(values: dict[str, Any]) -> RankCapture:
-    entries = tuple(CollectiveEntry(
-        e["group"], int(e["seq"]), e["op"], tuple(tuple(s) for s in e["input_sizes"]), tuple(e["input_dtypes"]),
-        bool(e["retired"]), e.get("started_ns"), _frames(e.get("frames", []))) for e in values["entries"])
-    p2p = tuple(PointToPointRecord(**p) for p in values["point_to_point"])
-    groups = tuple(GroupRecord(g["name"], g["desc"], g["role"], tuple(g["ranks"])) for g in values["groups"])
-    stacks = {name: _frames(frames) for name, frames in values["stacks"].items()}
-    known = {f.name for f in fields(RankCapture)}
-    rest = {k: v for k, v in values.items() if k in known and k not in
-            ("entries", "point_to_point", "groups", "stacks")}
-    return RankCapture(entries=entries, point_to_point=p2p, groups=groups, stacks=stacks, **rest)
-
-
-def report_from_dict(values: dict[str, Any]) -> HangReport:
-    culprits = tuple(Culprit(**{**c, "group_ranks": tuple(c["group_ranks"])}) for c in values["culprits"])
-    return HangReport(culprits, tuple(values["dead"]), tuple(values["captured"]), tuple(values["missing"]),
-                      tuple(values["summary"]), values.get("reason", ""))
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary file and rename: a reader never sees half a record, even if this rank dies."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
-def read_captures(folder: Path) -> dict[int, RankCapture]:
-    """Every ``rank<R>/capture.json`` under ``folder`` (a diagnostics dir), by rank; unreadable ones are skipped."""
-    captures = {}
-    for path in sorted(Path(folder).glob(f"rank*/{CAPTURE_FILE}")):
-        try:
-            capture = capture_from_dict(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        captures[capture.rank] = capture
-    return captures
-
-
-__all__ = ["CAPTURE_FILE", "HANG_FILE", "CollectiveEntry", "Culprit", "Frame", "GroupRecord", "HangReport",
-           "PointToPointRecord", "RankCapture", "capture_from_dict", "read_captures",
-           "report_from_dict", "to_dict", "to_json", "write_atomic"]

@@ -1,0 +1,51 @@
+"""The files the monitors leave under ``<log_dir>/diagnostics/``, their names, and how they are written and read."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from diagnostics.records.bottleneck import WindowRecord
+from diagnostics.records.codec import from_dict
+from diagnostics.records.collectives import RankCapture
+
+CAPTURE_FILE = "capture.json"
+"""Each live rank's `RankCapture` when the run failed, in ``rank<R>/``."""
+HANG_FILE = "hang.json"
+"""The `HangReport`, from the lowest captured rank."""
+BOTTLENECK_FILE = "bottleneck.jsonl"
+"""One `WindowRecord` a line, from rank 0."""
+MEMORY_FILE = "memory-rank{rank}.json"
+"""Each rank's `MemoryReport` when a rank ran out of memory."""
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary file and rename: a reader never sees half a record, even if this rank dies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def read_captures(folder: Path) -> dict[int, RankCapture]:
+    """Every ``rank<R>/capture.json`` under ``folder`` (a diagnostics dir), by rank; unreadable ones are skipped."""
+    captures = {}
+    for path in sorted(Path(folder).glob(f"rank*/{CAPTURE_FILE}")):
+        try:
+            capture = from_dict(RankCapture, json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        captures[capture.rank] = capture
+    return captures
+
+
+def read_windows(text: str) -> list[WindowRecord]:
+    """Every line of a ``bottleneck.jsonl``; a line cut short by a dying process is skipped."""
+    windows = []
+    for line in text.splitlines():
+        try:
+            windows.append(from_dict(WindowRecord, json.loads(line)))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return windows
