@@ -219,7 +219,7 @@ class NDParallel(ModelParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         assert self.model is not None
-        with accumulate_without_sync(self.model, self.plan.zero_stage(self.dims)):
+        with accumulate_without_sync(self.model, self.plan.zero_stage()):
             yield None
 
     @override

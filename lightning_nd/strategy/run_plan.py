@@ -77,11 +77,11 @@ class RunPlan:
         """Whether this model is the one the composer parallelized (validate/test/predict after fit)."""
         return self.report is not None and self.report.module is model
 
-    def zero_stage(self, dims: ParallelDims) -> int:
+    def zero_stage(self) -> int:
         """What FSDP shards; without a Layout (`configure_model` parallelized the model itself) the option still says
         what it means."""
-        options = self.layout.options if self.layout is not None else resolve_options(dims.as_dict(), self.config)
-        return int(options.zero_stage)
+        layout = self.layout
+        return (layout.options if layout is not None else resolve_options(self.dims.as_dict(), self.config)).zero_stage
 
     def make(self, model: nn.Module, where: Placement) -> None:
         """At ``connect``: the Layout of the model, or of `configure_model`'s copy (None when neither can be
