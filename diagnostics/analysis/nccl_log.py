@@ -10,6 +10,7 @@ so the other lines are tied to one by the thread that logged them (NCCL runs one
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from diagnostics.records.nccl import Connection, NcclComm, NcclRankLog
@@ -171,25 +172,53 @@ def parse_nccl_log(text: str, global_rank: int | None = None, path: str | None =
 
 def rank_from_name(name: str) -> int | None:
     """``nccl.rank3.node-a.4242.log`` -> 3 (the name the diagnostics callback gives ``NCCL_DEBUG_FILE``)."""
-    m = re.search(r"rank(\d+)", name)
+    m = re.search(r"(?:^|[._-])rank(\d+)(?=$|[._-])", name)
     return int(m[1]) if m else None
 
 
+HEAD_BYTES = 1 << 16
+"""How much of a file not named ``nccl*.log`` is read to tell an NCCL log: NCCL's first lines come at its start."""
+
+
+def _is_nccl_log(path: Path) -> bool:
+    if path.name.startswith("nccl") and path.suffix == ".log":
+        return True
+    with open(path, "rb") as file:
+        head = file.read(HEAD_BYTES)
+    return b"NCCL INFO" in head or b"NCCL WARN" in head
+
+
 def nccl_log_files(folder: str | Path, *, recursive: bool = False) -> list[Path]:
-    """Every ``nccl*.log`` in ``folder``, and any other ``*.log`` whose text holds ``NCCL INFO``."""
+    """Every NCCL log in ``folder``: ``nccl*.log``, and any other file with an NCCL line in its first 64 KiB,
+    whatever its name (``NCCL_DEBUG_FILE=/logs/%h.%p`` writes ``host.pid``, no suffix)."""
     folder = Path(folder)
-    candidates = sorted(folder.rglob("*.log") if recursive else folder.glob("*.log"))
-    found = []
-    for path in candidates:
-        if not path.is_file():
-            continue
-        if path.name.startswith("nccl") or "NCCL INFO" in path.read_text(errors="replace"):
-            found.append(path)
-    return found
+    candidates = sorted(folder.rglob("*") if recursive else folder.iterdir())
+    return [path for path in candidates if path.is_file() and _is_nccl_log(path)]
+
+
+def world_ranks(logs: list[NcclRankLog]) -> list[NcclRankLog]:
+    """Each log whose file name did not say its global rank, with the rank its world communicator gives: the one
+    communicator (one ``commId``) of the largest size that every log with an initialised communicator belongs to.
+    When no communicator is that (only sub-groups logged, or two of the largest size), the rank stays unknown."""
+    members = [log for log in logs if log.comms]
+    largest = max((comm.n_ranks or 0 for log in members for comm in log.comms.values()), default=0)
+    worlds = {comm.comm_id for log in members for comm in log.comms.values() if comm.n_ranks == largest}
+    if not largest or len(worlds) != 1 or None in worlds:
+        return logs
+    (world,) = worlds
+
+    def rank_in_world(log: NcclRankLog) -> int | None:
+        return next((comm.rank for comm in log.comms.values() if comm.comm_id == world), None)
+
+    if any(rank_in_world(log) is None for log in members):
+        return logs
+    return [log if log.global_rank is not None or not log.comms else replace(log, global_rank=rank_in_world(log))
+            for log in logs]
 
 
 def parse_nccl_dir(folder: str | Path, *, recursive: bool = False) -> list[NcclRankLog]:
-    """Parse every NCCL log in ``folder``, sorted by global rank (files without one last)."""
-    logs = [parse_nccl_log(p.read_text(errors="replace"), rank_from_name(p.name), str(p))
-            for p in nccl_log_files(folder, recursive=recursive)]
+    """Parse every NCCL log in ``folder``, sorted by global rank (from the file's name, else from its world
+    communicator: `world_ranks`; files with neither last)."""
+    logs = world_ranks([parse_nccl_log(p.read_text(errors="replace"), rank_from_name(p.name), str(p))
+                        for p in nccl_log_files(folder, recursive=recursive)])
     return sorted(logs, key=lambda log: (log.global_rank is None, log.global_rank or 0, log.path or ""))

@@ -268,3 +268,47 @@ def test_python_dash_m_diagnostics():
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "No findings" in done.stdout and "P2P/CUMEM/read" in done.stdout
+
+
+def _renamed(source: Path, target: Path, keep: int | None = None) -> Path:
+    """The scenario's logs as ``NCCL_DEBUG_FILE=<dir>/%h.%p`` names them (host.pid, no suffix, no rank)."""
+    target.mkdir()
+    for path in sorted(source.glob("nccl.rank*.log"))[:keep]:
+        host, pid = path.name.split(".")[2:4]
+        shutil.copy(path, target / f"{host}.{pid}")
+    return target
+
+
+def test_logs_named_host_pid_get_their_rank_from_the_world_communicator(tmp_path):
+    logs = parse_nccl_dir(_renamed(CORPUS / "socket_fallback", tmp_path / "hp"))
+    assert [log.global_rank for log in logs] == [0, 1, 2, 3]
+    assert [log.hosts for log in logs] == [("trainer-a",)] * 2 + [("trainer-b",)] * 2
+    [finding] = nccl_findings(logs)
+    card = nccl_markdown(logs, [finding], topology_table(logs))
+    assert finding.ranks == (0, 1, 2, 3) and "| 0-3 |" in card and "| ? |" not in card, card
+    mixed = parse_nccl_dir(_renamed(CORPUS / "mixed_versions", tmp_path / "mv"))
+    assert "2.22.3 (ranks 2-3 on gpu-b); 2.23.4 (ranks 0-1 on gpu-a)" in nccl_findings(mixed)[0].detail
+    assert [row["ranks"] for row in topology_table(mixed)] == [row["ranks"] for row in topology_table(_load("mixed_versions"))]
+
+
+def test_a_partial_set_of_host_pid_logs_keeps_the_ranks_it_has(tmp_path):
+    logs = parse_nccl_dir(_renamed(CORPUS / "multi_node_ib", tmp_path / "some", keep=5))
+    assert [log.global_rank for log in logs] == [0, 1, 2, 3, 4]
+    missing = [f for f in nccl_findings(logs) if f.title == "No NCCL log for some ranks"]
+    assert [f.ranks for f in missing] == [(5, 6, 7)]
+
+
+def test_without_one_world_communicator_the_rank_stays_unknown(tmp_path):
+    folder = _renamed(CORPUS / "tp_across_nodes", tmp_path / "tp")
+    assert [log.global_rank for log in parse_nccl_dir(folder)] == [0, 1, 2, 3]  # from the world communicator
+    for path in folder.iterdir():  # without the world communicator: only pairs, several of the largest size
+        lines = path.read_text().splitlines()
+        world = next(line.split("comm ")[1].split()[0] for line in lines if " nranks 4 " in line)
+        path.write_text("\n".join(line for line in lines if world not in line))
+    logs = parse_nccl_dir(folder)
+    assert {len(log.comms) for log in logs} == {2} and {log.global_rank for log in logs} == {None}
+
+
+def test_rank_in_a_file_name_is_a_word_not_part_of_a_host_name():
+    assert rank_from_name("nccl.rank3.node-a.4242.log") == 3
+    assert rank_from_name("frankfurt-12.4242") is None and rank_from_name("node-rank7.log") == 7
