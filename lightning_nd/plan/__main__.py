@@ -22,7 +22,8 @@ import time
 from lightning_nd.layout.describe import human_bytes, layout_markdown
 from lightning_nd.plan.dry_run import dry_run, parse_layout
 from lightning_nd.plan.planner import add_arguments as add_planner_arguments
-from lightning_nd.plan.planner import cost_markdown, cost_section, run_planner
+from lightning_nd.cost.hardware import parse_bytes
+from lightning_nd.plan.planner import cost_markdown, cost_section, fit_line, layout_precision, layout_step, run_planner
 from lightning_nd.plan.source import build_model
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
@@ -67,21 +68,29 @@ def run(args: argparse.Namespace) -> int:
         if args.gpu_memory is None:
             raise ValueError("`--params` plans against a GPU's memory. HINT: add `--gpu-memory 80GB`.")
         return run_planner(args, module, json.loads(args.options))
-    layout = dry_run(module, args.devices, parse_layout(args.layout or ""), json.loads(args.options),
-                     precision=args.precision or "32-true", gpus_per_node=args.gpus_per_node,
-                     seq_len=args.seq_len, micro_batch=args.micro_batch)
-    cost = cost_section(layout, module, args)
+    options = json.loads(args.options)
+    workload, implied = layout_step(args, options)
+    layout = dry_run(module, args.devices, parse_layout(args.layout or ""), {**implied, **options},
+                     precision=layout_precision(args), gpus_per_node=args.gpus_per_node, seq_len=args.seq_len,
+                     micro_batch=workload.batch if workload is not None else args.micro_batch)
+    cost = cost_section(layout, module, args, workload)
+    memory_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None
+    fits = cost is None or memory_bytes is None or cost.peak.peak_bytes <= memory_bytes
     if args.json:
-        print(json.dumps({**layout.to_dict(), "cost": cost.to_dict()}) if cost is not None else layout.to_json())
-        return 0
+        priced = {**cost.to_dict(), **({"memory_bytes": memory_bytes, "fits": fits} if memory_bytes else {})} if (
+            cost is not None) else None
+        print(json.dumps({**layout.to_dict(), "cost": priced}) if priced is not None else layout.to_json())
+        return 0 if fits else 1
     total = sum(p.numel() for p in module.parameters())
     print(f"# Dry run: {type(getattr(module, 'model', module)).__name__}, {total:,} parameters"
           f" ({human_bytes(sum(p.numel() * p.element_size() for p in module.parameters()))}), {args.devices} devices\n")
     print(layout_markdown(layout))
     if cost is not None:
         print("\n" + cost_markdown(layout, cost, total))
+        if memory_bytes is not None and workload is not None:
+            print("\n" + fit_line(cost, memory_bytes, workload))
     print(f"Planned in {time.perf_counter() - start:.1f} s; no process group was started.", file=sys.stderr)
-    return 0
+    return 0 if fits else 1
 
 
 def main(argv: list[str] | None = None) -> int:

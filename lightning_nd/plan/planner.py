@@ -23,9 +23,9 @@ from lightning_nd.layout.describe import human_bytes
 from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.plan import PlanMemo
 from lightning_nd.layout.record import Layout
-from lightning_nd.plan.dry_run import dry_run, parse_layout
+from lightning_nd.plan.dry_run import dry_run, parse_layout, read_layout_arguments
 from lightning_nd.plan.params_only import params_only_markdown, params_only_rows
-from lightning_nd.plan.search import Batching, Search, print_progress, search
+from lightning_nd.plan.search import Batching, Search, batch_options, print_progress, search
 from lightning_nd.plan.table import model_state_arithmetic, planner_json, planner_markdown, why
 
 
@@ -100,14 +100,50 @@ def explain(result: Search, text: str, devices: int, params: int) -> str:
     return f"`{text}` is not among the costed layouts (see \"Left out\" above)."
 
 
-def cost_section(layout: Layout, module: Any, args: argparse.Namespace) -> LayoutCost | None:
-    """The cost of the dry run's layout for a batch of ``--micro-batch`` x ``--seq-len`` (None without --seq-len)."""
+def layout_precision(args: argparse.Namespace) -> str:
+    """``--precision``, else the planner's bf16-mixed when the layout is priced against a GPU (``--gpu-memory``),
+    else a plain run's 32-true."""
+    return args.precision or ("bf16-mixed" if args.gpu_memory else "32-true")
+
+
+def layout_step(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Workload | None, dict[str, Any]]:
+    """With ``--layout``: the step to check and price (None without ``--seq-len``) and the options it implies. With
+    ``--global-batch`` made as the ranking path makes it (samples per batch rank, under pp split into
+    ``pp_microbatches`` of ``--micro-batch``), else ``--micro-batch`` samples per rank."""
+    precision = layout_precision(args)
     if args.seq_len is None:
+        return None, {}
+    if args.global_batch is None:
+        return Workload(args.seq_len, args.micro_batch or 1, 1, precision), {}
+    arguments = read_layout_arguments({**parse_layout(args.layout), **options})  # the dry run's errors, first
+    sizes = ParallelDims(**arguments.sizes, world_size=args.devices).as_dict()
+    step = batch_options(sizes, Batching(args.seq_len, args.global_batch, args.micro_batch or 1, precision))
+    if isinstance(step, str):
+        raise ValueError(f"`--layout {args.layout} --global-batch {args.global_batch}`: {step}. HINT: choose a global"
+                         f" batch that dp_replicate x dp_shard = {sizes['dp_replicate'] * sizes['dp_shard']} and"
+                         " --micro-batch divide (under pp into at least pp microbatches), or run the planner"
+                         " without --layout.")
+    workload, implied = step
+    return workload, {key: value for key, value in implied.items() if key != "pp_schedule"}
+
+
+def cost_section(layout: Layout, module: Any, args: argparse.Namespace, workload: Workload | None) -> LayoutCost | None:
+    """The cost of the dry run's layout for ``workload`` (None without --seq-len)."""
+    if workload is None:
         return None
     check_optimizer(args.optimizer)
-    workload = Workload(args.seq_len, args.micro_batch or 1, 1, args.precision or "32-true")
     return cost_layout(layout, model_shape(module), workload, optimizer=args.optimizer,
                        hardware=parse_hardware(args.hardware), gpus_per_node=args.gpus_per_node)
+
+
+def fit_line(layout_cost: LayoutCost, memory_bytes: int, workload: Workload) -> str:
+    """Whether the highest rank's expected peak fits one GPU of ``--gpu-memory``, for which step and precision."""
+    peak = layout_cost.peak
+    verdict = "fits in" if peak.peak_bytes <= memory_bytes else "does not fit in"
+    return (f"Expected peak {human_bytes(peak.peak_bytes)} on rank {peak.rank} {verdict} {human_bytes(memory_bytes)}"
+            f" per GPU, for batches of {workload.batch} x {workload.seq_len} tokens x {workload.accumulation}"
+            f" accumulation steps at {workload.precision} (parameters and optimizer state as that precision keeps"
+            " them).")
 
 
 def cost_markdown(layout: Layout, layout_cost: LayoutCost, params: int) -> str:

@@ -83,7 +83,7 @@ def search(plan: Callable[[dict[str, int], dict[str, Any]], Layout], shape: Mode
     for index, sizes in enumerate(sizes_list):
         if progress is not None:
             progress(f"planning {index + 1}/{len(sizes_list)}: {describe_sizes(sizes)}")
-        batch = _batch_options(sizes, batching)
+        batch = batch_options(sizes, batching)
         if isinstance(batch, str):
             result.skipped[batch] += 1
             continue
@@ -110,7 +110,7 @@ def describe_sizes(sizes: dict[str, int]) -> str:
     return ",".join(f"{name}={sizes[name]}" for name in names if sizes.get(name, 1) > 1 or name == "dp_shard")
 
 
-def _batch_options(sizes: dict[str, int], batching: Batching) -> tuple[Workload, dict[str, Any]] | str:
+def batch_options(sizes: dict[str, int], batching: Batching) -> tuple[Workload, dict[str, Any]] | str:
     """The workload and pp options that make ``global_batch`` on these sizes, or why they cannot."""
     dp = sizes["dp_replicate"] * sizes["dp_shard"]
     if batching.global_batch % dp:

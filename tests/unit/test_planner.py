@@ -101,3 +101,24 @@ def test_the_70b_planner_on_64_gpus(capsys):
     explained = out[out.index("`tp=8,pp=4,dp_shard=2` ranks #"):]
     assert "1/32 of the 70.55B parameters, 2.205B" in explained and "optimizer state 8.06 GiB" in explained
     assert "12.32 GiB of it optimizer state" in explained
+
+
+def test_a_given_layout_takes_the_global_batch_and_the_gpu_memory_as_the_ranking_does(capsys):
+    layout = ["--layout", "tp=2,pp=2,dp_shard=2"]
+    code, out, err = _run(capsys, *SMALL, *layout, "--json")  # 16 samples over dp=2: 8 per rank, 8 microbatches
+    assert code == 0, err
+    planned = json.loads(out)
+    assert planned["options"]["pp_microbatches"] == 8 and planned["options"]["precision"] == "32-true"
+    ranked = json.loads(_run(capsys, *SMALL, "--gpu-memory", "1GB", "--json")[1])["layouts"]
+    [same] = [entry for entry in ranked if (entry["sizes"]["tp"], entry["sizes"]["pp"], entry["sizes"]["dp_shard"])
+              == (2, 2, 2) and entry["sizes"]["dp_replicate"] == 1 and entry["sizes"]["cp"] == 1]
+    code, out, err = _run(capsys, *SMALL, *layout, "--gpu-memory", "1GB", "--json", "--options",
+                          json.dumps({"activation_checkpointing": same["options"]["activation_checkpointing"],
+                                      "sequence_parallel": True}))  # the ranking's default under tp
+    priced = json.loads(out)
+    assert code == 0 and priced["cost"]["fits"] and priced["options"]["precision"] == "bf16-mixed"
+    assert priced["cost"]["peak_bytes"] == same["cost"]["peak_bytes"]  # the ranking's price of the same layout
+    code, out, _ = _run(capsys, *SMALL, *layout, "--gpu-memory", "500KB")
+    assert code == 1 and "does not fit in 488.28 KiB per GPU, for batches of 8 x 64 tokens" in out, out
+    code, _, err = _run(capsys, *SMALL[:-1], "15", *layout)
+    assert code == 2 and "global batch 15 does not split over dp=2" in err and "HINT" in err, err
