@@ -30,6 +30,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning_nd.cost.shape import ModelShape
 from lightning_nd.layout.record import Layout
+from lightning_nd.runtime.errors import OUT_OF_MEMORY_WORDS
+
+__all__ = ["OUT_OF_MEMORY_WORDS"]  # for listeners: how an out-of-memory error (or a peer's relayed one) reads
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
@@ -176,11 +179,6 @@ class MemoryPlanned(Event):
     rank's), and the step they make: batch (samples per forward), accumulation."""
     capacity_bytes: int | None
     """The accelerator's memory (CUDA), None on CPU."""
-
-
-OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "not enough memory")
-"""What an out-of-memory error says (CUDA's and ROCm's allocators, the CPU allocator on Linux and on Windows), in
-lower case: how the strategy tells one from other failures, and a listener a peer's relayed failure."""
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 
+from lightning_nd.runtime.errors import chain_text, exception_chain, first_line, out_of_memory_in
 from lightning_nd.runtime.timeouts import set_timeout
 from lightning_nd.runtime.watchdog import RankWatchdog
 from lightning_nd.strategy.events import VERDICT_BUDGET_S
@@ -112,15 +113,15 @@ class FailureMonitor:
 
 def _describe(exception: BaseException) -> tuple[str, str]:
     """One line for the verdict, and the text of the whole chain: a wrapper (the pipeline schedule re-raises a
-    peer's broken connection as a bare ``RuntimeError``) must not hide its cause."""
-    chain: list[BaseException] = []
-    link: BaseException | None = exception
-    while link is not None and all(link is not seen for seen in chain):
-        chain.append(link)
-        link = link.__cause__ or link.__context__
-    lines = [(e, line.strip()) for e in chain for line in str(e).splitlines() if line.strip()]
-    summary = f"{type(lines[0][0]).__name__}: {lines[0][1]}" if lines else type(chain[0]).__name__
-    return summary[:600], "\n".join(f"{type(e).__name__}: {e}" for e in chain)
+    peer's broken connection as a bare ``RuntimeError``, a stage's out-of-memory error as "[Stage 0] failed to run
+    forward") must not hide its cause, so an out-of-memory cause is named in the line too (peers relay it)."""
+    chain = exception_chain(exception)
+    speaking = next((link for link in chain if str(link).strip()), exception)  # the first link with a message
+    summary = first_line(speaking)
+    cause = out_of_memory_in(exception)
+    if cause is not None and cause is not speaking:
+        summary = f"{summary[:200]} (from {first_line(cause)})"
+    return summary[:600], chain_text(exception)
 
 
 def _own_rank() -> int:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -15,8 +14,8 @@ from torch import nn
 from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.roles import role_names
 from lightning_nd.runtime.mesh import NDMesh
+from lightning_nd.runtime.errors import out_of_memory_in
 from lightning_nd.strategy.events import (
-    OUT_OF_MEMORY_WORDS,
     BeforeProcessGroup,
     EventBus,
     FailureVerdict,
@@ -76,11 +75,12 @@ def trainer_of(module: LightningModule | None) -> Trainer | None:
 
 
 def out_of_memory(bus: EventBus, rank: int, exception: BaseException, trainer: Trainer | None) -> None:
-    """An out-of-memory error (CUDA's, or the CPU allocator's) becomes an `OutOfMemory` event first."""
-    text = str(exception).lower()
-    if isinstance(exception, torch.OutOfMemoryError) or any(words in text for words in OUT_OF_MEMORY_WORDS):
+    """An out-of-memory error (CUDA's, or the CPU allocator's), also one a wrapper re-raised (a pipeline stage's),
+    becomes an `OutOfMemory` event first, with the allocator's own message."""
+    found = out_of_memory_in(exception)
+    if found is not None:
         stage = str(trainer.state.stage.value) if trainer is not None and trainer.state.stage else None
-        bus.emit(OutOfMemory(rank, str(exception).splitlines()[0][:500], stage))
+        bus.emit(OutOfMemory(rank, (str(found).strip().splitlines() or [type(found).__name__])[0][:500], stage))
 
 
 def deliver_verdict(bus: EventBus, verdict: FailureVerdict, trainer: Trainer | None) -> None:

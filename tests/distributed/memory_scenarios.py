@@ -46,9 +46,10 @@ def _data(trainer: Trainer, batch: int, steps: int) -> TokenDataModule:
                            batch_size=batch)
 
 
-def oom(victim: int, folder: str, stamp: str) -> dict[str, Any]:
-    """Train ``LAYOUT`` until ``victim`` runs out of memory in step ``OOM_STEP``'s forward."""
-    trainer = _trainer(LAYOUT, max_steps=OOM_STEP + 2, callbacks=[MemoryMonitor(log_dir=folder)],
+def oom(victim: int, folder: str, stamp: str, layout: dict[str, int] | None = None) -> dict[str, Any]:
+    """Train ``layout`` (default ``LAYOUT``) until ``victim`` runs out of memory in step ``OOM_STEP``'s forward; under
+    pp inside the pipeline schedule, which wraps the error ("[Stage 0] failed to run forward")."""
+    trainer = _trainer(layout or LAYOUT, max_steps=OOM_STEP + 2, callbacks=[MemoryMonitor(log_dir=folder)],
                        logger=TensorBoardLogger(folder, name="tb"))
     torch.manual_seed(0)
     module = CausalLM(model=Llama(LlamaConfig(**CONFIG)), lr=1e-3)
