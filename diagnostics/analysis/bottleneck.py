@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from statistics import median
 
 from diagnostics.analysis.bottleneck_advice import Straggler, Window, advice, count, mean, percent, secs
+from diagnostics.analysis.host_load import host_advice, oversubscribed
 from diagnostics.records import PHASES, Diagnosis, RankTimes, WindowContext
 
 Classifier = Callable[[Sequence[RankTimes], WindowContext], Diagnosis]
@@ -201,9 +202,14 @@ def classify(ranks: Sequence[RankTimes], context: WindowContext, thresholds: Thr
         label, part, passed = _verdict(window, thresholds)
     evidence = _evidence(window, part, straggler, passed) + _residual_note(window, thresholds.residual_note)
     dim = part.removeprefix("comm:") if label == "communication-bound" else None
-    return Diagnosis(label, shares, evidence, advice(label, part, window, straggler), dim=dim,
-                     rank=straggler.rank if straggler else None, phase=straggler.phase if straggler else None,
-                     residual=residual)
+    findings = oversubscribed(context)
+    # A shared host stretches every phase and makes every rank wait: what to change is the host, first; tuning the
+    # compute (bf16, compile) or the layout against time-sliced numbers is advice for another machine.
+    told = ((host_advice(context), *(line for line in advice(label, part, window, straggler)
+                                     if label not in ("compute-bound", "communication-bound")))
+            if findings else advice(label, part, window, straggler))
+    return Diagnosis(label, shares, evidence, told, dim=dim, rank=straggler.rank if straggler else None,
+                     phase=straggler.phase if straggler else None, residual=residual, findings=findings)
 
 
 __all__ = ["Classifier", "Thresholds", "attribute_waiting", "classify", "waiting_by_role"]

@@ -21,7 +21,6 @@ in ``<log_dir>/diagnostics/traces/rank<R>.json`` for ``python -m diagnostics tra
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ from diagnostics.analysis.bottleneck import attribute_waiting, classify
 from diagnostics.analysis.sampled_split import split_window
 from diagnostics.analysis.trace import read_trace, trace_steps
 from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
+from diagnostics.collect.host import host_processors
 from diagnostics.collect.gather import gather_floats
 from diagnostics.collect.step_clock import StepClock, mean_row
 from diagnostics.collect.window_vector import ROLES, rank_times_of, sequence_length_of, tokens_of, window_vector
@@ -75,6 +75,8 @@ class BottleneckMonitor(Callback):
         self._trace_step: Any = None
         self._tokens = [0, 0]  # tokens this rank saw in the window, and the full sequence length
         self._hosts: dict[int, str] = {}
+        self._host_cores: dict[str, int] = {}
+        self._shared_gpus: dict[str, tuple[int, ...]] = {}
         self._closed = -1
         self._first_step = self._window_end = 0
         self._validation_start = 0.0
@@ -110,10 +112,18 @@ class BottleneckMonitor(Callback):
         self.shape = event.shape  # read before the composer split the model: the MFU's FLOPs per token
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        hosts = [socket.gethostname()] * trainer.world_size
+        mine = host_processors(pl_module.device)
+        places = [mine] * trainer.world_size
         if dist.is_initialized():
-            dist.all_gather_object(hosts, socket.gethostname())
-        self._hosts = dict(enumerate(hosts))
+            dist.all_gather_object(places, mine)
+        self._hosts = {rank: host for rank, (host, _, _) in enumerate(places)}
+        self._host_cores = {host: len(set().union(*(cores for h, cores, _ in places if h == host)))
+                            for host in set(self._hosts.values())}
+        users: dict[str, list[int]] = {}
+        for rank, (_, _, gpu) in enumerate(places):
+            if gpu is not None:
+                users.setdefault(gpu, []).append(rank)
+        self._shared_gpus = {gpu: tuple(ranks) for gpu, ranks in users.items() if len(ranks) > 1}
         self._first_step = self._window_end = self._closed = trainer.global_step  # after a resume: its step
         self.clock.begin(time.perf_counter())
 
@@ -235,6 +245,7 @@ class BottleneckMonitor(Callback):
             pp_microbatches=layout.options.pp_microbatches if layout is not None else None,
             pp_stages_per_rank=layout.options.pp_stages_per_rank if layout is not None else 1,
             num_workers=getattr(trainer.train_dataloader, "num_workers", None), hosts=self._hosts,
+            host_cores=self._host_cores, shared_gpus=self._shared_gpus,
             tokens_per_s=tokens_per_s, mfu=self._mfu(trainer, pl_module, tokens_per_s, sequence_length_of(vectors[0])),
             options={**(layout.options.to_dict() if layout is not None else {}), "precision": str(trainer.precision)})
         diagnosis = self.classifier(ranks, context)  # it sees each collective's wait still inside it

@@ -57,6 +57,10 @@ class WindowContext:
     """The training loader's ``num_workers`` (None: unknown)."""
     hosts: dict[int, str] = field(default_factory=dict)
     """Global rank -> host name, when known (a group spanning hosts communicates over the network)."""
+    host_cores: dict[str, int] = field(default_factory=dict)
+    """Host -> the CPU cores its processes may run on (the union of their affinity), when known."""
+    shared_gpus: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """GPU (its UUID) -> the ranks using it, for each GPU more than one rank uses."""
     tokens_per_s: float | None = None
     """Throughput over the batch ranks only (each sample counted once, not once per tp/cp/pp rank)."""
     mfu: float | None = None
@@ -86,6 +90,8 @@ class Diagnosis:
     """straggler: the phase it is slow in."""
     residual: float = 0.0
     """Share of the step the phases do not explain (reported apart, never folded into a class)."""
+    findings: tuple[str, ...] = ()
+    """Beside the label: what makes the window's times unlike the run's on its own hardware (a shared host)."""
 
 
 @dataclass(frozen=True)

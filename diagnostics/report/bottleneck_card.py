@@ -54,7 +54,8 @@ def bottleneck_markdown(record: WindowRecord, profiled: bool) -> str:
     d, c = record.diagnosis, record.context
     culprit = d.dim or (f"rank {d.rank}, {d.phase}" if d.rank is not None else "")
     lines = [f"### Steps {c.first_step}-{c.last_step}: **{d.label}**" + (f" ({culprit})" if culprit else ""), "",
-             d.evidence, "", *[f"- {advice}" for advice in d.advice], ""]
+             d.evidence, "", *[f"**Shared host:** {finding}." for finding in d.findings], *([""] if d.findings else []),
+             *[f"- {advice}" for advice in d.advice], ""]
     if c.tokens_per_s is not None:
         lines.append(f"Throughput: {c.tokens_per_s:,.0f} tokens/s over the batch ranks"
                      + (f", MFU {c.mfu:.1%}" if c.mfu is not None else "") + ".")
@@ -74,5 +75,6 @@ def bottleneck_markdown(record: WindowRecord, profiled: bool) -> str:
 
 def bottleneck_summary(record: WindowRecord) -> str:
     d = record.diagnosis
+    shared = f"; shared host: {d.findings[0]}." if d.findings else ""
     return (f"lightning-nd bottleneck, steps {record.context.first_step}-{record.context.last_step}: {d.label}."
-            f" {d.evidence} {d.advice[0] if d.advice else ''}").strip()
+            f" {d.evidence}{shared} {d.advice[0] if d.advice else ''}").strip()

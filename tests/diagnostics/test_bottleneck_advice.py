@@ -5,6 +5,8 @@ time); the advice leaving out what the run's options do already."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from diagnostics.analysis.bottleneck import Thresholds, classify
@@ -146,3 +148,36 @@ def test_less_recomputation_only_under_checkpointing(mode, lighter):
     line = f"less activation recomputation if memory allows: activation_checkpointing={lighter} (now {mode!r})"
     assert line in compute_bound(activation_checkpointing=mode).advice
     assert not any("recomputation" in line for line in compute_bound(activation_checkpointing="none").advice)
+
+
+def _quick_start_window() -> list:
+    """The README's main job on a 2-core machine: 4 ranks, rank 0 waiting 1045 ms of a 2114 ms step."""
+    return [times(r, {"tp": 0.30 if r == 0 else 0.05, "fsdp": 0.75 if r == 0 else 0.05}, forward=0.55, backward=0.45,
+                  optimizer=0.05, host=0.01) for r in range(4)]
+
+
+def test_four_processes_on_two_cores_are_a_shared_host_not_a_compute_bound_run():
+    shared = context({"dp_shard": 2, "tp": 2}, hosts=dict.fromkeys(range(4), "laptop"), host_cores={"laptop": 2},
+                     roles={"tp": [[0, 1], [2, 3]], "fsdp": [[0, 2], [1, 3]]}, options={"precision": "32-true"})
+    diagnosis = classify(_quick_start_window(), shared)
+    assert diagnosis.findings == ("host laptop runs 4 processes on 2 CPU cores: each gets 0.5 of a core, so compute"
+                                  " is time-sliced and ranks wait for one another inside every collective",)
+    assert diagnosis.advice[0].startswith("give each process its own core or GPU: fewer processes per host"
+                                          " (trainer.devices, at most 2 here)")
+    assert not any("bf16" in line.split(":")[0] or "Trainer(precision=" in line for line in diagnosis.advice)
+    own = classify(_quick_start_window(), replace(shared, host_cores={"laptop": 8}))
+    assert own.findings == () and not own.advice[0].startswith("give each process")
+    gpus = classify(balanced(forward=0.5, backward=0.4), context(hosts=dict.fromkeys(range(4), "node"),
+                                                                 shared_gpus={"GPU-1": (0, 1)}))
+    assert gpus.findings == ("ranks 0, 1 share one GPU (GPU-1): their kernels queue on it",)
+
+
+def test_the_shared_host_is_on_the_card_and_the_console_line():
+    from diagnostics.records import WindowRecord
+    from diagnostics.report.bottleneck_card import bottleneck_markdown, bottleneck_summary
+
+    shared = context(hosts=dict.fromkeys(range(4), "laptop"), host_cores={"laptop": 2})
+    record = WindowRecord(shared, tuple(balanced(forward=0.5, backward=0.4)), classify(balanced(forward=0.5,
+                                                                                                backward=0.4), shared))
+    assert "**Shared host:** host laptop runs 4 processes on 2 CPU cores" in bottleneck_markdown(record, True)
+    assert "; shared host: host laptop runs 4 processes" in bottleneck_summary(record)

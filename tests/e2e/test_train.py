@@ -6,8 +6,10 @@ with TensorBoard's own event reader."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +106,14 @@ def test_readme_main_job_trains_and_writes_tensorboard(tmp_path):
     assert all(r.comm.get("tp", 0) > 0 and r.comm.get("fsdp", 0) > 0 for r in windows[-1].ranks)
     card = make_ndarray(accumulator.Tensors("diagnostics/bottleneck/text_summary")[-1].tensor_proto)[0].decode()
     assert f"**{windows[-1].diagnosis.label}**" in card
+    cores = len(os.sched_getaffinity(0))
+    assert windows[-1].context.host_cores == {socket.gethostname(): cores}
+    if cores < 4:  # four processes on fewer cores: the host is named first, and nobody is told to try bf16
+        assert all(w.diagnosis.findings and w.diagnosis.advice[0].startswith("give each process its own core")
+                   for w in windows), windows[-1].diagnosis
+        assert "**Shared host:** host" in card and "precision='bf16-mixed'" not in card, card
+    else:
+        assert all(not w.diagnosis.findings for w in windows)
     view = layout_pb2.Layout()  # the troubleshooting view: one custom-scalars layout, every monitor's charts in it
     view.ParseFromString(make_ndarray(accumulator.Tensors("custom_scalars__config__")[0].tensor_proto).item())
     assert {c.title for c in view.category} == {"Troubleshooting: " + name for name in
