@@ -200,16 +200,32 @@ def classify(ranks: Sequence[RankTimes], context: WindowContext, thresholds: Thr
         label, part, passed = "straggler", straggler.phase, True
     else:
         label, part, passed = _verdict(window, thresholds)
+    if label == "compute-bound" and len(ranks) > 1 and context.profiled is False:
+        return _unsplit(window, shares, residual)
     evidence = _evidence(window, part, straggler, passed) + _residual_note(window, thresholds.residual_note)
     dim = part.removeprefix("comm:") if label == "communication-bound" else None
-    findings = oversubscribed(context)
-    # A shared host stretches every phase and makes every rank wait: what to change is the host, first; tuning the
-    # compute (bf16, compile) or the layout against time-sliced numbers is advice for another machine.
-    told = ((host_advice(context), *(line for line in advice(label, part, window, straggler)
-                                     if label not in ("compute-bound", "communication-bound")))
-            if findings else advice(label, part, window, straggler))
+    findings, told = oversubscribed(context), advice(label, part, window, straggler)
+    if findings:
+        # A shared host stretches every phase and makes every rank wait: when the verdict is compute, the host is
+        # what to change (tuning the compute with bf16 or compile against time-sliced numbers is advice for another
+        # machine); a straggler, the loader or a layout's communication stand on their own, the host comes after.
+        told = (host_advice(context),) if label == "compute-bound" else (*told, host_advice(context))
     return Diagnosis(label, shares, evidence, told, dim=dim, rank=straggler.rank if straggler else None,
                      phase=straggler.phase if straggler else None, residual=residual, findings=findings)
+
+
+def _unsplit(window: Window, shares: dict[str, float], residual: float) -> Diagnosis:
+    """Several ranks, no profiled step: a collective's wait for a slower rank sits inside forward and backward on
+    every rank alike, so neither a straggler nor communication shows, and "compute-bound" would be a guess."""
+    steps = min(times.steps for times in window.ranks)
+    evidence = (f"no step of this window ({window.context.first_step}-{window.context.last_step}, {steps} steps"
+                f" measured over {count(len(window.ranks))}) was profiled, so the time inside collectives (and the"
+                f" wait for a slower rank) cannot be told from compute: forward, backward and optimizer take"
+                f" {percent(window.share(window.seconds['compute']))} of the {secs(window.step)} s step, with it in")
+    advice = ("profile a step of each window: BottleneckMonitor(every_n_steps=N, profile=True) with N at most half the"
+              " run's steps (a window of a run shorter than N ends with a profiled step when the Trainer knows its"
+              " length: max_steps or max_epochs)",)
+    return Diagnosis("not-enough-evidence", shares, evidence, advice, residual=residual)
 
 
 __all__ = ["Classifier", "Thresholds", "attribute_waiting", "classify", "waiting_by_role"]

@@ -21,6 +21,7 @@ in ``<log_dir>/diagnostics/traces/rank<R>.json`` for ``python -m diagnostics tra
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,6 +80,8 @@ class BottleneckMonitor(Callback):
         self._shared_gpus: dict[str, tuple[int, ...]] = {}
         self._closed = -1
         self._first_step = self._window_end = 0
+        self._last_step: int | None = None
+        self._profiled = False
         self._validation_start = 0.0
 
     # ---- set-up --------------------------------------------------------------------------------------------
@@ -125,6 +128,8 @@ class BottleneckMonitor(Callback):
                 users.setdefault(gpu, []).append(rank)
         self._shared_gpus = {gpu: tuple(ranks) for gpu, ranks in users.items() if len(ranks) > 1}
         self._first_step = self._window_end = self._closed = trainer.global_step  # after a resume: its step
+        total = trainer.estimated_stepping_batches  # the fit's last optimizer step (inf when unknown)
+        self._last_step = int(total) if math.isfinite(total) else None
         self.clock.begin(time.perf_counter())
 
     # ---- every step ----------------------------------------------------------------------------------------
@@ -165,9 +170,14 @@ class BottleneckMonitor(Callback):
             self.clock.rows.pop()  # warm-up, or slowed by the profiler
         if step % self.every == 0 and step > self._window_end:
             self._close_window(trainer, pl_module, step)
-        if self.profile and (step + 1) % self.every == 0:
+        if self.profile and ((step + 1) % self.every == 0 or self._ends_a_short_window(step + 1)):
             self._start_profiler(pl_module, step + 1)
         self.clock.begin(time.perf_counter())  # the window's own work is no step's
+
+    def _ends_a_short_window(self, step: int) -> bool:
+        """The run's last step closes a window shorter than ``every_n_steps`` (a short run, or its tail) with a step
+        left to measure besides it: profiled too, so that window's communication is split out as well."""
+        return step == self._last_step and step - max(self._window_end, self._first_step + 1) >= 2
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._drop_profiler()
@@ -219,6 +229,7 @@ class BottleneckMonitor(Callback):
     def _close_window(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         rows = self.clock.take()
         mine = split_window(trainer.global_rank, len(rows), mean_row(rows), self._trace_step) if rows else None
+        self._profiled = self._trace_step is not None
         everyone = gather_floats(window_vector(mine, self._tokens), pl_module.device, trainer.world_size)
         first, self._window_end = self._window_end + 1, step
         self._tokens, self._trace_step = [0, self._tokens[1]], None
@@ -245,6 +256,7 @@ class BottleneckMonitor(Callback):
             pp_microbatches=layout.options.pp_microbatches if layout is not None else None,
             pp_stages_per_rank=layout.options.pp_stages_per_rank if layout is not None else 1,
             num_workers=getattr(trainer.train_dataloader, "num_workers", None), hosts=self._hosts,
+            profiled=self._profiled,
             host_cores=self._host_cores, shared_gpus=self._shared_gpus,
             tokens_per_s=tokens_per_s, mfu=self._mfu(trainer, pl_module, tokens_per_s, sequence_length_of(vectors[0])),
             options={**(layout.options.to_dict() if layout is not None else {}), "precision": str(trainer.precision)})

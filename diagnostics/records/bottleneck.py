@@ -16,7 +16,10 @@ PHASES = ("data_wait", "forward", "backward", "optimizer", "pipeline_idle", "wai
 ``waiting`` blocked in a collective for a slower rank (the part of a collective's time beyond the group's fastest
 member's); ``host`` time in none of them (Lightning's hooks, Python between phases; on a GPU, the device idle
 inside a phase). The exposed communication per role is apart, in `RankTimes.comm`."""
-LABELS = ("data-bound", "compute-bound", "communication-bound", "pipeline-bubble", "straggler", "host-bound")
+LABELS = ("data-bound", "compute-bound", "communication-bound", "pipeline-bubble", "straggler", "host-bound",
+          "not-enough-evidence")
+"""``not-enough-evidence``: a window of several ranks without a profiled step (``WindowContext.profiled`` False),
+whose times cannot tell waiting inside a collective from compute, would otherwise have been called compute-bound."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,8 @@ class WindowContext:
     """Throughput over the batch ranks only (each sample counted once, not once per tp/cp/pp rank)."""
     mfu: float | None = None
     """Model FLOPs utilisation against the hardware preset's peak (`lightning_nd.cost.hardware`)."""
+    profiled: bool | None = None
+    """Whether a step of the window was profiled (its communication split out of the phases); None: not said."""
     options: dict[str, Any] = field(default_factory=dict)
     """The Layout's options (``activation_checkpointing``, ``compile``, ``sequence_parallel``...) and the
     Trainer's ``precision``: what the advice need not suggest again."""

@@ -181,3 +181,16 @@ def test_the_shared_host_is_on_the_card_and_the_console_line():
                                                                                                 backward=0.4), shared))
     assert "**Shared host:** host laptop runs 4 processes on 2 CPU cores" in bottleneck_markdown(record, True)
     assert "; shared host: host laptop runs 4 processes" in bottleneck_summary(record)
+
+
+def test_a_window_without_a_profiled_step_is_not_called_compute_bound():
+    """Rank 2 is slow, but without a profiled step its peers' wait for it sits inside their forward too: every rank
+    looks alike, and the window is said to be undecided, with what to change, instead of compute-bound."""
+    hidden = balanced(forward=0.6, backward=0.3, optimizer=0.05)
+    unsplit = classify(hidden, context({"dp_shard": 2, "tp": 2}, profiled=False))
+    assert unsplit.label == "not-enough-evidence" and unsplit.rank is None
+    assert "no step of this window (0-10, 10 steps measured over 4 ranks) was profiled" in unsplit.evidence
+    assert "BottleneckMonitor(every_n_steps=N, profile=True)" in unsplit.advice[0]
+    assert classify(hidden, context(profiled=True)).label == "compute-bound"  # profiled, no communication: compute
+    assert classify(hidden, context()).label == "compute-bound"  # a record that does not say (older files)
+    assert classify(hidden[:1], context(profiled=False)).label == "compute-bound"  # one rank waits for nobody

@@ -26,6 +26,8 @@ FOUR = {
     "tp": {"layout": {"tp": 4}, "model": {"hidden": 512, "layers": 4, "heads": 8}, "batch_size": 1, "seq_len": 8},
     "straggler": {"layout": {"dp_shard": 4}, "model": {"hidden": 32}, "batch_size": 2, "seq_len": 16, "sleepy_rank": 2,
                   "sleep_s": 0.2},
+    "short": {"layout": {"dp_shard": 2, "tp": 2}, "model": {"hidden": 32}, "batch_size": 2, "seq_len": 16,
+              "sleepy_rank": 2, "sleep_s": 0.2, "every": 50},  # the defaults' window, on a run of 8 steps
 }
 EXPECTED = {"plain": "compute-bound", "data": "data-bound", "bubble": "pipeline-bubble", "tp": "communication-bound",
             "straggler": "straggler"}
@@ -116,3 +118,13 @@ def test_tensorboard_shows_the_view_the_card_and_the_figure(runs):
     assert (step.value, step.lower, step.upper) == ("bottleneck/step_s/mean", "bottleneck/step_s/min",
                                                     "bottleneck/step_s/max")
     assert "Troubleshooting: communication" in {category.title for category in layout.category}
+
+
+def test_a_run_shorter_than_the_window_is_profiled_at_its_end_and_its_straggler_named(runs):
+    """BottleneckMonitor's default window (50 steps) on an 8-step run: its one window ends with a profiled step,
+    so the wait inside dp_shard x tp's collectives is told from compute and the sleeping rank is named."""
+    [window] = runs["short"]["windows"]
+    assert (window.context.first_step, window.context.last_step, window.context.profiled) == (1, 8, True)
+    assert any(r.comm for r in window.ranks), window.ranks
+    assert (window.diagnosis.label, window.diagnosis.rank, window.diagnosis.phase) == ("straggler", 2, "forward"), (
+        window.diagnosis.evidence)

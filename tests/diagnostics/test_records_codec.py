@@ -93,7 +93,7 @@ def test_each_hang_verdict_reads_back_and_is_what_the_captures_give_today(scenar
     assert hang_report(captures, 4, HANGS[scenario]["dead"], reason=reason) == report
 
 
-ADDED_SINCE = {"host_cores": {}, "shared_gpus": {}, "findings": []}
+ADDED_SINCE = {"host_cores": {}, "shared_gpus": {}, "findings": [], "profiled": None}
 """Fields the bottleneck records gained after tests/data/records was written, with the value an old file reads as."""
 
 

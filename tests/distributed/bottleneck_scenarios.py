@@ -62,7 +62,7 @@ def llama(hidden: int = 32, layers: int = 2, experts: int = 0, heads: int = 4) -
 
 def monitored(cases: dict[str, dict[str, Any]], folder: str, every: int = 4, steps: int = 8) -> dict[str, Any]:
     """Each case (``layout``, ``model`` (`llama` keywords), ``batch_size``, ``seq_len``, and optionally
-    ``loader_sleep_s``, ``sleepy_rank``, ``sleep_s``) trains ``steps`` steps with a `TroubleshootingView` and a
+    ``loader_sleep_s``, ``sleepy_rank``, ``sleep_s``, ``every`` for its own window) trains ``steps`` steps with a `TroubleshootingView` and a
     `BottleneckMonitor` windowing every ``every`` steps, into ``folder/<case>``; rank 0 returns each case's
     windows (as read back from ``bottleneck.jsonl``) and its TensorBoard folder."""
     from lightning.pytorch.loggers import TensorBoardLogger
@@ -74,7 +74,8 @@ def monitored(cases: dict[str, dict[str, Any]], folder: str, every: int = 4, ste
     for name, case in cases.items():
         root = Path(folder) / name
         trainer = Trainer(strategy=NDParallel(**case["layout"]), accelerator="cpu", devices=world, max_steps=steps,
-                          callbacks=[TroubleshootingView(), BottleneckMonitor(log_dir=str(root), every_n_steps=every)],
+                          callbacks=[TroubleshootingView(), BottleneckMonitor(log_dir=str(root),
+                                                                                 every_n_steps=case.get("every", every))],
                           logger=TensorBoardLogger(save_dir=str(root), name="", version=""),
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                           limit_val_batches=0, num_sanity_val_steps=0)
