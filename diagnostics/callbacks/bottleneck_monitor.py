@@ -35,13 +35,13 @@ from diagnostics.analysis.bottleneck import attribute_waiting, classify
 from diagnostics.analysis.sampled_split import split_window
 from diagnostics.analysis.trace import read_trace, trace_steps
 from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
-from diagnostics.collect.host import host_processors
+from diagnostics.collect.host import host_processors, host_shares
 from diagnostics.collect.gather import gather_floats
 from diagnostics.collect.step_clock import StepClock, mean_row
-from diagnostics.collect.window_vector import ROLES, rank_times_of, sequence_length_of, tokens_of, window_vector
+from diagnostics.collect.window_vector import rank_times_of, sequence_length_of, tokens_of, window_vector
 from diagnostics.records import BOTTLENECK_FILE, PHASES, RankTimes, WindowContext, WindowRecord, to_json, write_atomic
-from diagnostics.report.bottleneck_card import bottleneck_markdown, bottleneck_summary, step_phase_image
-from diagnostics.report.tensorboard import log_image, log_text, spread
+from diagnostics.report.bottleneck_card import bottleneck_markdown, bottleneck_summary, step_phase_figure
+from diagnostics.report.tensorboard import log_figure, log_text, spread
 from lightning_nd.cost.hardware import PRESETS, parse_hardware
 from lightning_nd.cost.shape import ModelShape
 from lightning_nd.cost.step_time import flops_per_token
@@ -49,6 +49,10 @@ from lightning_nd.layout.batch import token_shape
 from lightning_nd.runtime.profiling import recording
 
 log = logging.getLogger("lightning_nd")
+
+CHARTED_ROLES = ("pp", "dp_replicate", "cp", "tp", "fsdp", "loss", "ep")
+"""The roles the trace's analysis gives communication to (`analysis/trace_timeline.py`), charted when the run has
+them; ``batch``, ``dp_shard``, ``hsdp`` are the ranks of ``fsdp`` or ``dp_replicate``: their charts would stay empty."""
 
 
 class BottleneckMonitor(Callback):
@@ -106,7 +110,7 @@ class BottleneckMonitor(Callback):
         view.margin("step", "residual (s)", "bottleneck/residual_s")
         view.multiline("communication", "exposed, mean across ranks (s)", [r"bottleneck/comm_.*_s/mean"])
         for role, groups in sorted(event.layout.roles.items()):
-            if role in ROLES and groups and len(groups[0]) > 1:
+            if role in CHARTED_ROLES and groups and len(groups[0]) > 1:
                 view.margin("communication", f"{role} (s)", f"bottleneck/comm_{role}_s")
         view.multiline("throughput", "tokens/s over the batch ranks", ["throughput/tokens_per_s"])
         view.multiline("throughput", "MFU", ["throughput/mfu"])
@@ -119,14 +123,7 @@ class BottleneckMonitor(Callback):
         places = [mine] * trainer.world_size
         if dist.is_initialized():
             dist.all_gather_object(places, mine)
-        self._hosts = {rank: host for rank, (host, _, _) in enumerate(places)}
-        self._host_cores = {host: len(set().union(*(cores for h, cores, _ in places if h == host)))
-                            for host in set(self._hosts.values())}
-        users: dict[str, list[int]] = {}
-        for rank, (_, _, gpu) in enumerate(places):
-            if gpu is not None:
-                users.setdefault(gpu, []).append(rank)
-        self._shared_gpus = {gpu: tuple(ranks) for gpu, ranks in users.items() if len(ranks) > 1}
+        self._hosts, self._host_cores, self._shared_gpus = host_shares(places)
         self._first_step = self._window_end = self._closed = trainer.global_step  # after a resume: its step
         total = trainer.estimated_stepping_batches  # the fit's last optimizer step (inf when unknown)
         self._last_step = int(total) if math.isfinite(total) else None
@@ -281,7 +278,7 @@ class BottleneckMonitor(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         log_text(trainer, "diagnostics/bottleneck", bottleneck_markdown(record, profiled))
-        log_image(trainer, "diagnostics/step_phases", step_phase_image(record.ranks))
+        log_figure(trainer, "diagnostics/step_phases", step_phase_figure(record.ranks))
         if not self.records or self.records[-1].diagnosis.label != record.diagnosis.label:
             print(bottleneck_summary(record), flush=True)
         self.records.append(record)

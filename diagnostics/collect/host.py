@@ -15,3 +15,18 @@ def host_processors(device: torch.device) -> tuple[str, frozenset[int], str | No
         range(os.cpu_count() or 1))
     gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
     return socket.gethostname(), cores, gpu
+
+
+Place = tuple[str, frozenset[int], "str | None"]
+
+
+def host_shares(places: list[Place]) -> tuple[dict[int, str], dict[str, int], dict[str, tuple[int, ...]]]:
+    """Every rank's `host_processors` (by rank) as: rank -> host, host -> the cores its processes may run on (the
+    union of their affinity), and each GPU more than one rank uses -> those ranks."""
+    hosts = {rank: host for rank, (host, _, _) in enumerate(places)}
+    cores = {host: len(frozenset().union(*(mine for h, mine, _ in places if h == host))) for host in set(hosts.values())}
+    users: dict[str, list[int]] = {}
+    for rank, (_, _, gpu) in enumerate(places):
+        if gpu is not None:
+            users.setdefault(gpu, []).append(rank)
+    return hosts, cores, {gpu: tuple(ranks) for gpu, ranks in users.items() if len(ranks) > 1}

@@ -1,19 +1,21 @@
 """The bottleneck window as markdown (the TensorBoard card ``diagnostics/bottleneck``), as one console line, and
-as the per-rank step-phase figure (``diagnostics/step_phases``: one bar per rank, drawn with numpy alone)."""
+as the per-rank step-phase figure (``diagnostics/step_phases``: one labelled bar per rank, drawn with matplotlib)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from diagnostics.records import PHASES, RankTimes, WindowRecord
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 COLOURS = {"data_wait": (230, 159, 0), "forward": (0, 114, 178), "backward": (86, 180, 233),
            "optimizer": (0, 158, 115), "pipeline_idle": (204, 121, 167), "waiting": (213, 94, 0),
            "host": (140, 140, 140), "comm": (240, 228, 66)}
 """Okabe-Ito colours (told apart with any colour vision); every role's communication is yellow, darker per role."""
-BAR_WIDTH, BAR_HEIGHT, GAP = 640, 18, 6
+NAMES = {"data_wait": "data wait", "pipeline_idle": "pipeline idle"}
 
 
 def _roles(ranks: Sequence[RankTimes]) -> list[str]:
@@ -31,19 +33,32 @@ def _segments(rank: RankTimes, roles: list[str]) -> list[tuple[str, float]]:
     return [(p, rank.phases.get(p, 0.0)) for p in PHASES] + [(role, rank.comm.get(role, 0.0)) for role in roles]
 
 
-def step_phase_image(ranks: Sequence[RankTimes]) -> np.ndarray:
-    """[height, width, 3] uint8: one bar per rank (top: rank 0), its parts in step order, scaled to the slowest
-    rank's step; the residual is left blank."""
+def step_phase_figure(ranks: Sequence[RankTimes]) -> Figure:
+    """One horizontal bar per rank (``rank R`` on the y axis, rank 0 on top), its parts in step order, in
+    milliseconds; a legend entry per phase and per role's communication present; the residual is left blank."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # imported when a window is drawn, not by the CLI
+    from matplotlib.figure import Figure
+
     roles = _roles(ranks)
-    longest = max((r.step_s for r in ranks), default=0.0) or 1.0
-    image = np.full((GAP + len(ranks) * (BAR_HEIGHT + GAP), BAR_WIDTH, 3), 255, dtype=np.uint8)
+    figure = Figure(figsize=(8, 1.2 + 0.35 * len(ranks)), dpi=100, layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    shown: set[str] = set()
     for row, rank in enumerate(ranks):
-        top, left = GAP + row * (BAR_HEIGHT + GAP), 0.0
+        left = 0.0
         for part, seconds in _segments(rank, roles):
-            right = left + max(seconds, 0.0) / longest * BAR_WIDTH
-            image[top:top + BAR_HEIGHT, int(round(left)):int(round(min(right, BAR_WIDTH)))] = _colour(part, roles)
-            left = right
-    return image
+            width = max(seconds, 0.0) * 1e3
+            if width <= 0:
+                continue
+            label = None if part in shown else (NAMES.get(part, part) if part in COLOURS else f"comm {part}")
+            shown.add(part)
+            axes.barh(row, width, left=left, height=0.7, color=[c / 255 for c in _colour(part, roles)], label=label)
+            left += width
+    axes.set_yticks(range(len(ranks)), [f"rank {rank.rank}" for rank in ranks])
+    axes.invert_yaxis()
+    axes.set_xlabel("ms per step (mean over the window)")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small", frameon=False)
+    return figure
 
 
 def _ms(seconds: float) -> str:

@@ -18,11 +18,11 @@ def log_text(trainer: Any, tag: str, text: str) -> None:
             logger.experiment.flush()
 
 
-def log_image(trainer: Any, tag: str, image: Any) -> None:
-    """An [height, width, 3] uint8 array as the image ``tag`` of every TensorBoard logger."""
+def log_figure(trainer: Any, tag: str, figure: Any) -> None:
+    """A matplotlib ``Figure`` as the image ``tag`` of every TensorBoard logger (``add_figure``)."""
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
-            logger.experiment.add_image(tag, image, global_step=trainer.global_step, dataformats="HWC")
+            logger.experiment.add_figure(tag, figure, global_step=trainer.global_step, close=False)
             logger.experiment.flush()
 
 

@@ -194,3 +194,11 @@ def test_a_window_without_a_profiled_step_is_not_called_compute_bound():
     assert classify(hidden, context(profiled=True)).label == "compute-bound"  # profiled, no communication: compute
     assert classify(hidden, context()).label == "compute-bound"  # a record that does not say (older files)
     assert classify(hidden[:1], context(profiled=False)).label == "compute-bound"  # one rank waits for nobody
+
+
+def test_each_ranks_host_cores_and_gpu_become_the_hosts_cores_and_shared_gpus():
+    from diagnostics.collect.host import host_shares
+
+    places = [("a", frozenset({0}), None), ("a", frozenset({1}), None), ("b", frozenset({0, 1}), "GPU-7"),
+              ("b", frozenset({0, 1}), "GPU-7"), ("b", frozenset({0, 1}), "GPU-8")]
+    assert host_shares(places) == ({0: "a", 1: "a", 2: "b", 3: "b", 4: "b"}, {"a": 2, "b": 2}, {"GPU-7": (2, 3)})

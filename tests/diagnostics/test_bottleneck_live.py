@@ -110,7 +110,7 @@ def test_tensorboard_shows_the_view_the_card_and_the_figure(runs):
     card = events.Tensors("diagnostics/bottleneck/text_summary")[-1].tensor_proto.string_val[0].decode()
     assert "**straggler**" in card and "| 2 |" in card
     image = events.Images("diagnostics/step_phases")[-1]
-    assert image.height > 4 * 18 and image.width == 640  # a bar per rank
+    assert image.width == 800 and image.height == round(100 * (1.2 + 0.35 * 4))  # add_figure's render: a row per rank
     layout = layout_pb2.Layout()
     layout.ParseFromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
     charts = {chart.title: chart for category in layout.category for chart in category.chart}
@@ -128,3 +128,17 @@ def test_a_run_shorter_than_the_window_is_profiled_at_its_end_and_its_straggler_
     assert any(r.comm for r in window.ranks), window.ranks
     assert (window.diagnosis.label, window.diagnosis.rank, window.diagnosis.phase) == ("straggler", 2, "forward"), (
         window.diagnosis.evidence)
+
+
+@pytest.mark.parametrize("case", ["straggler", "short"])
+def test_every_chart_of_the_view_has_data(runs, case):
+    """No empty panel ("Matches (0)"): a chart only for a role the run's communication is given to."""
+    events = EventAccumulator(runs[case]["tensorboard"], size_guidance={"tensors": 0, "scalars": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    layout = layout_pb2.Layout()
+    layout.ParseFromString(events.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    margins = {chart.title: chart.margin.series[0].value for category in layout.category for chart in category.chart
+               if chart.HasField("margin")}
+    assert {title: tag for title, tag in margins.items() if tag not in scalars} == {}
+    assert {"hsdp (s)", "batch (s)", "dp_shard (s)"}.isdisjoint(margins) and "fsdp (s)" in margins

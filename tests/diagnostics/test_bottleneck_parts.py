@@ -7,13 +7,12 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from diagnostics.analysis.sampled_split import split_window
 from diagnostics.collect.step_clock import StepClock, mean_row
 from diagnostics.records import PHASES, Diagnosis, RankTimes, WindowContext, WindowRecord, read_windows, to_json
-from diagnostics.report.bottleneck_card import BAR_WIDTH, COLOURS, bottleneck_markdown, step_phase_image
+from diagnostics.report.bottleneck_card import COLOURS, bottleneck_markdown, step_phase_figure
 
 TRACES = Path(__file__).parents[1] / "data" / "traces"
 
@@ -86,11 +85,19 @@ def test_the_card_the_figure_and_the_jsonl_line():
     assert "Steps 5-8: **straggler** (rank 2, forward)" in card and "- look at rank 2" in card
     assert "1,234 tokens/s" in card or "1,235 tokens/s" in card
     assert "| 2 | 1000.0 |" in card and "comm tp" in card
-    image = step_phase_image(record.ranks)
-    assert image.shape[1] == BAR_WIDTH and image.dtype == np.uint8
-    forward = np.all(image == COLOURS["forward"], axis=-1)
-    widths = [int(forward[row].sum()) for row in (6 + 9, 6 + 24 + 9, 6 + 48 + 9)]  # the middle of each bar
-    assert widths[0] < widths[1] < widths[2] and abs(widths[2] - 0.4 * BAR_WIDTH) <= 2
+    figure = step_phase_figure(record.ranks)
+    [axes] = figure.axes
+    assert [tick.get_text() for tick in axes.get_yticklabels()] == [f"rank {r.rank}" for r in record.ranks]
+    assert axes.get_xlabel() == "ms per step (mean over the window)"
+    present = [p for p in PHASES if any(r.phases.get(p, 0.0) > 0 for r in record.ranks)]
+    legend = [text.get_text() for text in axes.get_legend().get_texts()]
+    assert legend == [{"data_wait": "data wait", "pipeline_idle": "pipeline idle"}.get(p, p) for p in present] + [
+        f"comm {role}" for role in sorted({role for r in record.ranks for role, s in r.comm.items() if s > 0})]
+    forward = [bar for bar in axes.patches if tuple(round(c * 255) for c in bar.get_facecolor()[:3]) == COLOURS["forward"]]
+    assert [round(bar.get_width(), 6) for bar in forward] == [round(r.phases["forward"] * 1e3, 6) for r in record.ranks]
+    figure.canvas.draw()  # renders headless (Agg): 8 inches at 100 dpi, a row per rank
+    width, height = figure.canvas.get_width_height()
+    assert width == 800 and height == round(100 * (1.2 + 0.35 * len(record.ranks)))
     again = read_windows(to_json(record, indent=None) + "\n" + '{"cut short')
     assert again == [record]
 
