@@ -17,7 +17,7 @@ from diagnostics.records import PHASES
 from tests.launcher import launch
 
 TWO = {
-    "plain": {"layout": {"dp_shard": 2}, "model": {"hidden": 256, "layers": 2}, "batch_size": 16, "seq_len": 64},
+    "plain": {"layout": {"dp_shard": 2}, "model": {"hidden": 256, "layers": 2}, "batch_size": 32, "seq_len": 64},
     "data": {"layout": {"dp_shard": 2}, "model": {"hidden": 32}, "batch_size": 2, "seq_len": 16, "loader_sleep_s": 0.05},
     "bubble": {"layout": {"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 1}, "model": {"hidden": 256, "layers": 4},
                "batch_size": 8, "seq_len": 64},
