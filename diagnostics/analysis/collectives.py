@@ -11,9 +11,10 @@ position in the other groups of the same mesh dim decides.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-from diagnostics.records import CollectiveEntry, GroupRecord, RankCapture
+from diagnostics.records import CollectiveEntry, Frame, GroupRecord, RankCapture
 
 UNEVEN_PREFIXES = ("all_to_all", "alltoall")  # MoE token exchange: each rank's splits are its own
 ROOTED_OPS = ("gather", "scatter")  # only the root holds the whole buffer
@@ -50,12 +51,26 @@ class CollectiveDivergence:
     skipped: int = 0
 
 
+LIBRARY_PATHS = ("/torch/", "/lightning/", "/lightning_fabric/", "/pytorch_lightning/", "/lightning_nd/",
+                 "/diagnostics/", "/threading.py", "/concurrent/", "<frozen", "/contextlib.py", "/functools.py",
+                 "/tests/worker.py", "/runpy.py")
+
+
+def user_frame(frames: Iterable[Frame]) -> Frame | None:
+    """The innermost frame outside torch, Lightning and this project (the user's line), else the innermost."""
+    frames = tuple(frames)
+    return next((f for f in frames if not any(part in f.file for part in LIBRARY_PATHS)), frames[0] if frames else None)
+
+
 def signature(entry: CollectiveEntry) -> tuple:
     """What must agree between the ranks of one call: op, sizes and dtypes (not for uneven ops: a scatter's
-    non-root ranks have no input at all), call site."""
+    non-root ranks have no input at all), and the call site as the user sees it (`user_frame`). The frames inside
+    torch and Lightning are not compared: the same barrier reached through another path of Lightning's loop (an
+    epoch that ended on one rank and not yet on another) is the same call, and it pairs as one."""
     uneven = entry.op.startswith(UNEVEN_PREFIXES) or entry.op in ROOTED_OPS
     buffers = () if uneven else (entry.input_sizes, entry.input_dtypes)
-    return entry.op, buffers, tuple((f.file, f.line) for f in entry.frames)
+    site = user_frame(entry.frames)
+    return entry.op, buffers, (site.file, site.line) if site is not None else None
 
 
 def group_traces(captures: dict[int, RankCapture]) -> list[GroupTrace]:

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from diagnostics.analysis.collectives import CollectiveDivergence, GroupTrace, compare_groups, group_traces, pending
+from diagnostics.analysis.collectives import (
+    CollectiveDivergence,
+    GroupTrace,
+    compare_groups,
+    group_traces,
+    pending,
+    user_frame,
+)
 from diagnostics.analysis.point_to_point import Unmatched, pending_receives, unmatched
-from diagnostics.records import CollectiveEntry, Culprit, Frame, HangReport, RankCapture
-
-LIBRARY_PATHS = ("/torch/", "/lightning/", "/lightning_fabric/", "/pytorch_lightning/", "/lightning_nd/",
-                 "/diagnostics/", "/threading.py", "/concurrent/", "<frozen", "/contextlib.py", "/functools.py",
-                 "/tests/worker.py", "/runpy.py")
-
-
-def user_frame(frames: Iterable[Frame]) -> Frame | None:
-    """The innermost frame outside torch, Lightning and this project (the user's line), else the innermost."""
-    frames = tuple(frames)
-    return next((f for f in frames if not any(part in f.file for part in LIBRARY_PATHS)), frames[0] if frames else None)
+from diagnostics.records import CollectiveEntry, Culprit, HangReport, RankCapture
 
 
 def coordinates_text(rank: int, coordinates: dict[str, dict[str, int]]) -> str:

@@ -247,3 +247,27 @@ def test_the_cli_keeps_pipeline_stages_apart_with_the_runs_layout(tmp_path, caps
     assert main(["hang", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "disagrees" not in out and "rank 0 (pp 0, dp_shard 0) left no capture" in out
+
+
+def test_the_same_call_reached_through_another_path_of_lightnings_loop_is_no_mismatch():
+    """One rank sleeps at step 3 where every step ends an epoch: its peers reach the loss group's barrier, one of
+    them through another line of Lightning's loop (the epoch's end) than the others. The same call as the user
+    sees it (op, buffers, the user's line) is no mismatch; the sleeping rank, behind and in Python, is named."""
+    loss = GroupRecord("2", "mesh_loss", "loss", (0, 1, 2, 3))
+    user = Frame("/home/me/train.py", 30, "main")
+
+    def barrier(seq: int, loop_line: int, retired: bool = True) -> CollectiveEntry:
+        frames = (Frame("/venv/site-packages/torch/distributed/distributed_c10d.py", 4200, "barrier"),
+                  Frame("/venv/site-packages/lightning/pytorch/loops/fit_loop.py", loop_line, "on_advance_end"), user)
+        return CollectiveEntry("2", seq, "barrier", (), (), retired, 1_000_000_000_000 * 1_000_000_000 + seq, frames)
+
+    done = [barrier(seq, 100) for seq in range(1, 4)]
+    captures = {rank: capture(rank, [*done, barrier(4, 120 if rank == 0 else 110, retired=False)], [loss])
+                for rank in (0, 1, 3)}
+    captures[2] = capture(2, done, [loss], stack=SLEEP)
+    report = hang_report(captures, 4)
+    assert [(c.rank, c.kind, c.dim, c.op, c.seq, c.frame) for c in report.culprits] == [
+        (2, "stuck", "loss", "barrier", 4, "/home/me/train.py:88 in training_step")], report.summary
+    different = {rank: capture(rank, [*done, entry("2", 4, 61 if rank == 0 else 60, retired=False)], [loss])
+                 for rank in (0, 1, 3)}  # another line of the user's own code: still a mismatch
+    assert [(c.rank, c.kind) for c in hang_report(different, 4).culprits][:1] == [(0, "mismatch")]
