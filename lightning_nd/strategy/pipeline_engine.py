@@ -29,6 +29,7 @@ from torch import Tensor
 from lightning_nd.layout.record import Layout
 from lightning_nd.layout.validate import check_router_logits_under_pp
 from lightning_nd.parallel.compose import ParallelizeReport
+from lightning_nd.parallel.pipeline.aux_losses import attach
 from lightning_nd.parallel.pipeline.schedule import PipelineRunner, full_value
 from lightning_nd.parallel.pipeline.stage import pack_inputs
 from lightning_nd.parallel.pipeline.tied import TiedWeights
@@ -113,8 +114,7 @@ class PipelineEngine:
         loss: Tensor | None
         with self.precision.train_step_context():
             if self._scored_by_strategy(module):
-                inputs, target = split_batch(module, args[0])
-                loss = self.runner.train_step(inputs, target, _pipeline_loss(module), accumulate=accumulate)
+                loss = self._hooked_train(module, args, accumulate)
             else:
                 loss = self._own_train(module, args, accumulate)
         if loss is None:
@@ -182,6 +182,21 @@ class PipelineEngine:
         finally:
             self._keeping = False
             self._outputs.clear()
+
+    def _hooked_train(self, module: LightningModule, args: tuple, accumulate: int) -> Tensor:
+        """``pipeline_loss`` scores each microbatch; the MoE layers' auxiliary losses count in the gradients as one
+        process's ``pipeline_loss(...) + moe_aux_loss(model)`` would (each stage adds its own, the last one through
+        an identity on the microbatch loss), while the loss reported stays ``pipeline_loss``'s."""
+        inputs, target = split_batch(module, args[0])
+        score, scale = _pipeline_loss(module), 1.0 / (self.runner.microbatches * accumulate)
+
+        def loss(output: Tensor, tgt: Any) -> Tensor:
+            value = score(output, tgt)
+            _, aux = self._outputs.pop(id(output), (output, None))
+            return attach(value, aux.to(value.dtype), scale) if aux is not None and self._aux_weighted else value
+
+        with self._keeping_outputs(), self._adding_aux_losses(scale if self._aux_weighted else 0.0):
+            return self.runner.train_step(inputs, target, loss, accumulate=accumulate)
 
     def _own_train(self, module: LightningModule, args: tuple, accumulate: int) -> Tensor | None:
         inputs = self._inputs(module, module.training_step, args)

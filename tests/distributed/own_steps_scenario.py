@@ -41,7 +41,7 @@ class OwnStepLM(LightningModule):
     def loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the loss, its cross-entropy part): with ``mode="aux"`` every MoE layer's auxiliary losses are added."""
         ce = self.cross_entropy(batch)
-        return (ce + moe_aux_loss(self.model), ce) if self.mode == "aux" else (ce, ce)
+        return (ce + moe_aux_loss(self.model), ce) if self.mode in ("aux", "hooks_aux") else (ce, ce)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         loss, ce = self.loss(batch)
@@ -58,6 +58,32 @@ class OwnStepLM(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.01)
+
+
+class HookedLM(OwnStepLM):
+    """The example's way (`examples/lit.py`): ``pipeline_inputs`` and ``pipeline_loss``, which the strategy scores
+    under pp instead of running the step; in one process the step adds the MoE auxiliary losses, under pp the
+    strategy does (both layers of ``moe_llama``, one per stage)."""
+
+    def pipeline_inputs(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch["tokens"], batch["labels"]
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, ce = self.loss(batch)
+        self.log("train_loss", ce, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.cross_entropy(batch)
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+
+def _module(model_name: str, mode: str) -> OwnStepLM:
+    return (HookedLM if mode == "hooks_aux" else OwnStepLM)(build(model_name), mode)
 
 
 class Logged(Callback):
@@ -78,7 +104,7 @@ def _parallel(model_name: str, mode: str, layout: dict[str, Any], world: int) ->
     trainer = Trainer(strategy=NDParallel(**layout), accelerator="cpu", devices=world, max_steps=STEPS,
                       callbacks=[logged], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
-    module = OwnStepLM(build(model_name), mode)
+    module = _module(model_name, mode)
     trainer.fit(module, train_dataloaders=_data(0, BATCH * STEPS))
     named = [(PipelineStages.original_name(name), p) for name, p in module.model.named_parameters()]
     result = {"logged": logged.steps, "params": {name: full_copy(p) for name, p in named},
@@ -89,7 +115,7 @@ def _parallel(model_name: str, mode: str, layout: dict[str, Any], world: int) ->
 
 
 def _reference(model_name: str, mode: str) -> dict[str, Any]:
-    module = OwnStepLM(build(model_name), mode)
+    module = _module(model_name, mode)
     optimizer = torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
     steps = []
     # Lightning's DistributedSampler (seed 0) permutes the training samples; one batch rank takes them all.
@@ -102,11 +128,13 @@ def _reference(model_name: str, mode: str) -> dict[str, Any]:
                             for i in range(MICROBATCHES)])
         torch.stack(losses).mean().backward()
         optimizer.step()
-        steps.append({"my_train_loss": torch.stack(ces).mean().item(), "tokens_seen": float(batch["tokens"].numel()),
-                      "first_token": batch["tokens"][:, 0].float().max().item()})
+        steps.append({"train_loss": torch.stack(ces).mean().item()} if mode == "hooks_aux" else {
+            "my_train_loss": torch.stack(ces).mean().item(), "tokens_seen": float(batch["tokens"].numel()),
+            "first_token": batch["tokens"][:, 0].float().max().item()})
     with torch.no_grad():
         losses = [module.cross_entropy(batch) * len(batch["tokens"]) for batch in _data(1, 2 * BATCH)]
-    return {"logged": steps, "val": {"my_val_loss": (sum(losses) / (2 * BATCH)).item()},
+    val = "val_loss" if mode == "hooks_aux" else "my_val_loss"
+    return {"logged": steps, "val": {val: (sum(losses) / (2 * BATCH)).item()},
             "params": {n: p.detach().clone() for n, p in module.model.named_parameters()},
             "grads": {n: p.grad.clone() for n, p in module.model.named_parameters()}}
 
