@@ -10,6 +10,7 @@ from torch import nn
 
 from examples.models.gpt import GPT, GPTConfig
 from examples.models.llama import Llama, LlamaConfig
+from lightning_nd.nn.moe import moe_layers
 
 VOCAB = 256
 
@@ -38,6 +39,11 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name == "llama8":  # deep enough for 8 pipeline stages (pp=4 x 2 stages per rank)
         return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=8,
                                  num_attention_heads=4, num_key_value_heads=2))
+    if name == "moe_llama_no_aux":  # the same, its layers' auxiliary losses weighted 0 (see test_expert_parallel.py)
+        model = build("moe_llama", seed)
+        for layer in moe_layers(model):
+            layer.aux_loss_coef = layer.z_loss_coef = 0.0
+        return model
     if name == "moe_llama":  # 8 experts, top-2, in both layers
         return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, num_experts=8))
