@@ -36,6 +36,7 @@ from diagnostics.analysis.sampled_split import split_window
 from diagnostics.analysis.trace import read_trace, trace_steps
 from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.collect.host import host_processors, host_shares
+from diagnostics.collect.profiler_notes import without_profiler_notes
 from diagnostics.collect.gather import gather_floats
 from diagnostics.collect.step_clock import StepClock, mean_row
 from diagnostics.collect.window_vector import rank_times_of, sequence_length_of, tokens_of, window_vector
@@ -197,7 +198,8 @@ class BottleneckMonitor(Callback):
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         profiler = torch.profiler.profile(activities=activities)
         try:
-            profiler.__enter__()
+            with without_profiler_notes():
+                profiler.__enter__()
         except RuntimeError as error:
             log.warning("lightning-nd BottleneckMonitor: no profiled step this window: %s", error)
             return
@@ -206,11 +208,13 @@ class BottleneckMonitor(Callback):
     def _drop_profiler(self) -> None:
         profiler, self._profiler = self._profiler, None
         if profiler is not None:
-            profiler.__exit__(None, None, None)
+            with without_profiler_notes():
+                profiler.__exit__(None, None, None)
 
     def _stop_profiler(self, trainer: Trainer) -> Any:
         profiler, self._profiler = self._profiler, None
-        profiler.__exit__(None, None, None)
+        with without_profiler_notes():
+            profiler.__exit__(None, None, None)
         try:
             path = self.folder / "traces" / f"rank{trainer.global_rank}.json"
             path.parent.mkdir(parents=True, exist_ok=True)

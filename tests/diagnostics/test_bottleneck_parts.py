@@ -165,3 +165,29 @@ def test_a_new_fit_starts_its_windows_afresh_and_a_later_validate_keeps_them(tmp
     assert windows.exists()  # rank 0's to remove
     monitor.setup(trainer, None, "fit")
     assert not windows.exists()
+
+
+PROFILED = """
+import os, torch
+from diagnostics.collect.profiler_notes import without_profiler_notes
+profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+with {quiet}:
+    profiler.__enter__()
+    os.write(2, b"a line of the run's own\\n")
+torch.ones(3).sum()
+with {quiet}:
+    profiler.__exit__(None, None, None)
+"""
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_the_profilers_start_and_stop_notes_are_dropped_and_nothing_else(quiet):
+    import subprocess
+    import sys
+
+    code = PROFILED.format(quiet="without_profiler_notes()" if quiet else "open(os.devnull)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert "a line of the run's own" in done.stderr
+    assert ("profiler_start" in done.stderr and "profiler_stop" in done.stderr) is not quiet, done.stderr
