@@ -84,32 +84,42 @@ def test_each_advised_saving_is_what_a_measured_rerun_saves(crashed, tmp_path):
 
 
 
-STAGE_VICTIM = 1  # pp=2 x dp_shard=2: ranks 0 and 1 run stage 0, which holds layers 0 and 1
+LAYOUTS = {
+    "pp2_dp_shard2": ({"pp": 2, "dp_shard": 2}, 1, 0),  # ranks 0 and 1 run stage 0, which holds layers 0 and 1
+    "dp_shard4": ({"dp_shard": 4}, 2, 0),
+    "dp_shard2_tp2": ({"dp_shard": 2, "tp": 2}, 2, 0),
+    "cp2_dp_shard2": ({"cp": 2, "dp_shard": 2}, 2, 0),
+    "ep2_dp_shard4": ({"ep": 2, "dp_shard": 4}, 2, 4),
+}
+"""The fault matrix: layout, the rank whose allocation fails, the experts per MoE layer (0: dense)."""
 
 
-@pytest.fixture(scope="module")
-def crashed_in_a_stage(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("oom_pp")
-    procs = start("tests.distributed.memory_scenarios:oom", WORLD, root / "out", victim=STAGE_VICTIM,
-                  folder=str(root / "logs"), stamp=str(root / "stamp"), layout={"pp": 2, "dp_shard": 2})
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def crashed_under(request, tmp_path_factory) -> dict:
+    layout, victim, experts = LAYOUTS[request.param]
+    root = tmp_path_factory.mktemp(f"oom_{request.param}")
+    procs = start("tests.distributed.memory_scenarios:oom", WORLD, root / "out", victim=victim,
+                  folder=str(root / "logs"), stamp=str(root / "stamp"), layout=layout, experts=experts)
     ended = exits(procs, timeout=180)
     logs = {rank: (root / "out" / f"rank{rank}.log").read_text() for rank in range(WORLD)}
     assert len(ended) == WORLD, f"ranks {set(range(WORLD)) - set(ended)} still ran:\n{logs}"
-    assert (root / "stamp").exists(), f"the allocation never happened:\n{logs[STAGE_VICTIM][-3000:]}"
-    return {"root": root, "logs": logs, "ended": ended}
+    assert (root / "stamp").exists(), f"the allocation never happened:\n{logs[victim][-3000:]}"
+    return {"root": root, "logs": logs, "ended": ended, "layout": layout, "victim": victim}
 
 
-def test_out_of_memory_inside_a_pipeline_stage_is_reported_by_every_rank(crashed_in_a_stage):
-    """torch's schedule re-raises the allocator's error as "[Stage 0] failed to run forward" (the message only in
-    ``__cause__``): the culprit still reports its own out-of-memory error, its peers relay it."""
-    logs = crashed_in_a_stage["logs"]
-    assert "failed to run forward" in logs[STAGE_VICTIM], logs[STAGE_VICTIM][-3000:]
-    for rank, (code, _) in crashed_in_a_stage["ended"].items():
+def test_out_of_memory_is_reported_by_every_rank_under_every_layout_family(crashed_under):
+    """Under pp torch's schedule re-raises the allocator's error as "[Stage 0] failed to run forward" (the message
+    only in ``__cause__``): the culprit still reports its own out-of-memory error, its peers relay it. Under
+    dp_shard, tp, cp and ep the error is the allocator's own."""
+    logs, victim, layout = crashed_under["logs"], crashed_under["victim"], crashed_under["layout"]
+    if layout.get("pp", 1) > 1:
+        assert "failed to run forward" in logs[victim], logs[victim][-3000:]
+    for rank, (code, _) in crashed_under["ended"].items():
         assert code != 0, f"rank {rank} exited 0:\n{logs[rank][-3000:]}"
-        path = crashed_in_a_stage["root"] / "logs" / "diagnostics" / f"memory-rank{rank}.json"
+        path = crashed_under["root"] / "logs" / "diagnostics" / f"memory-rank{rank}.json"
         assert path.is_file(), f"rank {rank} wrote no memory report:\n{logs[rank][-3000:]}"
         report = json.loads(path.read_text())
-        assert report["culprit"] == STAGE_VICTIM and report["dims"]["pp"] == 2, (rank, report["culprit"])
-    own = json.loads((crashed_in_a_stage["root"] / "logs" / "diagnostics" / f"memory-rank{STAGE_VICTIM}.json")
-                     .read_text())
+        assert report["culprit"] == victim, (rank, report["culprit"])
+        assert all(report["dims"][dim] == size for dim, size in layout.items()), report["dims"]
+    own = json.loads((crashed_under["root"] / "logs" / "diagnostics" / f"memory-rank{victim}.json").read_text())
     assert own["step"] == OOM_STEP and own["oom"]["device"] == "cpu" and own["oom"]["requested_bytes"] == 1 << 50

@@ -46,13 +46,14 @@ def _data(trainer: Trainer, batch: int, steps: int) -> TokenDataModule:
                            batch_size=batch)
 
 
-def oom(victim: int, folder: str, stamp: str, layout: dict[str, int] | None = None) -> dict[str, Any]:
+def oom(victim: int, folder: str, stamp: str, layout: dict[str, int] | None = None, experts: int = 0) -> dict[str, Any]:
     """Train ``layout`` (default ``LAYOUT``) until ``victim`` runs out of memory in step ``OOM_STEP``'s forward; under
-    pp inside the pipeline schedule, which wraps the error ("[Stage 0] failed to run forward")."""
+    pp inside the pipeline schedule, which wraps the error ("[Stage 0] failed to run forward"); ``experts``: MoE layers
+    of that many experts (for ep)."""
     trainer = _trainer(layout or LAYOUT, max_steps=OOM_STEP + 2, callbacks=[MemoryMonitor(log_dir=folder)],
                        logger=TensorBoardLogger(folder, name="tb"))
     torch.manual_seed(0)
-    module = CausalLM(model=Llama(LlamaConfig(**CONFIG)), lr=1e-3)
+    module = CausalLM(model=Llama(LlamaConfig(**CONFIG, num_experts=experts)), lr=1e-3)
 
     def allocate(block: torch.nn.Module, args: Any) -> None:
         if trainer.global_rank == victim and trainer.global_step == OOM_STEP and block.training:
