@@ -86,7 +86,6 @@ class BottleneckMonitor(Callback):
         self._closed = -1
         self._first_step = self._window_end = 0
         self._last_step: int | None = None
-        self._profiled = False
         self._validation_start = 0.0
 
     # ---- set-up --------------------------------------------------------------------------------------------
@@ -230,21 +229,21 @@ class BottleneckMonitor(Callback):
     def _close_window(self, trainer: Trainer, pl_module: LightningModule, step: int) -> None:
         rows = self.clock.take()
         mine = split_window(trainer.global_rank, len(rows), mean_row(rows), self._trace_step) if rows else None
-        self._profiled = self._trace_step is not None
+        profiled = self._trace_step is not None
         everyone = gather_floats(window_vector(mine, self._tokens), pl_module.device, trainer.world_size)
         first, self._window_end = self._window_end + 1, step
         self._tokens, self._trace_step = [0, self._tokens[1]], None
         ranks = [times for r, values in enumerate(everyone) if (times := rank_times_of(r, values)) is not None]
         if trainer.global_rank == 0 and ranks:
             try:
-                self._report(trainer, pl_module, ranks, everyone, first, step)
+                self._report(trainer, pl_module, ranks, everyone, first, step, profiled)
             except Exception as error:  # noqa: BLE001 - a diagnostic never stops the run
                 log.warning("lightning-nd BottleneckMonitor: window ending at step %d not classified: %s", step, error)
         if dist.is_initialized():
             dist.barrier()  # rank 0's report is no rank's step: the others would wait for it in their next one
 
     def _report(self, trainer: Trainer, pl_module: LightningModule, ranks: list[RankTimes], vectors: list[list[float]],
-                first: int, last: int) -> None:
+                first: int, last: int, profiled: bool) -> None:
         layout = self.layout
         roles = layout.roles if layout is not None else {}
         step_s = sum(r.step_s for r in ranks) / len(ranks)
@@ -257,7 +256,7 @@ class BottleneckMonitor(Callback):
             pp_microbatches=layout.options.pp_microbatches if layout is not None else None,
             pp_stages_per_rank=layout.options.pp_stages_per_rank if layout is not None else 1,
             num_workers=getattr(trainer.train_dataloader, "num_workers", None), hosts=self._hosts,
-            profiled=self._profiled,
+            profiled=profiled,
             host_cores=self._host_cores, shared_gpus=self._shared_gpus,
             tokens_per_s=tokens_per_s, mfu=self._mfu(trainer, pl_module, tokens_per_s, sequence_length_of(vectors[0])),
             options={**(layout.options.to_dict() if layout is not None else {}), "precision": str(trainer.precision)})

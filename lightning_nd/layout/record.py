@@ -158,8 +158,8 @@ class Layout:
         return self.ranks[rank]
 
     def to_dict(self) -> dict[str, Any]:
-        values = {f.name: _plain(getattr(self, f.name)) for f in fields(self) if f.name != "ranks"}
-        values["options"] = self.options.to_dict()
+        values = {f.name: self.options.to_dict() if f.name == "options" else _plain(getattr(self, f.name))
+                  for f in fields(self) if f.name != "ranks"}
         pieces: dict[int, dict[str, Any]] = {}  # ranks holding the same piece share one ParamShard
         values["ranks"] = [{
             "rank": holding.rank, "coordinates": dict(holding.coordinates), "stages": list(holding.stages),
