@@ -24,10 +24,10 @@ def _line(text: str) -> int:
     return next(i for i, line in enumerate(SCENARIO.read_text().splitlines(), 1) if text in line)
 
 
-def _run(root: Path, fault: str, layout: dict, victim: int, tensorboard: bool = False) -> dict:
+def _run(root: Path, fault: str, layout: dict, victim: int, tensorboard: bool = False, **options: object) -> dict:
     procs = start("tests.distributed.hang_scenarios:run", WORLD, root / "out", environment=ENVIRONMENT, fault=fault,
                   layout=layout, victim=victim, folder=str(root / "logs"), stamp=str(root / "stamp"),
-                  tensorboard=tensorboard)
+                  tensorboard=tensorboard, **options)
     ended = exits(procs, timeout=240)
     logs = {rank: (root / "out" / f"rank{rank}.log").read_text() for rank in range(WORLD)}
     assert len(ended) == WORLD, f"ranks {set(range(WORLD)) - set(ended)} still ran:\n{logs}"
@@ -133,4 +133,20 @@ def test_stage_stuck_in_python_under_pp_x_dp_shard(tmp_path):
     run = _run(tmp_path, "stuck", {"pp": 2, "dp_shard": 2}, victim=2)
     culprit = _culprit(run["report"], 2)
     assert (culprit["kind"], culprit["dim"], culprit["op"]) == ("stuck", "fsdp", "all_gather")
+    assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
+
+
+def test_rank_stuck_at_an_epoch_boundary_under_cp_x_dp_shard(tmp_path):
+    """Every step is also an epoch boundary (one batch per rank per epoch): the barriers the boundary adds on
+    every rank are alike, no mismatch; the sleeping rank is the one named."""
+    run = _run(tmp_path, "stuck", {"cp": 2, "dp_shard": 2}, victim=1, epoch_steps=True)
+    culprit = _culprit(run["report"], 1)  # FSDP shards over dp_shard x cp: the flattened "fsdp" group
+    assert (culprit["kind"], culprit["dim"], culprit["op"]) == ("stuck", "fsdp", "all_gather"), culprit
+    assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
+
+
+def test_rank_stuck_in_python_under_ep(tmp_path):
+    run = _run(tmp_path, "stuck", {"dp_shard": 4, "ep": 2}, victim=2, model="moe_llama")
+    culprit = _culprit(run["report"], 2)  # its peers wait in FSDP's all-gather, before any expert exchange
+    assert (culprit["kind"], culprit["dim"], culprit["op"]) == ("stuck", "dp_shard", "all_gather"), culprit
     assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")

@@ -1,6 +1,7 @@
 """Faults injected for real into 4-rank runs with `CollectiveMonitor` on (`tests/diagnostics/test_hang_live.py`).
 
-Each fault comes in step ``FAULT_STEP`` (after the first optimizer step, so under the short ``timeout``); the
+Each fault comes in step ``FAULT_STEP`` (after the first optimizer step, so under the short ``timeout``), or with
+``epoch_steps`` (every step also an epoch boundary: one batch per rank per epoch) in step ``EPOCH_FAULT_STEP``; the
 heartbeat timeout keeps its default (60 s): the run must still stop within ``timeout`` + 30 s.
 """
 
@@ -24,6 +25,7 @@ from lightning_nd import NDParallel
 from tests.models import VOCAB, build
 
 FAULT_STEP = 2
+EPOCH_FAULT_STEP = 3
 TIMEOUT_S = 5
 WORLD = int(os.environ.get("WORLD_SIZE", 1))
 
@@ -31,13 +33,13 @@ WORLD = int(os.environ.get("WORLD_SIZE", 1))
 class FaultyLM(CausalLM):
     """A CausalLM whose training step misbehaves on one rank at one step, the way real code does."""
 
-    def __init__(self, fault: str, victim: int, stamp: str, **kwargs: Any) -> None:
+    def __init__(self, fault: str, victim: int, stamp: str, fault_step: int = FAULT_STEP, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.fault, self.victim, self.stamp = fault, victim, stamp
+        self.fault, self.victim, self.stamp, self.fault_step = fault, victim, stamp, fault_step
         self.faulted = False
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self.trainer.global_step == FAULT_STEP and not self.faulted:  # every stage runs this hook, under pp too
+        if self.trainer.global_step == self.fault_step and not self.faulted:  # every stage runs this hook, under pp too
             self.faulted = True
             self.misbehave()
 
@@ -78,9 +80,10 @@ def never_send(victim: int, stamp: str, stage_chunk: int = 0) -> None:
     _PipelineStageBase.get_fwd_send_ops = get_fwd_send_ops
 
 
-def run(fault: str, layout: dict[str, Any], victim: int, folder: str, stamp: str,
-        tensorboard: bool = False) -> dict[str, Any]:
-    """``tensorboard``: log there (the cards are read back); off elsewhere, importing it costs each rank a second."""
+def run(fault: str, layout: dict[str, Any], victim: int, folder: str, stamp: str, tensorboard: bool = False,
+        model: str = "llama", epoch_steps: bool = False) -> dict[str, Any]:
+    """``tensorboard``: log there (the cards are read back); off elsewhere, importing it costs each rank a second.
+    ``model``: one of `tests.models` (``moe_llama`` for ep); ``epoch_steps``: one batch per rank per epoch."""
     if fault == "never_send":
         never_send(victim, stamp)
     monitor = CollectiveMonitor(log_dir=folder)
@@ -91,7 +94,8 @@ def run(fault: str, layout: dict[str, Any], victim: int, folder: str, stamp: str
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )
     dp = trainer.strategy.dims.batch_size_multiplier
-    data = TokenDataModule(vocab_size=VOCAB, seq_len=16, num_samples=64, batch_size=8 // dp)
-    module = FaultyLM(fault, victim, stamp, model=build("llama", 0), lr=1e-3)
+    data = TokenDataModule(vocab_size=VOCAB, seq_len=16, num_samples=8 if epoch_steps else 64, batch_size=8 // dp)
+    module = FaultyLM(fault, victim, stamp, EPOCH_FAULT_STEP if epoch_steps else FAULT_STEP, model=build(model, 0),
+                      lr=1e-3)
     trainer.fit(module, datamodule=data)
     return {"finished": True}
