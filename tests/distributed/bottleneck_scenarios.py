@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from examples.data import SyntheticTokens, TokenDataModule
 from examples.lit import CausalLM
-from examples.models.llama import Llama, LlamaConfig
+from examples.models.llama import DecoderLayer, Llama, LlamaConfig
 from lightning_nd import NDParallel
 
 
@@ -43,16 +43,19 @@ class Tokens(TokenDataModule):
 
 
 class SleepyLM(CausalLM):
-    """``sleepy_rank`` spends ``sleep_s`` more in every training forward (a slower host or GPU)."""
+    """``sleepy_rank`` spends ``sleep_s`` more in the forward of its first decoder block, each call (a slower host
+    or GPU): once per step, or once per microbatch under pp, whichever stage the rank runs."""
 
     def __init__(self, sleepy_rank: int | None = None, sleep_s: float = 0.0, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.sleepy_rank, self.sleep_s = sleepy_rank, sleep_s
 
-    def training_step(self, batch: Any, batch_idx: int) -> Any:
+    def on_train_start(self) -> None:
         if self.global_rank == self.sleepy_rank:
-            time.sleep(self.sleep_s)
-        return super().training_step(batch, batch_idx)
+            report = self.trainer.strategy.report  # under pp the stages hold the blocks, not this module
+            held = [*report.stages] if report is not None and report.stages else [self]
+            block = next(m for root in held for m in root.modules() if isinstance(m, DecoderLayer))
+            block.register_forward_pre_hook(lambda *_: time.sleep(self.sleep_s) if self.training else None)
 
 
 def llama(hidden: int = 32, layers: int = 2, experts: int = 0, heads: int = 4) -> Llama:
