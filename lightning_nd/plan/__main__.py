@@ -24,7 +24,7 @@ from lightning_nd.plan.dry_run import dry_run, parse_layout
 from lightning_nd.plan.planner import add_arguments as add_planner_arguments
 from lightning_nd.cost.hardware import parse_bytes
 from lightning_nd.plan.planner import cost_markdown, cost_section, fit_line, layout_precision, layout_step, run_planner
-from lightning_nd.plan.source import build_model
+from lightning_nd.plan.source import build_model, storage_line
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "64-true")
 
@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if args.params is not None and args.layout is not None:
         raise ValueError("`--params` plans model state without a model, `--layout` plans a model's layout."
                          " HINT: drop `--layout` (and add `--gpu-memory`), or give the model instead of `--params`.")
-    module = build_model(args.model, args.hf_config, args.hf_model_type, json.loads(args.hf_kwargs)) if (
+    precision = layout_precision(args)
+    module = build_model(args.model, args.hf_config, args.hf_model_type, json.loads(args.hf_kwargs), precision) if (
         args.params is None) else None
     if args.layout is None and (args.gpu_memory or args.params is not None):
         if args.gpu_memory is None:
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     options = json.loads(args.options)
     workload, implied = layout_step(args, options)
     layout = dry_run(module, args.devices, parse_layout(args.layout or ""), {**implied, **options},
-                     precision=layout_precision(args), gpus_per_node=args.gpus_per_node, seq_len=args.seq_len,
+                     precision=precision, gpus_per_node=args.gpus_per_node, seq_len=args.seq_len,
                      micro_batch=workload.batch if workload is not None else args.micro_batch)
     cost = cost_section(layout, module, args, workload)
     memory_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None
@@ -84,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
     total = sum(p.numel() for p in module.parameters())
     print(f"# Dry run: {type(getattr(module, 'model', module)).__name__}, {total:,} parameters"
           f" ({human_bytes(sum(p.numel() * p.element_size() for p in module.parameters()))}), {args.devices} devices\n")
+    print(storage_line(module, precision, getattr(module, "config_dtype", None)) + "\n")
     print(layout_markdown(layout))
     if cost is not None:
         print("\n" + cost_markdown(layout, cost, total))

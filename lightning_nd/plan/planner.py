@@ -26,6 +26,7 @@ from lightning_nd.layout.record import Layout
 from lightning_nd.plan.dry_run import dry_run, parse_layout, read_layout_arguments
 from lightning_nd.plan.params_only import params_only_markdown, params_only_rows
 from lightning_nd.plan.search import Batching, Search, batch_options, print_progress, search
+from lightning_nd.plan.source import storage_line
 from lightning_nd.plan.table import model_state_arithmetic, planner_json, planner_markdown, why
 
 
@@ -84,6 +85,7 @@ def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any]) 
         print(f"# Planner: {params / 1e9:.2f}B parameters on {args.devices} GPUs ({gpus_per_node} per node,"
               f" {human_bytes(memory_bytes)} each), sequence {args.seq_len}, global batch {args.global_batch},"
               f" {precision}, {args.optimizer}, {hardware.name}\n")
+        print(storage_line(module, precision, getattr(module, "config_dtype", None)) + "\n")
         print(planner_markdown(result, memory_bytes, params=params, top=args.top))
         if args.explain:
             print("\n" + explain(result, args.explain, args.devices, params))

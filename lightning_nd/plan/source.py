@@ -4,6 +4,10 @@ A factory may return an ``nn.Module`` or a LightningModule; a LightningModule th
 ``configure_model`` is probed later as `NDParallel` probes it (a meta-device copy). A plain ``nn.Module`` is held
 by a container under ``model``, as a LightningModule holds it (``self.model``), so names, the pipeline
 split and every error read as in a real run.
+
+A Hugging Face config is built in the dtype the Trainer's precision trains in (`storage_dtype`): its own ``dtype``
+(often bfloat16) is how a checkpoint is stored, not how mixed precision keeps the weights it updates (fp32 masters,
+bf16 compute). A factory's parameters are priced as it builds them; `storage_line` says which.
 """
 
 from __future__ import annotations
@@ -20,12 +24,35 @@ from torch import nn
 from lightning_nd.runtime.probe import lightning_base
 
 
-class Holder(nn.Module):
-    """Stands in for the LightningModule: the model under ``model``."""
+TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64, "64": torch.float64}
 
-    def __init__(self, model: nn.Module) -> None:
+
+def storage_dtype(precision: str | None) -> torch.dtype:
+    """The dtype a run at ``precision`` keeps its parameters (and so gradients and optimizer state) in: the
+    ``*-true`` precisions' own; fp32 for ``32-true`` and every ``*-mixed`` one (FSDP casts to bf16/fp16 for compute
+    only, the sharded fp32 parameters are the master weights)."""
+    return TRUE_DTYPES.get(str(precision), torch.float32)
+
+
+def storage_line(module: nn.Module, precision: str, config_dtype: object = None) -> str:
+    """One sentence: in which dtype the parameters are priced, and why."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters() if p.is_floating_point()})
+    kept = str(storage_dtype(precision)).removeprefix("torch.")
+    line = f"Parameters priced in {', '.join(dtypes) or kept}, as {precision} keeps them"
+    if config_dtype is not None and str(config_dtype).removeprefix("torch.") != kept:
+        return f"{line} (the config's dtype, {str(config_dtype).removeprefix('torch.')}, is its checkpoint's storage)."
+    if precision.endswith("-mixed") and dtypes and dtypes != ["float32"] and config_dtype is None:
+        return (f"{line}: the model is built in {', '.join(dtypes)}, so {precision} keeps no fp32 master weights."
+                " HINT: build it in float32 for mixed precision, or use the matching *-true precision.")
+    return line + "."
+
+
+class Holder(nn.Module):
+    """Stands in for the LightningModule: the model under ``model``; ``config_dtype``: a Hugging Face config's own."""
+
+    def __init__(self, model: nn.Module, config_dtype: object = None) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.config_dtype = model, config_dtype
 
 
 def load_factory(spec: str) -> Any:
@@ -58,15 +85,19 @@ def hf_config(path: str | None, model_type: str | None, kwargs: dict[str, Any]) 
     return AutoConfig.for_model(model_type, **kwargs)
 
 
-def build_model(spec: str | None, hf_path: str | None, hf_model_type: str | None, hf_kwargs: dict[str, Any]) -> nn.Module:
-    """The module the strategy would plan, with every parameter on the meta device."""
+def build_model(spec: str | None, hf_path: str | None, hf_model_type: str | None, hf_kwargs: dict[str, Any],
+                precision: str | None = None) -> nn.Module:
+    """The module the strategy would plan, with every parameter on the meta device; from a Hugging Face config in
+    `storage_dtype` (``precision``), the config's own dtype kept as ``config_dtype`` on the holder."""
     if spec is None:
         from transformers import AutoModelForCausalLM
 
         config = hf_config(hf_path, hf_model_type, hf_kwargs)
+        stored = getattr(config, "dtype", None)  # before building: transformers sets it to the dtype built in
         try:
             with torch.device("meta"):  # transformers picks the attention a run of it gets: sdpa, or eager (gemma2)
-                return Holder(AutoModelForCausalLM.from_config(config))
+                model = AutoModelForCausalLM.from_config(config, dtype=storage_dtype(precision))
+            return Holder(model, stored)
         except (AssertionError, ValueError, TypeError) as error:  # the family's own checks of its config
             raise ValueError(f"transformers could not build {type(config).__name__}: {error or type(error).__name__}. "
                              "HINT: fix the setting it names in --hf-kwargs or --hf-config (a small vocab_size needs "

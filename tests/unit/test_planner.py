@@ -4,6 +4,7 @@ its ranking, its JSON, and for a 70B Llama on 64 GPUs the arithmetic of the tp=8
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 
@@ -122,3 +123,28 @@ def test_a_given_layout_takes_the_global_batch_and_the_gpu_memory_as_the_ranking
     assert code == 1 and "does not fit in 488.28 KiB per GPU, for batches of 8 x 64 tokens" in out, out
     code, _, err = _run(capsys, *SMALL[:-1], "15", *layout)
     assert code == 2 and "global batch 15 does not split over dp=2" in err and "HINT" in err, err
+
+
+def test_parameters_are_priced_as_the_trainers_precision_keeps_them(capsys):
+    """A config stored in bfloat16 trained under bf16-mixed keeps fp32 master weights: 16 bytes of model state per
+    parameter with AdamW (4 + 4 + 2 x 4), not the config dtype's 8; under bf16-true, 8."""
+    config = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "vocab_size": 256, "dtype": "bfloat16"}
+    argv = ["--hf-model-type", "llama", "--hf-kwargs", json.dumps(config), "--devices", "2", "--seq-len", "32",
+            "--global-batch", "4", "--gpu-memory", "1GB", "--layout", "dp_shard=2"]
+    per_param = {}
+    for precision in ("bf16-mixed", "bf16-true"):
+        code, out, err = _run(capsys, *argv, "--precision", precision, "--json")
+        assert code == 0, err
+        planned = json.loads(out)
+        params = sum(math.prod(p["local_shape"]) for p in planned["ranks"][0]["params"])
+        rank = planned["cost"]["ranks"][0]
+        per_param[precision] = (rank["params_bytes"] + rank["grads_bytes"] + rank["optimizer_bytes"]) / params
+    assert round(per_param["bf16-mixed"]) == 16 and round(per_param["bf16-true"]) == 8, per_param
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0 and ("Parameters priced in float32, as bf16-mixed keeps them (the config's dtype, bfloat16, is"
+                          " its checkpoint's storage).") in out, out[:400]
+    from lightning_nd.plan.source import storage_line
+
+    built_in_bf16 = torch.nn.Linear(4, 4, dtype=torch.bfloat16, device="meta")  # a factory's own choice
+    assert "keeps no fp32 master weights. HINT: build it in float32" in storage_line(built_in_bf16, "bf16-mixed")
