@@ -1,7 +1,9 @@
 """`CausalLM`: an ordinary LightningModule around any next-token model; nothing in it is parallel.
 
 The model is built in ``configure_model`` (so under `NDParallel` it starts on the meta device and
-each rank materialises only its shard), or passed in ready-made (the zero-change path).
+each rank materialises only its shard), or passed in ready-made (the zero-change path). A model of MoE layers
+(`lightning_nd.nn.MoE`) trains with its layers' auxiliary (load-balancing, z) losses added to the step's loss;
+under pp the strategy adds them to ``pipeline_loss``'s value itself, the same sum.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch.nn.functional as F
 import torchmetrics
 from lightning.pytorch import LightningModule
 from torch import nn
+
+from lightning_nd.nn.moe import moe_aux_loss
 
 
 def logits_of(output: object) -> torch.Tensor:
@@ -56,11 +60,15 @@ class CausalLM(LightningModule):
         return self.pipeline_loss(self(tokens), labels)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The next-token loss (logged as ``train_loss``), plus any MoE layers' auxiliary losses (``train_aux_loss``)."""
         loss = self.loss(batch)
+        aux = moe_aux_loss(self.model)
         self.train_samples.update(torch.tensor(float(batch["tokens"].shape[0]), device=self.device))
         self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        if isinstance(aux, torch.Tensor):
+            self.log("train_aux_loss", aux, sync_dist=True)
         self.log("train_samples", self.train_samples, on_step=False, on_epoch=True)
-        return loss
+        return loss + aux
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)

@@ -99,3 +99,19 @@ def test_random_routing_anneals_to_learned_routing():
 def test_top_k_above_the_expert_count_names_the_fix():
     with pytest.raises(ValueError, match="top_k=5.*num_experts=4.*HINT"):
         MoE(8, 16, num_experts=4, top_k=5)
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
+def test_the_examples_step_trains_with_the_moe_layers_auxiliary_losses():
+    """`examples.lit.CausalLM` adds its MoE layers' load-balancing and z losses (issue 24, symptom 6): its step's
+    loss is the next-token loss plus `moe_aux_loss`, which the strategy adds itself under pp."""
+    from examples.data import SyntheticTokens
+    from examples.lit import CausalLM
+    from tests.models import build
+
+    module = CausalLM(model=build("moe_llama"))
+    batch = {key: torch.stack([SyntheticTokens(256, 16, 4)[i][key] for i in range(4)]) for key in ("tokens", "labels")}
+    step = module.training_step(batch, 0)
+    aux = moe_aux_loss(module.model)
+    assert isinstance(aux, torch.Tensor) and aux.item() > 0
+    torch.testing.assert_close(step, module.loss(batch) + aux, rtol=0, atol=0)
