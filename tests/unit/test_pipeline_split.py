@@ -152,3 +152,17 @@ def test_the_dry_run_says_a_hugging_face_gpt2_head_is_tied_and_held_by_the_last_
     out = capsys.readouterr().out
     assert "`lm_head.weight` is tied to `transformer.wte.weight`: a copy on the first and the last stage" in out
     assert "Rank 1 (pp=1" in out and "| head | 1 | 64,000 |" in out  # the heaviest rank: the head's copy
+
+
+def test_a_stage_hands_on_its_auxiliary_losses_without_returning_a_view():
+    """`attach` (a stage's MoE losses riding on its output): the value is the output's, the losses get gradient
+    ``scale``, and the tensor is no view (FSDP2 warned "FSDPStageModule returned a view tensor" on every MoE step
+    under pp x dp_shard)."""
+    from lightning_nd.parallel.pipeline.aux_losses import attach
+
+    weight, coef = torch.randn(3, requires_grad=True), torch.tensor(2.0, requires_grad=True)
+    output, aux = weight * 2, coef * 3
+    handed = attach(output, aux, 0.25)
+    assert handed._base is None and torch.equal(handed, output)
+    (handed * 1).sum().backward()
+    assert torch.equal(weight.grad, torch.full((3,), 2.0)) and coef.grad.item() == 0.75

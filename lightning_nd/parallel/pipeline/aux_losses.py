@@ -40,12 +40,14 @@ class StageAuxLosses:
 
 
 class _Attach(torch.autograd.Function):
-    """Identity on ``output``; in backward the auxiliary loss gets gradient ``scale``."""
+    """Identity on ``output``; in backward the auxiliary loss gets gradient ``scale``. The value handed on is a
+    copy, not a view: FSDP2 warns of every view a wrapped stage returns (an in-place op on one would skip its
+    pre-backward hook), and the stage's own output tensor is freed once copied, so only the copy is kept."""
 
     @staticmethod
     def forward(ctx, output: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale, ctx.like = scale, aux.detach()
-        return output.view_as(output)
+        return output.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
