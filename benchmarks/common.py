@@ -61,23 +61,32 @@ class Bench(LightningModule):
 
 
 class StepTimer(Callback):
-    """Wall time between the starts of consecutive steps (everything the loop does), after warm-up."""
+    """Wall time between the starts of consecutive steps (everything the loop does), after warm-up; and the
+    process's CPU time over the same spans (every thread of it: less disturbed than wall time by other processes
+    on a shared host, which delay a step without adding to its CPU time)."""
 
     def __init__(self, warmup: int) -> None:
         self.warmup = warmup
         self.starts: list[float] = []
+        self.cpu_starts: list[float] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
 
     def on_train_end(self, trainer, pl_module) -> None:
         self.starts.append(time.perf_counter())
+        self.cpu_starts.append(time.process_time())
 
     @property
     def step_times(self) -> list[float]:
         return [b - a for a, b in zip(self.starts, self.starts[1:])][self.warmup:]
+
+    @property
+    def cpu_step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.cpu_starts, self.cpu_starts[1:])][self.warmup:]
 
 
 def tensors_in(value) -> list[torch.Tensor]:
