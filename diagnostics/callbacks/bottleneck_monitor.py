@@ -14,8 +14,9 @@ own ``classifier``) and writes:
 - the console: one line whenever the diagnosis changes.
 
 The first step of a fit (warm-up) and the profiled step (the profiler slows it) are left out of the means.
-Validation loops and checkpoint saves are not counted in any step. The profiler's trace of the last window stays
-in ``<log_dir>/diagnostics/traces/rank<R>.json`` for ``python -m diagnostics trace``.
+Validation loops and checkpoint saves are not counted in any step. A CPU trace is analysed from the profiler's
+results in memory (`diagnostics.collect.profiled_step`); the last profiled step's trace is written at the end of
+the fit (or when it fails) to ``<log_dir>/diagnostics/traces/rank<R>.json`` for ``python -m diagnostics trace``.
 """
 
 from __future__ import annotations
@@ -33,11 +34,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from diagnostics.analysis.bottleneck import attribute_waiting, classify
 from diagnostics.analysis.sampled_split import split_window
-from diagnostics.analysis.trace import read_trace, trace_steps
+from diagnostics.analysis.trace import TraceStep, trace_steps
 from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
-from diagnostics.collect.host import host_processors, host_shares
-from diagnostics.collect.profiler_notes import without_profiler_notes
 from diagnostics.collect.gather import gather_floats
+from diagnostics.collect.host import host_processors, host_shares
+from diagnostics.collect.profiled_step import ProfiledStep
 from diagnostics.collect.step_clock import StepClock, mean_row
 from diagnostics.collect.window_vector import rank_times_of, sequence_length_of, tokens_of, window_vector
 from diagnostics.records import BOTTLENECK_FILE, PHASES, RankTimes, WindowContext, WindowRecord, to_json, write_atomic
@@ -47,7 +48,6 @@ from lightning_nd.cost.hardware import PRESETS, parse_hardware
 from lightning_nd.cost.shape import ModelShape
 from lightning_nd.cost.step_time import flops_per_token
 from lightning_nd.layout.batch import token_shape
-from lightning_nd.runtime.profiling import recording
 
 log = logging.getLogger("lightning_nd")
 
@@ -76,8 +76,7 @@ class BottleneckMonitor(Callback):
         self.shape: ModelShape | None = None
         self.records: list[WindowRecord] = []
         self.folder: Path | None = None
-        self._profiler: Any = None
-        self._profiled_step: int | None = None
+        self.profiled = ProfiledStep()
         self._trace_step: Any = None
         self._tokens = [0, 0]  # tokens this rank saw in the window, and the full sequence length
         self._hosts: dict[int, str] = {}
@@ -93,6 +92,7 @@ class BottleneckMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.folder = Path(self._log_dir or trainer.default_root_dir) / "diagnostics"
         self.records, self._closed, self._trace_step = [], -1, None
+        self.profiled.forget()
         # An earlier fit's windows are not this one's; a later validate or test leaves them.
         if trainer.global_rank == 0 and stage == "fit":
             (self.folder / BOTTLENECK_FILE).unlink(missing_ok=True)
@@ -160,15 +160,15 @@ class BottleneckMonitor(Callback):
             return
         self._closed = step
         now = time.perf_counter()
-        if self._profiler is not None:
-            self._trace_step = self._stop_profiler(trainer)
+        if self.profiled.running:
+            self._trace_step = self._analysed(self.profiled.stop(self.folder / "traces", trainer.global_rank))
         row = self.clock.close(now)
-        if row is not None and (step - self._first_step == 1 or step == self._profiled_step):
+        if row is not None and (step - self._first_step == 1 or step == self.profiled.step):
             self.clock.rows.pop()  # warm-up, or slowed by the profiler
         if step % self.every == 0 and step > self._window_end:
             self._close_window(trainer, pl_module, step)
         if self.profile and ((step + 1) % self.every == 0 or self._ends_a_short_window(step + 1)):
-            self._start_profiler(pl_module, step + 1)
+            self.profiled.start(pl_module.device, step + 1)
         self.clock.begin(time.perf_counter())  # the window's own work is no step's
 
     def _ends_a_short_window(self, step: int) -> bool:
@@ -177,52 +177,25 @@ class BottleneckMonitor(Callback):
         return step == self._last_step and step - max(self._window_end, self._first_step + 1) >= 2
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._drop_profiler()
+        self.profiled.drop()
+        self.profiled.write_last(self.folder / "traces", trainer.global_rank)
         if self.clock.rows:
             self._close_window(trainer, pl_module, trainer.global_step)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._drop_profiler()  # never left recording: a later fit in this process could not start its own
+        self.profiled.drop()  # never left recording: a later fit in this process could not start its own
+        self.profiled.write_last(self.folder / "traces", trainer.global_rank)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._drop_profiler()
+        self.profiled.drop()
 
-    # ---- the profiled step ---------------------------------------------------------------------------------
-
-    def _start_profiler(self, pl_module: LightningModule, step: int) -> None:
-        if recording():  # the user's own profiler (or Lightning's) records: one profiler at a time
-            return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if pl_module.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiler = torch.profiler.profile(activities=activities)
+    def _analysed(self, trace: dict | None) -> TraceStep | None:
         try:
-            with without_profiler_notes():
-                profiler.__enter__()
-        except RuntimeError as error:
-            log.warning("lightning-nd BottleneckMonitor: no profiled step this window: %s", error)
-            return
-        self._profiler, self._profiled_step = profiler, step
-
-    def _drop_profiler(self) -> None:
-        profiler, self._profiler = self._profiler, None
-        if profiler is not None:
-            with without_profiler_notes():
-                profiler.__exit__(None, None, None)
-
-    def _stop_profiler(self, trainer: Trainer) -> Any:
-        profiler, self._profiler = self._profiler, None
-        with without_profiler_notes():
-            profiler.__exit__(None, None, None)
-        try:
-            path = self.folder / "traces" / f"rank{trainer.global_rank}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            profiler.export_chrome_trace(str(path))
-            steps = trace_steps(read_trace(path), self.layout.dims if self.layout is not None else None)
-            return steps[0] if steps else None
+            steps = trace_steps(trace, self.layout.dims if self.layout is not None else None) if trace else []
         except Exception as error:  # noqa: BLE001 - a diagnostic never stops the run
             log.warning("lightning-nd BottleneckMonitor: the profiled step was not analysed: %s", error)
             return None
+        return steps[0] if steps else None
 
     # ---- the window ----------------------------------------------------------------------------------------
 

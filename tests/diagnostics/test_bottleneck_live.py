@@ -9,10 +9,13 @@ the stragglers, short). 8 steps each, windows of 4: the second window (steps 5-8
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.plugins.custom_scalar import layout_pb2
 
+from diagnostics.analysis.trace import find_traces, read_trace, trace_steps
 from diagnostics.records import PHASES
 from tests.launcher import launch
 
@@ -145,3 +148,14 @@ def test_every_chart_of_the_view_has_data(runs, case):
                if chart.HasField("margin")}
     assert {title: tag for title, tag in margins.items() if tag not in scalars} == {}
     assert {"hsdp (s)", "batch (s)", "dp_shard (s)"}.isdisjoint(margins) and "fsdp (s)" in margins
+
+
+def test_the_last_profiled_step_is_left_for_the_trace_cli(runs):
+    """Windows are analysed from the profiler in memory; each rank's last profiled step is written at the fit's end,
+    and reads as `python -m diagnostics trace` reads it: one step, its tp communication split out."""
+    traces = find_traces(Path(runs["tp"]["tensorboard"]) / "diagnostics" / "traces")
+    assert sorted(traces) == [0, 1, 2, 3]
+    for rank, paths in traces.items():
+        steps = trace_steps(read_trace(paths[0]))
+        assert len(steps) == 1, rank
+        assert sum(parts.get("comm:tp", 0.0) for parts in steps[0].split.values()) > 0, (rank, steps[0].split)
