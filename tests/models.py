@@ -47,11 +47,12 @@ def build(name: str, seed: int = 0) -> nn.Module:
     if name == "moe_llama":  # 8 experts, top-2, in both layers
         return Llama(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=2, num_experts=8))
-    if name == "hf_mixtral":
+    if name in ("hf_mixtral", "hf_mixtral_kv4"):  # kv4: as many KV heads as query heads, for tp=4
         from transformers import MixtralConfig, MixtralForCausalLM
 
         config = MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                               num_attention_heads=4, num_key_value_heads=4 if name.endswith("kv4") else 2,
+                               num_local_experts=4,
                                num_experts_per_tok=2, max_position_embeddings=64, attn_implementation="sdpa",
                                router_jitter_noise=0.0)
         return MixtralForCausalLM(config)

@@ -51,14 +51,15 @@ class Saved:
 
 
 def saved_tensors(shape: ModelShape, element_bytes: int, recompute: str = "none", *, cp: int = 1,
-                  local_seq: int = 0, ep: int = 1) -> tuple[Saved, ...]:
+                  local_seq: int = 0, ep: int = 1, etp: bool = False) -> tuple[Saved, ...]:
     """What one block saves per token (see the module docstring). ``cp`` > 1: attention is the ring of
-    `nn/ring_attention.py` over ``local_seq`` tokens per rank, which materialises its scores."""
+    `nn/ring_attention.py` over ``local_seq`` tokens per rank, which materialises its scores. ``etp``: experts
+    split over tp (their intermediates are cut by tp)."""
     h, e = shape.hidden, element_bytes
     if recompute == "full":
         return (Saved("block input", h, e, "residual"),)
     attention = _attention(shape, e, cp, local_seq, recompute)
-    mlp = _mlp(shape, e, recompute, ep)
+    mlp = _mlp(shape, e, recompute, ep, etp)
     if recompute == "selective":
         return (Saved("block input", h, e, "residual"), *attention, *mlp,
                 # row-parallel matmuls (attention output, a dense MLP's down) return partial sums, whole on each
@@ -92,7 +93,7 @@ def _attention(shape: ModelShape, e: int, cp: int, local_seq: int, recompute: st
             Saved("merged partial outputs", 2 * (cp - 1) * h, 4, "tp"))
 
 
-def _mlp(shape: ModelShape, e: int, recompute: str, ep: int) -> tuple[Saved, ...]:
+def _mlp(shape: ModelShape, e: int, recompute: str, ep: int, etp: bool = False) -> tuple[Saved, ...]:
     inner, h = shape.intermediate, shape.hidden
     gated = shape.mlp == "gated"
     if not shape.experts:
@@ -103,20 +104,24 @@ def _mlp(shape: ModelShape, e: int, recompute: str, ep: int) -> tuple[Saved, ...
     # weighted output the scatter-add keeps (h); under ep the expert's output is kept by the out-of-place
     # add that collects it and the copy that comes back by the weighting (h more). Selective keeps the
     # matmuls' 2I + h. The router keeps fp32 logits and softmax twice (gate, auxiliary loss) per expert, and
-    # four int64 indices per copy. Experts are not split by tp: each tp rank runs them whole.
+    # four int64 indices per copy. Without ETP each tp rank runs the experts whole; split over tp (``etp``), the
+    # intermediates (2I, 4I) are cut by tp, the copies and outputs (h) are whole on each tp rank, one more (h) kept
+    # as under ep by the out-of-place add that collects the outputs.
     k = shape.top_k
-    per_copy = (2 * inner + h) if recompute == "selective" else ((3 + (ep > 1)) * h + (4 if gated else 2) * inner)
-    return (Saved("expert copies of each token", k * per_copy, e, "gathered"),
+    copies = h if recompute == "selective" else (3 + (ep > 1 or etp)) * h
+    inner_elements = 2 * inner if recompute == "selective" else (4 if gated else 2) * inner
+    return (Saved("expert copies of each token", k * copies, e, "gathered"),
+            Saved("expert intermediates", k * inner_elements, e, "tp" if etp else "gathered"),
             Saved("router logits and scores", (1 if recompute == "selective" else 3) * shape.experts, 4, "gathered"),
             Saved("routing indices", 0 if recompute == "selective" else 4 * k, 8, "gathered"))
 
 
 def block_bytes(shape: ModelShape, tokens: int, element_bytes: int, *, tp: int = 1, sequence_parallel: bool = False,
-                recompute: str = "none", cp: int = 1, local_seq: int = 0, ep: int = 1) -> int:
+                recompute: str = "none", cp: int = 1, local_seq: int = 0, ep: int = 1, etp: bool = False) -> int:
     """Bytes one block keeps between its forward and its backward, for ``tokens`` tokens on this rank
     (micro-batch x local sequence), with its tp split and recomputation mode."""
     total = 0
-    for saved in saved_tensors(shape, element_bytes, recompute, cp=cp, local_seq=local_seq, ep=ep):
+    for saved in saved_tensors(shape, element_bytes, recompute, cp=cp, local_seq=local_seq, ep=ep, etp=etp):
         divisor = tp if saved.split == "tp" or (saved.split == "residual" and sequence_parallel) else 1
         total += tokens * saved.elements * saved.bytes // divisor
     return total

@@ -13,7 +13,9 @@ sends to the others. ``benchmarks/comm_volume.py`` checks each dim against the c
 - expert_dp: FSDP over the ranks holding the same experts, by the fsdp rule on this rank's expert shards.
 - tp: per block two activation all-reduces forward and two backward (attention and MLP), the embedding's, the
   head's input-gradient all-reduce and the all-gather of its logits (none under loss_parallel). Under sequence
-  parallel each all-reduce becomes an all-gather and a reduce-scatter: the same ring bytes.
+  parallel each all-reduce becomes an all-gather and a reduce-scatter: the same ring bytes. Experts split over tp
+  (expert tensor parallelism) add per MoE block two all-reduces of the routed rows (tokens x top_k x ``hidden``):
+  their partial outputs forward, their input's gradient backward.
 - pp: per micro-step the activations of all microbatches forward to the next stage and their gradients back,
   for each neighbour stage on another pp rank; a weight tied between the first and last stage adds one
   all-reduce of its gradient per step.
@@ -132,7 +134,12 @@ def _tp(run: _Run, size: int) -> tuple[int, str]:
     logits = run.tokens * shape.vocab * run.activation_bytes if gathers_logits else 0
     moved = run.micro_steps * (2 * all_reduces * activation + logits) * (size - 1) // size
     kind = "all-gather + reduce-scatter" if options.sequence_parallel else "all-reduce"
-    return moved, f"{kind} activations x{all_reduces} per micro-step" + (" + all-gather logits" if logits else "")
+    what = f"{kind} activations x{all_reduces} per micro-step" + (" + all-gather logits" if logits else "")
+    if any(t.technique == "expert_tensor_parallel" for t in run.layout.techniques) and shape.experts:
+        rows = run.tokens * shape.top_k * shape.hidden * run.activation_bytes  # what the experts get, routed
+        moved += run.micro_steps * run.blocks * 2 * 2 * rows * (size - 1) // size
+        what += f" + all-reduce routed tokens x{2 * run.blocks} (experts split over tp)"
+    return moved, what
 
 
 def _pp(run: _Run, size: int) -> tuple[int, str]:

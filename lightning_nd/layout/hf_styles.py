@@ -88,9 +88,10 @@ def experts_modules(model: nn.Module) -> list[str]:
 def hf_meaning(model: nn.Module, entries: Mapping[str, str], blocks: list[str]) -> dict[str, str]:
     """Our style for every entry of a declared plan; refuses (naming style and module) what has no meaning here.
 
-    Entries on experts (``moe_tp_experts``, expert parameters) are left out: experts stay whole on every tp rank
-    and see the same tokens there (the router and the experts' input are replicated over tp), so no gradient
-    needs a reduction; ep, which borrows dp_shard x cp ranks, is what splits experts."""
+    Entries on experts (``moe_tp_experts``, expert parameters) are left out: the plan splits stacked experts over
+    tp itself (expert tensor parallelism, `lightning_nd.layout.plan._expert_tp`), or keeps them whole on every tp
+    rank, where they see the same tokens (the router and the experts' input are replicated over tp); ep, which
+    borrows dp_shard x cp ranks, splits them by expert."""
     known = installed_styles() | set(MEANINGS) | {"colwise_gather_output"}
     refused: dict[str, tuple[str, str]] = {}
     resolved: dict[str, str] = {}
@@ -99,8 +100,8 @@ def hf_meaning(model: nn.Module, entries: Mapping[str, str], blocks: list[str]) 
     skipped = [name for name, style in entries.items()
                if style in EXPERT_STYLES and any(name == e or name.startswith(e + ".") for e in experts)]
     if skipped:
-        log.info("Experts stay whole on every tp rank (the declared expert tp entries are not applied): %s",
-                 ", ".join(experts))
+        log.info("The declared expert tp entries are not applied; the layout splits the experts over tp itself, or"
+                 " says why they stay whole: %s", ", ".join(experts))
     for name, style in entries.items():
         if name in skipped:
             continue

@@ -83,12 +83,13 @@ def rank_holdings(
     pipeline: StagePlan | None,
     experts: set[str],
     precision: str | None = None,
+    expert_tp: set[str] | frozenset[str] = frozenset(),
 ) -> tuple[RankHolding, ...]:
     """One `RankHolding` per global rank. A parameter's piece depends only on the rank's index along the roles that
     cut it (`_Param.cut_by`); equal pieces (FSDP peers of an evenly split weight, mostly) are one `ParamShard`, and
     ranks that hold the same pieces share one tuple."""
     copies = {f"{pipeline.attribute}.{last}" for _, last in pipeline.split.tied} if pipeline is not None else set()
-    params = _params(module, dims, blocks, tp_entries, experts, precision, copies)
+    params = _params(module, dims, blocks, tp_entries, experts, precision, copies, expert_tp)
     inside, sizes = dims.dp_shard_in_ep, {"tp": dims.tp, "ep": dims.ep}
     pieces = _Pieces(sizes)
     cuts = {param.cut_by for param in params}
@@ -144,7 +145,8 @@ class _Pieces:
 
 
 def _params(module: nn.Module, dims: ParallelDims, blocks: tuple[str, ...], tp_entries: Mapping[str, object],
-            experts: set[str], precision: str | None, copies: set[str]) -> list[_Param]:
+            experts: set[str], precision: str | None, copies: set[str], expert_tp: set[str] | frozenset[str]
+            ) -> list[_Param]:
     """Every parameter once, and under pp a tied weight's copy on the last stage too (``copies``: its names)."""
     modules = dict(module.named_modules())
     dtype_override = PRECISION_PARAM_DTYPES.get(str(precision))
@@ -156,6 +158,8 @@ def _params(module: nn.Module, dims: ParallelDims, blocks: tuple[str, ...], tp_e
         seen.add(id(param))
         owner = modules[parent_name(name)]
         split = tp_split(owner, name.rsplit(".", 1)[-1], tp_entries.get(parent_name(name))) if dims.tp > 1 else None
+        if parent_name(name) in expert_tp:  # gate_up_proj [E, 2I, H] part by part on dim 1, down_proj [E, H, I] on 2
+            split = (1, 2) if name.endswith("gate_up_proj") else (2, 1)
         expert = parent_name(name) in experts and dims.ep > 1
         placement = [f"tp:{'StridedShard' if split[1] > 1 else 'Shard'}({split[0]})"] if split else []
         placement += ["ep:Shard(0)"] if expert else []

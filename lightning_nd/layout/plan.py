@@ -8,9 +8,9 @@ Every check runs here, in the order the composer will apply the techniques.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.holdings import rank_holdings
@@ -19,7 +19,7 @@ from lightning_nd.layout.pipeline_split import pipeline_model, split_stages, sta
 from lightning_nd.layout.record import ExpertsPlacement, Layout, StagePlan, Technique, TPEntry
 from lightning_nd.layout.roles import role_groups, role_names
 from lightning_nd.layout.positions import describe_positions
-from lightning_nd.layout.structure import ModelFacts, find_blocks, is_experts, read_model_facts
+from lightning_nd.layout.structure import ModelFacts, find_blocks, is_experts, read_model_facts, unsupported_experts
 from lightning_nd.layout.tp_checks import check_packed_biases_under_fsdp
 from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
 from lightning_nd.layout.validate import check_config, check_model, warn
@@ -66,6 +66,7 @@ def plan_layout(
             check_packed_biases_under_fsdp(module, plan.entries, dims)
     pipeline = _plan_stages(module, blocks, dims, config, options, memo) if dims.pp > 1 else None
     experts = _experts(module, dims)
+    expert_tp = _expert_tp(module, dims, config, notes)
     positions = describe_positions(module, dims.cp, config.cp_positions) if dims.cp > 1 else ""
     tp_entries = plan.entries if plan is not None else {}
     tp_sources = plan.sources if plan is not None else {}
@@ -77,9 +78,9 @@ def plan_layout(
         tp_source=plan.source if plan is not None else None,
         pipeline=pipeline, experts=experts,
         roles={role: role_groups(dims, role) for role in role_names(dims)},
-        techniques=_techniques(module, dims, options, blocks, plan, pipeline, experts, positions),
+        techniques=_techniques(module, dims, options, blocks, plan, pipeline, experts, positions, expert_tp),
         ranks=rank_holdings(module, dims, blocks=block_names, tp_entries=tp_entries, pipeline=pipeline,
-                            experts={e.module for e in experts}, precision=precision),
+                            experts={e.module for e in experts}, precision=precision, expert_tp=set(expert_tp)),
         warnings=tuple(notes),
     )
 
@@ -130,6 +131,25 @@ def _experts(module: nn.Module, dims: ParallelDims) -> tuple[ExpertsPlacement, .
                  for name, m in module.named_modules() if name and is_experts(m))
 
 
+def _expert_tp(module: nn.Module, dims: ParallelDims, config: ParallelConfig, notes: list[str]) -> tuple[str, ...]:
+    """The experts modules split over tp (expert tensor parallelism, `lightning_nd.parallel.expert_tp`): under tp
+    without ep and without sequence parallelism (there each tp rank routes other tokens), every stacked experts
+    module, when each has nothing beyond its two stacks and an intermediate size tp divides; else none (a note
+    says why: they stay whole on every tp rank, as before)."""
+    if dims.tp == 1 or dims.ep > 1 or config.sequence_parallel:
+        return ()
+    names = tuple(name for name, experts in module.named_modules() if name and is_experts(experts))
+    for name in names:
+        experts = module.get_submodule(name)
+        extra, inner = unsupported_experts(experts), cast(Tensor, experts.down_proj).shape[-1]
+        if extra or inner % dims.tp:
+            reason = f"its {', '.join(extra)} have no tp split" if extra else f"tp={dims.tp} does not divide {inner}"
+            warn(notes, f"Experts stay whole on every tp rank, each rank holding all of them: `{name}` cannot be"
+                        f" split over tp ({reason}).")
+            return ()
+    return names
+
+
 def _numel(module: nn.Module, names: list[str] | tuple[str, ...]) -> int:
     """Elements of the parameters of the modules ``names``, each module's counted once (as its ``parameters()``
     gives them), in one walk of the model instead of one per module."""
@@ -145,7 +165,7 @@ def _numel(module: nn.Module, names: list[str] | tuple[str, ...]) -> int:
 
 def _techniques(module: nn.Module, dims: ParallelDims, options: ResolvedOptions, blocks: list, plan: TPPlan | None,
                 pipeline: StagePlan | None, experts: tuple[ExpertsPlacement, ...],
-                positions: str) -> tuple[Technique, ...]:
+                positions: str, expert_tp: tuple[str, ...] = ()) -> tuple[Technique, ...]:
     """The composer's steps, in its order: pipeline split, EP, CP, TP, AC, compile, FSDP/HSDP."""
     names = [name for name, _ in blocks]
     total = sum(p.numel() for p in module.parameters())
@@ -157,6 +177,8 @@ def _techniques(module: nn.Module, dims: ParallelDims, options: ResolvedOptions,
     if experts:
         modules = tuple(e.module for e in experts)
         steps.append(Technique("expert_parallel", "ep", modules, _numel(module, modules), {"ep": dims.ep}))
+    if expert_tp:
+        steps.append(Technique("expert_tensor_parallel", "tp", expert_tp, _numel(module, expert_tp), {"tp": dims.tp}))
     if dims.cp > 1:
         steps.append(Technique("context_parallel", "cp", (), 0, {"cp": dims.cp, "positions": positions}))
     if plan is not None:

@@ -64,7 +64,7 @@ class Technique:
     """One technique the composer applies: what, over which mesh role, to which modules, how many parameters."""
 
     technique: str
-    """tensor_parallel, expert_parallel, context_parallel, pipeline_split, activation_checkpointing, compile,
+    """tensor_parallel, expert_parallel, expert_tensor_parallel, context_parallel, pipeline_split, activation_checkpointing, compile,
     fsdp, hsdp."""
     role: str | None
     modules: tuple[str, ...]
@@ -81,6 +81,9 @@ class Technique:
         if self.technique == "expert_parallel":
             return (f"Applied expert parallel (ep={d['ep']}) to {len(self.modules)} experts modules: each rank holds"
                     f" 1/{d['ep']} of the experts, tokens dispatched by all-to-all")
+        if self.technique == "expert_tensor_parallel":
+            return (f"Applied expert tensor parallel (tp={d['tp']}) to {len(self.modules)} experts modules: each rank"
+                    f" holds 1/{d['tp']} of every expert, the partial outputs summed over tp")
         if self.technique == "context_parallel":
             return f"Applied context parallel (cp={d['cp']}, ring attention, zigzag sequence sharding){d['positions']}"
         if self.technique == "pipeline_split":

@@ -61,6 +61,8 @@ def parallelize(
     if layout.pipeline is None:
         if "expert_parallel" in steps:
             _apply_ep(module, mesh, layout, report, steps["expert_parallel"])
+        if "expert_tensor_parallel" in steps:
+            _apply_etp(module, mesh, report, steps["expert_tensor_parallel"])
         if "context_parallel" in steps:
             attach_position_hooks(fsdp_root(module), layout.options.cp_positions)
             _done(report, steps["context_parallel"])
@@ -74,6 +76,8 @@ def parallelize(
         quiet = index > 0
         if "expert_parallel" in steps:
             _apply_ep(stage, mesh, layout, report, steps["expert_parallel"], quiet=quiet)
+        if "expert_tensor_parallel" in steps:
+            _apply_etp(stage, mesh, report, steps["expert_tensor_parallel"], quiet=quiet)
         if "context_parallel" in steps:
             attach_position_hooks(stage.module, layout.options.cp_positions)
             if not quiet:
@@ -130,7 +134,7 @@ def _expert_sharding(module: nn.Module, mesh: NDMesh, layout: Layout) -> dict:
     """Under ep, how FSDP treats the experts: sharded over the ranks holding the same experts when there are
     several, else left alone (one rank per expert: nothing to average)."""
     experts = expert_modules(module)
-    if not experts:
+    if not experts or not layout.experts:  # none, or split over tp only: FSDP shards them with their blocks
         return {}
     if layout.experts[0].sharded_over is not None:
         return {"experts": experts, "expert_mesh": mesh["expert_dp"]}
@@ -145,6 +149,15 @@ def _apply_ep(module: nn.Module, mesh: NDMesh, layout: Layout, report: Paralleli
     for experts in expert_modules(module):
         experts.grad_scale = 1.0 / ep  # the ep group's tokens add up; dense gradients are means
     if not quiet and names:
+        _done(report, technique)
+
+
+def _apply_etp(module: nn.Module, mesh: NDMesh, report: ParallelizeReport, technique: Technique,
+               quiet: bool = False) -> None:
+    """Expert tensor parallel: every experts module (the plan splits all or none) becomes this rank's slice of each
+    expert over tp."""
+    apply_ep(module, None, mesh["tp"])
+    if not quiet:
         _done(report, technique)
 
 

@@ -13,6 +13,10 @@ the sender after the return trip, so the router's gradient stays local. ``last_c
 the mean over ranks equals the one-process loss. The expert weights are DTensors sharded over ep
 (dim 0), so checkpoints hold every expert once and `full_tensor()` gives the whole stack.
 
+With a tp mesh instead (expert tensor parallelism, `lightning_nd.parallel.expert_tp`), every rank holds every
+expert, each split over tp; nothing is dispatched (the tokens are the same on every tp rank) and the partial outputs
+are summed over tp. Experts split over both ep and tp are not implemented yet.
+
 Gradients: an expert's gradient sums what every rank of its ep group sent it, while dense gradients are
 averaged over the batch ranks; ``grad_scale`` (set to 1/ep by the composer) divides the sum, and FSDP,
 which shards the experts over the ranks that hold the same ones, averages over those.
@@ -30,9 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from lightning_nd.layout.structure import is_experts
+from lightning_nd.parallel.expert_tp import DOWN_PLACEMENT, GATE_UP_PLACEMENT, copy_to_tp, reduce_from_tp, tp_slice
 from lightning_nd.runtime.profiling import comm_label
 
 
@@ -55,19 +60,30 @@ class ExpertParallel(nn.Module):
     gate_up_proj: DTensor
     down_proj: DTensor
 
-    def __init__(self, experts: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, experts: nn.Module, mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None = None) -> None:
+        """``mesh``: the ep group's (None: every expert here); ``tp_mesh``: each expert split over it
+        (`lightning_nd.parallel.expert_tp`; None: whole)."""
         super().__init__()
-        group = mesh.get_group()
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        if mesh is None and tp_mesh is None or mesh is not None and tp_mesh is not None:
+            raise ValueError("ExpertParallel takes an ep mesh or a tp mesh (experts split over both ep and tp are"
+                             " not implemented yet).")
+        self.group = mesh.get_group() if mesh is not None else None
+        self.tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+        size, rank = (dist.get_world_size(self.group), dist.get_rank(self.group)) if self.group else (1, 0)
+        self.tp_size, self.tp_rank = (dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+                                      ) if self.tp_group else (1, 0)
         self.num_experts = cast(torch.Tensor, experts.gate_up_proj).shape[0]
         assert self.num_experts % size == 0, "the plan checks that ep divides every experts module"
-        self.group, self.size, self.local = group, size, self.num_experts // size
+        self.size, self.local = size, self.num_experts // size
         first = rank * self.local
         self.first = first
-        # DTensors sharded over ep: checkpoints, clipping and `full_tensor()` see the whole expert stack.
-        for name in ("gate_up_proj", "down_proj"):
-            local = getattr(experts, name).detach()[first:first + self.local].clone()
-            setattr(self, name, nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
+        # DTensors sharded over ep (or split over tp): checkpoints, clipping and `full_tensor()` see the whole stack.
+        stack = [self._tp_slice(name, getattr(experts, name).detach()[first:first + self.local])
+                 for name in ("gate_up_proj", "down_proj")]
+        on = cast(DeviceMesh, tp_mesh if tp_mesh is not None else mesh)
+        placements: list[Placement] = [GATE_UP_PLACEMENT, DOWN_PLACEMENT] if tp_mesh is not None else [Shard(0)] * 2
+        for name, local, placement in zip(("gate_up_proj", "down_proj"), stack, placements):
+            setattr(self, name, nn.Parameter(DTensor.from_local(local.clone(), on, [placement], run_check=False),
                                              requires_grad=getattr(experts, name).requires_grad))
         self.capacity_factor: float | None = getattr(experts, "capacity_factor", None)
         self.act: Callable[[torch.Tensor], torch.Tensor] = getattr(experts, "act_fn", F.silu)
@@ -80,19 +96,29 @@ class ExpertParallel(nn.Module):
         """Each local expert drawn from its own seed, derived from the caller's RNG state (which `materialize`
         seeds per ep shard), so every expert differs from the others."""
         base = int(torch.randint(2**31, ()))
-        for weight in (self.gate_up_proj.to_local(), self.down_proj.to_local()):
-            bound = 1.0 / math.sqrt(weight.shape[-1])
+        for name in ("gate_up_proj", "down_proj"):
+            weight, whole = getattr(self, name).to_local(), getattr(self, name).shape[1:]
+            bound = 1.0 / math.sqrt(whole[-1])
             for index in range(weight.shape[0]):  # this rank's experts (or its FSDP shard of their rows)
                 generator = torch.Generator().manual_seed(base + self.first + index)
-                values = torch.rand(weight.shape[1:], generator=generator, dtype=weight.dtype) * 2 * bound - bound
-                weight[index].copy_(values.to(weight.device))
+                values = torch.rand(whole, generator=generator, dtype=weight.dtype) * 2 * bound - bound
+                weight[index].copy_(self._tp_slice(name, values).to(weight.device))
             base += self.num_experts
+
+    def _tp_slice(self, name: str, expert: torch.Tensor) -> torch.Tensor:
+        """This tp rank's slice of one whole expert's ``name`` weight (the weight itself without tp)."""
+        return tp_slice(name, expert, self.tp_rank, self.tp_size) if self.tp_group is not None else expert
 
     def forward(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         top_k = index.shape[1]
         flat = index.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.group is None:  # every expert here: nothing to dispatch
+            self.last_counts = counts
+            rows = hidden[order // top_k]
+            output = self._experts(rows, counts.view(1, -1), index.shape[0], top_k)
+            return self._combined(hidden, output, order, weights, top_k)
         # Per-expert counts from every sender: [sender, local expert]; and the global token count.
         received_counts = self._exchange(counts.view(self.size, self.local))
         totals = counts.clone()
@@ -107,6 +133,11 @@ class ExpertParallel(nn.Module):
         output = self._experts(rows, received_counts, int(totals.sum()) // top_k, top_k)
         with comm_label("ep", "all_to_all"):
             back = wait_tensor(all_to_all_single_autograd(output.contiguous(), send_splits, recv_splits, self.group))
+        return self._combined(hidden, back, order, weights, top_k)
+
+    @staticmethod
+    def _combined(hidden: torch.Tensor, back: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+                  top_k: int) -> torch.Tensor:
         result = torch.zeros_like(hidden)
         result.index_add_(0, order // top_k, (back * weights.flatten()[order, None]).to(result.dtype))
         return result
@@ -125,6 +156,8 @@ class ExpertParallel(nn.Module):
         if capacity is not None:  # every owner drops what exceeds capacity: from the global counts, no collective
             assert self.last_counts is not None, "forward sets them before running the experts"
             self.last_dropped = int((self.last_counts - capacity).clamp_min(0).sum())
+        if self.tp_group is not None:
+            rows = copy_to_tp(rows, self.tp_group)
         output = torch.zeros_like(rows)
         gate_up_proj = _ScaleGrad.apply(self.gate_up_proj.to_local(), self.grad_scale)
         down_proj = _ScaleGrad.apply(self.down_proj.to_local(), self.grad_scale)
@@ -140,17 +173,17 @@ class ExpertParallel(nn.Module):
             # backward issues the same all-to-alls (a rank whose experts got no tokens would hang the rest).
             gate, up = F.linear(rows[chosen], gate_up_proj[expert]).chunk(2, dim=-1)
             output = output.index_add(0, chosen, F.linear(self.act(gate) * up, down_proj[expert]))
-        return output
+        return reduce_from_tp(output, self.tp_group) if self.tp_group is not None else output
 
 
-def apply_ep(model: nn.Module, mesh: DeviceMesh) -> list[str]:
-    """Replace every experts module of ``model`` by this rank's `ExpertParallel` slice over the 1-D ep ``mesh``;
-    returns their names."""
+def apply_ep(model: nn.Module, mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None = None) -> list[str]:
+    """Replace every experts module of ``model`` by this rank's `ExpertParallel` slice over the 1-D ep ``mesh``, or
+    split over the 1-D ``tp_mesh`` (expert tensor parallelism); returns their names."""
     names = [name for name, module in model.named_modules() if name and is_experts(module)]
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, ExpertParallel(getattr(parent, child), mesh))
+        setattr(parent, child, ExpertParallel(getattr(parent, child), mesh, tp_mesh))
     return names
 
 

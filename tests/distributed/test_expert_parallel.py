@@ -1,12 +1,15 @@
 """Expert parallelism matches one process.
 
 Layer: an MoE layer under ep=2 and ep=4 (4 ranks) equals the same layer on one process fed all ranks'
-tokens: outputs, input/expert/router/shared-expert gradients, tokens per expert, the dropped assignments
+tokens, and with each expert split over tp=2 (expert tensor parallelism) the same layer fed the same tokens, through
+3 SGD steps (parameters after them too): outputs, input/expert/router/shared-expert gradients, tokens per expert, the dropped assignments
 under a capacity limit (the same ones), and the load-balancing loss (mean over ranks).
 Training: loss per step, gradients and parameters after 5 AdamW steps through `Trainer`, for an MoE Llama
 (8 experts, top-2) under ep=2 x dp_shard=2 (also with clipping, and with full activation checkpointing),
 ep=4, ep=2 x tp=2 (dense layers split), ep=2 x pp=2, ep=2 x dp_shard=4 with gradient accumulation and
-ep=2 x HSDP 2x2 (two ranks hold each expert), and a Hugging Face Mixtral under ep=2 with no user code.
+ep=2 x HSDP 2x2 (two ranks hold each expert), and a Hugging Face Mixtral under ep=2 with no user code; and with
+each expert split over tp (expert tensor parallelism): the MoE Llama under dp_shard=2 x tp=2 and pp=2 x tp=2,
+Mixtral (4 KV heads) under tp=4.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ def per_rank(tmp_path_factory):
 
 
 def test_expert_parallel_layer_matches_one_process(per_rank):
-    assert len(per_rank[0]) == 16  # ep 2 and 4 x dropless/capacity x top-1/top-2 x fp64/fp32
+    # ep 2 and 4, and experts split over tp=2 (3 SGD steps), x dropless/capacity x top-1/top-2 x fp64/fp32
+    assert len(per_rank[0]) == 24 and sum(key.startswith("etp2") for key in per_rank[0]) == 8
     for rank, cases in enumerate(per_rank):
         for case, result in cases.items():
             tolerance = TOLERANCE[case.rsplit("-", 1)[1]]
@@ -53,7 +57,12 @@ LAUNCHES = {
                                  "ep2_fsdp4_accum": {"ep": 2, "dp_shard": 4},
                                  "ep2_hsdp2x2": {"ep": 2, "dp_replicate": 2, "dp_shard": 2}}, 4),
     "mixtral_ep2": (2, "hf_mixtral", {"ep2_fsdp2": {"ep": 2, "dp_shard": 2}}, 4),
+    # expert tensor parallelism: tp without ep splits every expert over tp
+    "moe_etp": (4, "moe_llama_no_aux", {"etp_fsdp2_tp2": {"dp_shard": 2, "tp": 2}, "etp_pp2_tp2": {"pp": 2, "tp": 2}},
+                4),
+    "mixtral_etp": (4, "hf_mixtral_kv4", {"etp_tp4": {"tp": 4}}, 4),
 }
+ETP = {"moe_etp", "mixtral_etp"}
 CLIP = {"ep2_fsdp2_clip": 0.5}
 ACCUMULATE = {"ep2_fsdp4_accum": 2}
 CASES = [(name, layout) for name, (_, _, layouts, _) in LAUNCHES.items() for layout in layouts]
@@ -66,4 +75,5 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("launch_name, layout", CASES)
 def test_training_under_expert_parallelism_matches_one_process(runs, launch_name, layout):
-    assert_training_matches(runs(launch_name), layout, "expert_parallel", CLIP.get(layout))
+    applied = "expert_tensor_parallel" if launch_name in ETP else "expert_parallel"
+    assert_training_matches(runs(launch_name), layout, applied, CLIP.get(layout))
