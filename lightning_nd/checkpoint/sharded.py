@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from lightning_nd.checkpoint import files
 from lightning_nd.checkpoint.files import CheckpointError
 from lightning_nd.checkpoint.names import Names, model_state, optimizer_state, set_model_state, set_optimizer_state
+from lightning_nd.checkpoint.strided import contiguous, restore
 
 SHOWN = 5
 log = logging.getLogger("lightning_nd")
@@ -59,7 +60,11 @@ def save_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any], rng: d
         torch.save(meta, staging / files.META)
 
     on_rank0(prepare)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))
+    swaps = contiguous(state)
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))
+    finally:
+        restore(swaps, loaded=False)
     torch.save(rng, staging / files.rng_file(rank))
     written = gather(files.own_files(staging, rank))
     on_rank0(lambda: files.commit(staging, path, {name: entry for part in written for name, entry in part.items()}, info))
@@ -126,10 +131,13 @@ def _check_optimizers(path: Path, saved: set[str], optimizers: Sequence[Optimize
 def _load(path: Path, state: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
 
+    swaps = contiguous(state)
     try:
         dcp.load(state, checkpoint_id=path)
     except Exception as error:  # DCP wraps every rank's failure; say which checkpoint and what part
+        restore(swaps, loaded=False)
         raise CheckpointError(f"Loading `{', '.join(state)}` from `{path}` failed: {error}") from error
+    restore(swaps, loaded=True)
 
 
 def _check_model_keys(path: Path, saved: set[str], wanted: set[str], strict: bool) -> set[str]:

@@ -1,5 +1,5 @@
 """Checkpoints: resume on the same layout continues the loss curve bit for bit (mid-epoch in epochs 0 and 1,
-so the data position and the sampler's epoch matter); resharded to other layouts (dp, tp, pp x dp, cp x dp, experts over other ep) the
+so the data position and the sampler's epoch matter); resharded to other layouts (dp, tp, pp x dp, cp x dp, experts over other ep or split over tp) the
 loaded parameters are the saved ones and the next step's loss matches (HSDP too); a one-file export loads into
 other layouts, into one process (the same outputs as the folder) and into a plain Lightning run.
 """
@@ -26,7 +26,8 @@ DENSE = {
     "cp2_dp2": {"cp": 2, "dp_shard": 2}, "full_pp2_tp2": {"pp": 2, "dp_shard": 1, "tp": 2},
     "full_dp2_tp2_sp": {"dp_shard": 2, "tp": 2, "sequence_parallel": True},
 }
-MOE = {"ep2_dp4": {"dp_shard": 4, "ep": 2}, "dp4": {"dp_shard": 4}, "full_ep4_dp4": {"dp_shard": 4, "ep": 4}}
+MOE = {"ep2_dp4": {"dp_shard": 4, "ep": 2}, "dp4": {"dp_shard": 4}, "full_ep4_dp4": {"dp_shard": 4, "ep": 4},
+       "etp_dp2_tp2": {"dp_shard": 2, "tp": 2}}  # every expert split over tp (expert tensor parallelism)
 # The MoE launch's layers weigh their auxiliary losses 0: the step's loss (which `CausalLM` adds them to) is then
 # the same under every layout; with ep the load-balancing loss reads the ep group's counts (`nn/moe.py`), so its
 # value, not the weights resumed, depends on the layout.
