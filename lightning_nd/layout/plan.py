@@ -132,11 +132,17 @@ def _experts(module: nn.Module, dims: ParallelDims) -> tuple[ExpertsPlacement, .
 
 
 def _expert_tp(module: nn.Module, dims: ParallelDims, config: ParallelConfig, notes: list[str]) -> tuple[str, ...]:
-    """The experts modules split over tp (expert tensor parallelism, `lightning_nd.parallel.expert_tp`): under tp
-    without ep and without sequence parallelism (there each tp rank routes other tokens), every stacked experts
-    module, when each has nothing beyond its two stacks and an intermediate size tp divides; else none (a note
-    says why: they stay whole on every tp rank, as before)."""
-    if dims.tp == 1 or dims.ep > 1 or config.sequence_parallel:
+    """The experts modules split over tp (expert tensor parallelism, `lightning_nd.parallel.expert_tp`; under ep
+    too, each expert is split both ways): under tp without sequence parallelism (there each tp rank routes other
+    tokens), every stacked experts module, when each has nothing beyond its two stacks and an intermediate size tp
+    divides, and under ep when one rank holds each expert (FSDP over experts split both ways is not implemented);
+    else none (a note says why: they stay whole on every tp rank)."""
+    if dims.tp == 1 or config.sequence_parallel:
+        return ()
+    if dims.ep > 1 and dims.expert_dp > 1:
+        warn(notes, f"Experts stay whole on every tp rank: under ep={dims.ep} with {dims.expert_dp} ranks holding each"
+                    " expert, FSDP would shard experts split both ways, which is not implemented. HINT: an ep equal"
+                    " to dp_shard x cp splits them over tp too.")
         return ()
     names = tuple(name for name, experts in module.named_modules() if name and is_experts(experts))
     for name in names:

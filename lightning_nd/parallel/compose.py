@@ -59,10 +59,8 @@ def parallelize(
     tp_entries = {entry.module: (styles or {}).get(entry.module, entry.style) for entry in layout.tp}
     blocks = [(name, get_submodule(module, name)) for name in layout.blocks]
     if layout.pipeline is None:
-        if "expert_parallel" in steps:
-            _apply_ep(module, mesh, layout, report, steps["expert_parallel"])
-        if "expert_tensor_parallel" in steps:
-            _apply_etp(module, mesh, report, steps["expert_tensor_parallel"])
+        if "expert_parallel" in steps or "expert_tensor_parallel" in steps:
+            _apply_experts(module, mesh, layout, report, steps)
         if "context_parallel" in steps:
             attach_position_hooks(fsdp_root(module), layout.options.cp_positions)
             _done(report, steps["context_parallel"])
@@ -74,10 +72,8 @@ def parallelize(
     _done(report, steps["pipeline_split"])
     for index, stage in enumerate(stages):
         quiet = index > 0
-        if "expert_parallel" in steps:
-            _apply_ep(stage, mesh, layout, report, steps["expert_parallel"], quiet=quiet)
-        if "expert_tensor_parallel" in steps:
-            _apply_etp(stage, mesh, report, steps["expert_tensor_parallel"], quiet=quiet)
+        if "expert_parallel" in steps or "expert_tensor_parallel" in steps:
+            _apply_experts(stage, mesh, layout, report, steps, quiet=quiet)
         if "context_parallel" in steps:
             attach_position_hooks(stage.module, layout.options.cp_positions)
             if not quiet:
@@ -141,24 +137,21 @@ def _expert_sharding(module: nn.Module, mesh: NDMesh, layout: Layout) -> dict:
     return {"ignored_params": set(expert_parameters(module))}
 
 
-def _apply_ep(module: nn.Module, mesh: NDMesh, layout: Layout, report: ParallelizeReport, technique: Technique,
-              quiet: bool = False) -> None:
-    """Expert parallel: experts modules become this rank's slice, their gradient sums scaled to means."""
-    names = apply_ep(module, mesh["ep"])
-    ep = layout.dims["ep"]
-    for experts in expert_modules(module):
-        experts.grad_scale = 1.0 / ep  # the ep group's tokens add up; dense gradients are means
+def _apply_experts(module: nn.Module, mesh: NDMesh, layout: Layout, report: ParallelizeReport,
+                   steps: dict[str, Technique], quiet: bool = False) -> None:
+    """Experts split by expert over ep (their gradient sums scaled to means), each expert split over tp (expert
+    tensor parallelism: the plan splits all experts modules or none), or both (a 2-D (ep, tp) mesh)."""
+    ep, etp = steps.get("expert_parallel"), steps.get("expert_tensor_parallel")
+    if ep is not None:
+        names = apply_ep(module, mesh["ep_tp"] if etp is not None else mesh["ep"])
+        for experts in expert_modules(module):
+            experts.grad_scale = 1.0 / layout.dims["ep"]  # the ep group's tokens add up; dense gradients are means
+    else:
+        names = apply_ep(module, None, mesh["tp"])
     if not quiet and names:
-        _done(report, technique)
-
-
-def _apply_etp(module: nn.Module, mesh: NDMesh, report: ParallelizeReport, technique: Technique,
-               quiet: bool = False) -> None:
-    """Expert tensor parallel: every experts module (the plan splits all or none) becomes this rank's slice of each
-    expert over tp."""
-    apply_ep(module, None, mesh["tp"])
-    if not quiet:
-        _done(report, technique)
+        for technique in (ep, etp):
+            if technique is not None:
+                _done(report, technique)
 
 
 def _disable_kv_cache(module: nn.Module) -> None:

@@ -15,7 +15,8 @@ the mean over ranks equals the one-process loss. The expert weights are DTensors
 
 With a tp mesh instead (expert tensor parallelism, `lightning_nd.parallel.expert_tp`), every rank holds every
 expert, each split over tp; nothing is dispatched (the tokens are the same on every tp rank) and the partial outputs
-are summed over tp. Experts split over both ep and tp are not implemented yet.
+are summed over tp. With a 2-D (ep, tp) mesh, both: each ep group (ranks of one tp index) dispatches as above, and
+the owner's experts, split over tp, sum their partial outputs over tp before the combine.
 
 Gradients: an expert's gradient sums what every rank of its ep group sent it, while dense gradients are
 averaged over the batch ranks; ``grad_scale`` (set to 1/ep by the composer) divides the sum, and FSDP,
@@ -61,14 +62,17 @@ class ExpertParallel(nn.Module):
     down_proj: DTensor
 
     def __init__(self, experts: nn.Module, mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None = None) -> None:
-        """``mesh``: the ep group's (None: every expert here); ``tp_mesh``: each expert split over it
-        (`lightning_nd.parallel.expert_tp`; None: whole)."""
+        """``mesh``: the 1-D ep mesh (None: every expert here), or the 2-D (ep, tp) mesh of experts split both ways;
+        ``tp_mesh``: the 1-D tp mesh each expert is split over (`lightning_nd.parallel.expert_tp`; None: whole)."""
         super().__init__()
-        if mesh is None and tp_mesh is None or mesh is not None and tp_mesh is not None:
-            raise ValueError("ExpertParallel takes an ep mesh or a tp mesh (experts split over both ep and tp are"
-                             " not implemented yet).")
-        self.group = mesh.get_group() if mesh is not None else None
-        self.tp_group = tp_mesh.get_group() if tp_mesh is not None else None
+        if (mesh is None) == (tp_mesh is None) or mesh is not None and mesh.ndim not in (1, 2):
+            raise ValueError("ExpertParallel takes a 1-D ep mesh, a 1-D tp mesh, or a 2-D (ep, tp) mesh.")
+        self.group: dist.ProcessGroup | None = None
+        self.tp_group: dist.ProcessGroup | None = tp_mesh.get_group() if tp_mesh is not None else None
+        if mesh is not None and mesh.ndim == 2:
+            self.group, self.tp_group = mesh.get_group(0), mesh.get_group(1)
+        elif mesh is not None:
+            self.group = mesh.get_group()
         size, rank = (dist.get_world_size(self.group), dist.get_rank(self.group)) if self.group else (1, 0)
         self.tp_size, self.tp_rank = (dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
                                       ) if self.tp_group else (1, 0)
@@ -81,9 +85,11 @@ class ExpertParallel(nn.Module):
         stack = [self._tp_slice(name, getattr(experts, name).detach()[first:first + self.local])
                  for name in ("gate_up_proj", "down_proj")]
         on = cast(DeviceMesh, tp_mesh if tp_mesh is not None else mesh)
-        placements: list[Placement] = [GATE_UP_PLACEMENT, DOWN_PLACEMENT] if tp_mesh is not None else [Shard(0)] * 2
+        placements: list[list[Placement]] = ([[Shard(0)]] * 2 if self.tp_group is None else
+                                             [[GATE_UP_PLACEMENT], [DOWN_PLACEMENT]] if self.group is None else
+                                             [[Shard(0), GATE_UP_PLACEMENT], [Shard(0), DOWN_PLACEMENT]])
         for name, local, placement in zip(("gate_up_proj", "down_proj"), stack, placements):
-            setattr(self, name, nn.Parameter(DTensor.from_local(local.clone(), on, [placement], run_check=False),
+            setattr(self, name, nn.Parameter(DTensor.from_local(local.clone(), on, placement, run_check=False),
                                              requires_grad=getattr(experts, name).requires_grad))
         self.capacity_factor: float | None = getattr(experts, "capacity_factor", None)
         self.act: Callable[[torch.Tensor], torch.Tensor] = getattr(experts, "act_fn", F.silu)
@@ -177,8 +183,8 @@ class ExpertParallel(nn.Module):
 
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None = None) -> list[str]:
-    """Replace every experts module of ``model`` by this rank's `ExpertParallel` slice over the 1-D ep ``mesh``, or
-    split over the 1-D ``tp_mesh`` (expert tensor parallelism); returns their names."""
+    """Replace every experts module of ``model`` by this rank's `ExpertParallel` slice over ``mesh`` (1-D ep, or 2-D
+    (ep, tp)), or split over the 1-D ``tp_mesh`` (expert tensor parallelism); returns their names."""
     names = [name for name, module in model.named_modules() if name and is_experts(module)]
     for name in names:
         parent_name, _, child = name.rpartition(".")

@@ -112,6 +112,9 @@ def _new_mesh(dims: ParallelDims, device_type: str) -> NDMesh:
                    "expert_dp": ("dp_replicate", "dp_shard_mod_ep")}
     for flat_name, parts in flatten.items():
         named[flat_name] = world[parts]._flatten(flat_name)
+    if dims.ep > 1 and dims.tp > 1:  # experts split both ways: one 2-D (ep, tp) mesh for their DTensors
+        named["ep_tp"] = world[("dp_shard_in_ep", "cp", "tp")]._flatten("ep_tp")._unflatten(
+            0, (dims.ep, dims.tp), ("ep", "tp"))
     # HSDP wants one 2-D (replicate, shard) mesh.
     named["hsdp"] = named["loss"]._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp), ("dp_replicate", "fsdp"))
     return NDMesh(world, named)

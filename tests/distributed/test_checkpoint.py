@@ -27,7 +27,8 @@ DENSE = {
     "full_dp2_tp2_sp": {"dp_shard": 2, "tp": 2, "sequence_parallel": True},
 }
 MOE = {"ep2_dp4": {"dp_shard": 4, "ep": 2}, "dp4": {"dp_shard": 4}, "full_ep4_dp4": {"dp_shard": 4, "ep": 4},
-       "etp_dp2_tp2": {"dp_shard": 2, "tp": 2}}  # every expert split over tp (expert tensor parallelism)
+       "etp_dp2_tp2": {"dp_shard": 2, "tp": 2},  # every expert split over tp (expert tensor parallelism)
+       "etp_ep2_tp2": {"dp_shard": 2, "ep": 2, "tp": 2}}  # split both ways
 # The MoE launch's layers weigh their auxiliary losses 0: the step's loss (which `CausalLM` adds them to) is then
 # the same under every layout; with ep the load-balancing loss reads the ep group's counts (`nn/moe.py`), so its
 # value, not the weights resumed, depends on the layout.

@@ -9,14 +9,15 @@ Training: loss per step, gradients and parameters after 5 AdamW steps through `T
 ep=4, ep=2 x tp=2 (dense layers split), ep=2 x pp=2, ep=2 x dp_shard=4 with gradient accumulation and
 ep=2 x HSDP 2x2 (two ranks hold each expert), and a Hugging Face Mixtral under ep=2 with no user code; and with
 each expert split over tp (expert tensor parallelism): the MoE Llama under dp_shard=2 x tp=2 and pp=2 x tp=2,
-Mixtral (4 KV heads) under tp=4.
+Mixtral (4 KV heads) under tp=4; split both ways (ep x tp, each expert on one ep rank, split over tp): the MoE
+Llama's and Mixtral's ep=2 x dp_shard=2 x tp=2.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed.parity import assert_training_matches, launcher
+from tests.distributed.parity import assert_training_matches, launcher, techniques
 from tests.launcher import launch
 
 TOLERANCE = {"float64": 1e-10, "float32": 2e-4}
@@ -60,7 +61,7 @@ LAUNCHES = {
     # expert tensor parallelism: tp without ep splits every expert over tp
     "moe_etp": (4, "moe_llama_no_aux", {"etp_fsdp2_tp2": {"dp_shard": 2, "tp": 2}, "etp_pp2_tp2": {"pp": 2, "tp": 2}},
                 4),
-    "mixtral_etp": (4, "hf_mixtral_kv4", {"etp_tp4": {"tp": 4}}, 4),
+    "mixtral_etp": (4, "hf_mixtral_kv4", {"etp_tp4": {"tp": 4}, "etp_ep2_tp2": {"ep": 2, "dp_shard": 2, "tp": 2}}, 4),
 }
 ETP = {"moe_etp", "mixtral_etp"}
 CLIP = {"ep2_fsdp2_clip": 0.5}
@@ -77,3 +78,5 @@ def runs(tmp_path_factory):
 def test_training_under_expert_parallelism_matches_one_process(runs, launch_name, layout):
     applied = "expert_tensor_parallel" if launch_name in ETP else "expert_parallel"
     assert_training_matches(runs(launch_name), layout, applied, CLIP.get(layout))
+    if "tp" in LAUNCHES[launch_name][2][layout] and "ep" in LAUNCHES[launch_name][2][layout]:  # split both ways
+        assert {"expert_parallel", "expert_tensor_parallel"} <= set(techniques(runs(launch_name)[0][layout]["parallel"]))

@@ -105,7 +105,8 @@ def test_tp_entries_name_their_source():
 def test_records_of_the_techniques_in_the_composers_order():
     layout = _plan("moe_llama", {"ep": 2, "pp": 2, "dp_shard": 2, "tp": 2}, {"activation_checkpointing": "full"}, 8)
     assert [t.technique for t in layout.techniques] == [
-        "pipeline_split", "expert_parallel", "tensor_parallel", "activation_checkpointing", "fsdp"]
+        "pipeline_split", "expert_parallel", "expert_tensor_parallel", "tensor_parallel", "activation_checkpointing",
+        "fsdp"]  # one rank per expert in its ep group (ep = dp_shard): each expert is split over tp too
     experts = layout.techniques[1]
     assert experts.role == "ep" and len(experts.modules) == 2 and experts.parameters > 0
     assert all(e.local_experts == 4 and e.sharded_over is None for e in layout.experts)
