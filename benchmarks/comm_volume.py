@@ -1,13 +1,15 @@
 """Collective bytes per training step by mesh dim vs the analytic minimum of the layout (4 CPU processes).
 
     python benchmarks/comm_volume.py
+    COMM_LAYOUTS="tp=4,dp_shard=2 x tp=2 (moe)" python benchmarks/comm_volume.py   # some layouts only
 
 Every collective a rank issues during one step (FSDP's all-gathers and reduce-scatters, TP's
 all-reduces, ...) is seen by a dispatch mode and charged to the mesh dim whose process group it used,
 as the bytes a ring algorithm moves per rank: all-reduce 2B(n-1)/n, all-gather and reduce-scatter
 B(n-1)/n (B = the full tensor); point-to-point: the bytes a rank sends; all-to-all: the rows it sends to
 the others. The analytic minimum per dim is the cost model's `comm_per_step` on the run's own Layout
-(`lightning_nd/cost/comm.py` states each dim's formula).
+(`lightning_nd/cost/comm.py` states each dim's formula). Dims whose groups hold the same ranks (ep borrowing all
+of dp_shard: ``fsdp+ep``) are one row: the collectives cannot tell them apart.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ LAYOUTS = {
     "pp=2 x dp_shard=2": {"pp": 2, "dp_shard": 2, "pp_microbatches": 2},
     "cp=2 x dp_shard=2": {"cp": 2, "dp_shard": 2, "zero_stage": 2},
     "ep=2 x dp_shard=4 (moe)": {"ep": 2, "dp_shard": 4, "zero_stage": 2},
+    "dp_shard=2 x tp=2 (moe)": {"dp_shard": 2, "tp": 2, "zero_stage": 2},  # every expert split over tp
+    "ep=2 x dp_shard=2 x tp=2 (moe)": {"ep": 2, "dp_shard": 2, "tp": 2, "zero_stage": 2},  # split both ways
 }
 MOE = {"num_experts": 8, "num_experts_per_tok": 2}  # the model of the "(moe)" layouts: every MLP 8 experts
 
@@ -105,7 +109,7 @@ def dims_of(layout: dict) -> int:
     return WORLD_SIZE // (layout.get("pp", 1) * layout.get("tp", 1) * layout.get("cp", 1))
 
 
-def measure(layout: dict) -> dict[str, tuple[float, float]]:
+def measure(layout: dict, moe: bool = False) -> dict[str, tuple[float, float]]:
     from examples.data import TokenDataModule
     from examples.lit import CausalLM
     from examples.models.llama import Llama, LlamaConfig
@@ -117,7 +121,8 @@ def measure(layout: dict) -> dict[str, tuple[float, float]]:
     trainer = Trainer(strategy=NDParallel(**layout), accelerator="cpu", devices=WORLD_SIZE, max_steps=2,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0, callbacks=[probe])
-    config = LlamaConfig(**CONFIG, **(MOE if layout.get("ep", 1) > 1 else {}))
+    config = LlamaConfig(**CONFIG, **(MOE if moe else {}))
+    torch.manual_seed(0)  # one model on every rank: tp ranks must route alike when experts are split over tp
     module = CausalLM(model=Llama(config))
     trainer.fit(module, datamodule=TokenDataModule(
         vocab_size=CONFIG["vocab_size"], seq_len=SEQ, num_samples=BATCH * dims_of(layout) * 2, batch_size=BATCH))
@@ -125,17 +130,20 @@ def measure(layout: dict) -> dict[str, tuple[float, float]]:
         shape = model_shape(Llama(config))
     minimum = comm_per_step(trainer.strategy.layout, shape, Workload(seq_len=SEQ, batch=BATCH), dist.get_rank())
     mesh = trainer.strategy.device_mesh
-    rows = {}
-    for dim, traffic in minimum.items():
-        ranks = tuple(sorted(mesh.ranks(dim)))
-        rows[dim] = (probe.mode.by_group.get(ranks, 0.0), traffic.bytes)
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for dim in minimum:  # dims over the same ranks (ep borrowing all of dp_shard) share their groups' traffic
+        by_ranks.setdefault(tuple(sorted(mesh.ranks(dim))), []).append(dim)
+    rows = {"+".join(dims): (probe.mode.by_group.get(ranks, 0.0), sum(minimum[dim].bytes for dim in dims))
+            for ranks, dims in by_ranks.items()}
     if int(os.environ.get("RANK", 0)) == 0 and os.environ.get("COMM_DETAIL"):
         print(layout, {k: int(v) for k, v in probe.mode.by_kind.items()})
     return rows
 
 
 def main() -> None:
-    results = {name: measure(layout) for name, layout in LAYOUTS.items()}
+    only = os.environ.get("COMM_LAYOUTS")  # a comma-separated subset of the layouts' names, to run those alone
+    chosen = {name: layout for name, layout in LAYOUTS.items() if not only or name in only.split(",")}
+    results = {name: measure(layout, moe="(moe)" in name) for name, layout in chosen.items()}
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"\n{'layout':28} {'dim':>13} {'bytes/rank/step':>16} {'analytic minimum':>17} {'ratio':>7}")
         ratios = []

@@ -11,7 +11,8 @@ sends to the others. ``benchmarks/comm_volume.py`` checks each dim against the c
   after every microbatch's forward, so up to 2 x microbatches gathers (an upper bound).
 - dp_replicate (HSDP): one all-reduce of the gradient shard per reduce-scatter.
 - expert_dp: FSDP over the ranks holding the same experts, by the fsdp rule on this rank's expert shards.
-- tp: per block two activation all-reduces forward and two backward (attention and MLP), the embedding's, the
+- tp: per block one activation all-reduce forward and one backward per row-parallel layer of the plan (attention
+  output and a dense MLP's down projection: two each; an MoE block without a dense or shared MLP: one), the embedding's, the
   head's input-gradient all-reduce and the all-gather of its logits (none under loss_parallel). Under sequence
   parallel each all-reduce becomes an all-gather and a reduce-scatter: the same ring bytes. Experts split over tp
   (expert tensor parallelism) add per MoE block two all-reduces of the routed rows (tokens x top_k x ``hidden``):
@@ -129,7 +130,7 @@ def _dp_replicate(run: _Run, size: int) -> tuple[int, str]:
 def _tp(run: _Run, size: int) -> tuple[int, str]:
     options, shape = run.layout.options, run.shape
     activation = run.tokens * shape.hidden * run.activation_bytes
-    all_reduces = 4 * run.blocks + run.has_embedding + run.has_head
+    all_reduces = 2 * _rowwise_per_block(run.layout) * run.blocks + run.has_embedding + run.has_head
     gathers_logits = run.has_head and not options.loss_parallel
     logits = run.tokens * shape.vocab * run.activation_bytes if gathers_logits else 0
     moved = run.micro_steps * (2 * all_reduces * activation + logits) * (size - 1) // size
@@ -140,6 +141,16 @@ def _tp(run: _Run, size: int) -> tuple[int, str]:
         moved += run.micro_steps * run.blocks * 2 * 2 * rows * (size - 1) // size
         what += f" + all-reduce routed tokens x{2 * run.blocks} (experts split over tp)"
     return moved, what
+
+
+def _rowwise_per_block(layout: Layout) -> int:
+    """Row-parallel layers per block in the tp plan (the attention output, a dense or shared MLP's down
+    projection), each one all-reduce forward and its colwise partners' one backward; 2 when the plan names none
+    inside a block (an explicit style object the names do not show)."""
+    blocks = tuple(f"{block}." for block in layout.blocks)
+    rowwise = sum(1 for entry in layout.tp if entry.module.startswith(blocks)
+                  and (entry.style.startswith("rowwise") or entry.style.endswith("RowwiseParallel")))
+    return round(rowwise / len(layout.blocks)) if rowwise and layout.blocks else 2
 
 
 def _pp(run: _Run, size: int) -> tuple[int, str]:

@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from lightning_nd.layout.structure import is_experts
-from lightning_nd.parallel.expert_tp import DOWN_PLACEMENT, GATE_UP_PLACEMENT, copy_to_tp, reduce_from_tp, tp_slice
+from lightning_nd.parallel.expert_tp import DOWN_PLACEMENT, GATE_UP_PLACEMENT, check_same_routing, copy_to_tp, reduce_from_tp, tp_slice
 from lightning_nd.runtime.profiling import comm_label
 
 
@@ -120,6 +120,8 @@ class ExpertParallel(nn.Module):
         flat = index.flatten()
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.tp_group is not None:
+            check_same_routing(counts, self.tp_group)
         if self.group is None:  # every expert here: nothing to dispatch
             self.last_counts = counts
             rows = hidden[order // top_k]

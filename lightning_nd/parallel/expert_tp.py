@@ -9,7 +9,9 @@ intermediate activation and, through its slice of ``down_proj``, a partial sum o
 
 - `reduce_from_tp` sums the partial outputs over tp (identity in backward) before the routing weights multiply
   them, so every tp rank holds the whole output and the router's gradient is whole, as in one process;
-- `copy_to_tp` is the identity on the experts' input and sums its gradient, partial per rank, over tp.
+- `copy_to_tp` is the identity on the experts' input and sums its gradient, partial per rank, over tp;
+- `check_same_routing` makes sure the tp ranks routed alike (one small all-reduce per layer and forward), so a
+  model whose replicated weights differ across tp ranks stops with the fix named instead of a collective mismatch.
 
 Pure torch: no Lightning, no planning.
 """
@@ -53,6 +55,22 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
+
+
+def check_same_routing(counts: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Every tp rank routed the same number of tokens to each expert (one small all-reduce): a split expert's
+    partial outputs are summed row by row, so routing that differs (replicated router weights or inputs that differ
+    across tp ranks) would mismatch the sums. Raised on every tp rank alike."""
+    bounds = torch.stack([counts, -counts])
+    with comm_label("tp", "all_reduce"):
+        dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=group)
+    if not torch.equal(bounds[0], -bounds[1]):
+        raise RuntimeError(
+            "Expert tensor parallelism: the tp ranks routed different tokens to the experts (tokens per expert from"
+            f" {(-bounds[1]).tolist()} to {bounds[0].tolist()}), so the experts' partial outputs cannot be summed."
+            " The router's weights or its input differ across tp ranks: a model built on each rank without a common"
+            " seed does that. HINT: call `lightning.seed_everything(...)` before building the model (or build it on"
+            " the meta device, which lightning_nd initialises with one seed).")
 
 
 def copy_to_tp(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
