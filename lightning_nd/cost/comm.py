@@ -136,7 +136,7 @@ def _tp(run: _Run, size: int) -> tuple[int, str]:
     moved = run.micro_steps * (2 * all_reduces * activation + logits) * (size - 1) // size
     kind = "all-gather + reduce-scatter" if options.sequence_parallel else "all-reduce"
     what = f"{kind} activations x{all_reduces} per micro-step" + (" + all-gather logits" if logits else "")
-    if any(t.technique == "expert_tensor_parallel" for t in run.layout.techniques) and shape.experts:
+    if run.layout.applies("expert_tensor_parallel") and shape.experts:
         rows = run.tokens * shape.top_k * shape.hidden * run.activation_bytes  # what the experts get, routed
         moved += run.micro_steps * run.blocks * 2 * 2 * rows * (size - 1) // size
         what += f" + all-reduce routed tokens x{2 * run.blocks} (experts split over tp)"

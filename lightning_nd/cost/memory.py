@@ -91,7 +91,7 @@ def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int
     tp, recompute, pp = dims["tp"], options.activation_checkpointing, dims["pp"] > 1
     split: dict[str, Any] = {"tp": tp, "sequence_parallel": options.sequence_parallel, "cp": dims["cp"],
              "local_seq": workload.seq_len // dims["cp"], "ep": dims["ep"],
-             "etp": any(t.technique == "expert_tensor_parallel" for t in layout.techniques)}
+             "etp": layout.applies("expert_tensor_parallel")}
     per_block = block_bytes(shape, tokens, element, recompute=recompute, **split)
     block_activations = chunks * (blocks // chunks_per_stage) * per_block
     has_loss = layout.pipeline is None or layout.pipeline.num_stages - 1 in holding.stages

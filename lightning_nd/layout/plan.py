@@ -144,16 +144,15 @@ def _expert_tp(module: nn.Module, dims: ParallelDims, config: ParallelConfig, no
                     " expert, FSDP would shard experts split both ways, which is not implemented. HINT: an ep equal"
                     " to dp_shard x cp splits them over tp too.")
         return ()
-    names = tuple(name for name, experts in module.named_modules() if name and is_experts(experts))
-    for name in names:
-        experts = module.get_submodule(name)
+    found = [(name, experts) for name, experts in module.named_modules() if name and is_experts(experts)]
+    for name, experts in found:
         extra, inner = unsupported_experts(experts), cast(Tensor, experts.down_proj).shape[-1]
         if extra or inner % dims.tp:
             reason = f"its {', '.join(extra)} have no tp split" if extra else f"tp={dims.tp} does not divide {inner}"
             warn(notes, f"Experts stay whole on every tp rank, each rank holding all of them: `{name}` cannot be"
                         f" split over tp ({reason}).")
             return ()
-    return names
+    return tuple(name for name, _ in found)
 
 
 def _numel(module: nn.Module, names: list[str] | tuple[str, ...]) -> int:

@@ -160,6 +160,10 @@ class Layout:
     def rank(self, rank: int) -> RankHolding:
         return self.ranks[rank]
 
+    def applies(self, technique: str) -> bool:
+        """Whether the composer applies ``technique`` (a `Technique.technique` name) in this layout."""
+        return any(t.technique == technique for t in self.techniques)
+
     def to_dict(self) -> dict[str, Any]:
         values = {f.name: self.options.to_dict() if f.name == "options" else _plain(getattr(self, f.name))
                   for f in fields(self) if f.name != "ranks"}
