@@ -22,6 +22,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from lightning_nd.parallel.pipeline.forward_only import forward_only
+from lightning_nd.parallel.pipeline.shape_inference import zero_trial_inputs
 from lightning_nd.parallel.pipeline.stage import pack_inputs
 from lightning_nd.runtime.profiling import PIPELINE, label, phase_label
 from lightning_nd.layout.schedules import SINGLE_STAGE, check_microbatches
@@ -77,6 +78,7 @@ class PipelineRunner:
         stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
                   for index, module in self.modules.items()]
         for stage in stages:
+            zero_trial_inputs(stage)
             for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
                 setattr(stage, method, self._timed(getattr(stage, method), method, stage.stage_index))
             if self._report is not None:
