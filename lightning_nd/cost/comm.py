@@ -78,10 +78,15 @@ class _Run:
         pipeline = layout.pipeline
         if pipeline is None:
             self.blocks, self.has_embedding, self.has_head = len(layout.blocks), True, True
+            mine = range(len(layout.blocks))
         else:
             units = {unit for stage in holding.stages for unit in pipeline.split.stages[stage]}
             self.blocks = len(units & set(pipeline.split.blocks))
+            mine = [index for index, name in enumerate(pipeline.split.blocks) if name in units]
             self.has_embedding, self.has_head = 0 in holding.stages, pipeline.num_stages - 1 in holding.stages
+        moe = range(shape.layers) if shape.moe_blocks is None else shape.moe_blocks
+        self.moe_blocks = sum(index in moe for index in mine) if shape.experts else 0
+        """This rank's blocks that hold experts."""
         self.gathers, self.reduces = _fsdp_passes(layout.options.zero_stage, layout.dims["pp"],
                                                   layout.options.pp_microbatches, self.micro_steps)
 
@@ -136,10 +141,10 @@ def _tp(run: _Run, size: int) -> tuple[int, str]:
     moved = run.micro_steps * (2 * all_reduces * activation + logits) * (size - 1) // size
     kind = "all-gather + reduce-scatter" if options.sequence_parallel else "all-reduce"
     what = f"{kind} activations x{all_reduces} per micro-step" + (" + all-gather logits" if logits else "")
-    if run.layout.applies("expert_tensor_parallel") and shape.experts:
+    if run.layout.applies("expert_tensor_parallel") and run.moe_blocks:
         rows = run.tokens * shape.top_k * shape.hidden * run.activation_bytes  # what the experts get, routed
-        moved += run.micro_steps * run.blocks * 2 * 2 * rows * (size - 1) // size
-        what += f" + all-reduce routed tokens x{2 * run.blocks} (experts split over tp)"
+        moved += run.micro_steps * run.moe_blocks * 2 * 2 * rows * (size - 1) // size
+        what += f" + all-reduce routed tokens x{2 * run.moe_blocks} (experts split over tp)"
     return moved, what
 
 
@@ -179,7 +184,7 @@ def _cp(run: _Run, size: int) -> tuple[int, str]:
 
 def _ep(run: _Run, size: int) -> tuple[int, str]:
     shape = run.shape
-    moe_blocks = run.blocks if shape.experts else 0
+    moe_blocks = run.moe_blocks
     rows = run.tokens * shape.top_k * shape.hidden * run.activation_bytes
     moved = run.micro_steps * moe_blocks * 4 * rows * (size - 1) // size
     return moved, f"all-to-all tokens x{4 * moe_blocks} per micro-step (dispatch + combine, forward + backward)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_nd.layout.structure import find_blocks, read_model_facts
+from lightning_nd.layout.structure import find_blocks, is_experts, read_model_facts
 
 GATED_MLP_NAMES = ("gate_proj", "w3", "gate_up_proj", "up_proj")
 PRECISION_BYTES = {"32-true": 4, "64-true": 8, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2}
@@ -34,6 +34,13 @@ class ModelShape:
     """``gated``: SwiGLU (gate, up, down: Llama, Mixtral); ``plain``: two matmuls around GELU (GPT)."""
     experts: int = 0
     top_k: int = 0
+    moe_blocks: tuple[int, ...] | None = None
+    """Indices of the blocks that hold experts (None: every block when ``experts``; DeepSeek's first blocks
+    are dense)."""
+
+    @property
+    def moe_layers(self) -> int:
+        return (self.layers if self.moe_blocks is None else len(self.moe_blocks)) if self.experts else 0
 
     @property
     def head_dim(self) -> int:
@@ -47,7 +54,7 @@ class ModelShape:
     def expert_params(self) -> int:
         """Parameters of every layer's experts (0 without MoE)."""
         matrices = 3 if self.mlp == "gated" else 2
-        return self.layers * self.experts * matrices * self.hidden * self.intermediate
+        return self.moe_layers * self.experts * matrices * self.hidden * self.intermediate
 
     @property
     def active_params(self) -> int:
@@ -99,7 +106,14 @@ def model_shape(model: Any, block_classes: Any = None) -> ModelShape:
         vocab=max((m.num_embeddings for m in embeddings), default=0),
         params=sum(p.numel() for p in model.parameters()),
         mlp="gated" if gated else "plain", experts=experts, top_k=_top_k(model) if experts else 0,
+        moe_blocks=_moe_blocks(blocks) if experts else None,
     )
+
+
+def _moe_blocks(blocks: list[tuple[str, Any]]) -> tuple[int, ...] | None:
+    """The blocks holding stacked experts; None when none is stacked (experts the cost model cannot see)."""
+    found = tuple(index for index, (_, block) in enumerate(blocks) if any(is_experts(m) for m in block.modules()))
+    return found or None
 
 
 def _intermediate(block: Any, hidden: int) -> int:

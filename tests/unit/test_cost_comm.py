@@ -132,3 +132,19 @@ def test_ep_moves_token_copies_and_expert_dp_shards_the_experts():
 
 def test_a_single_rank_moves_nothing():
     assert _traffic({}, devices=1) == {}
+
+
+def test_dense_blocks_of_an_moe_model_move_no_tokens_over_ep_or_etp():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=512, moe_intermediate_size=64, num_hidden_layers=3,
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=24, v_head_dim=32)
+    with torch.device("meta"):
+        model = Holder(transformers.DeepseekV3ForCausalLM(config))
+    assert model_shape(model.model).moe_blocks == (1, 2)
+    routed = TOKENS * 2 * HIDDEN * 4  # top-2 copies of the batch's hidden states, fp32
+    assert _traffic({"ep": 2, "dp_shard": 2}, devices=2, model=model)["ep"] == (2 * 4 * routed // 2, 2)
+    tp = comm_per_step(dry_run(model, 2, {"tp": 2}, {}), model_shape(model.model), WORKLOAD)["tp"]
+    assert "x4 (experts split over tp)" in tp.what, tp.what
