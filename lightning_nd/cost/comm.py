@@ -29,6 +29,8 @@ Tokens per rank = batch x seq_len / cp; activations are ``workload.activation_by
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass
 
 from lightning_nd.cost.model_state import DTYPE_BYTES
@@ -77,14 +79,14 @@ class _Run:
         self.activation_bytes = workload.activation_bytes
         pipeline = layout.pipeline
         if pipeline is None:
-            self.blocks, self.has_embedding, self.has_head = len(layout.blocks), True, True
-            mine = range(len(layout.blocks))
+            mine: Sequence[int] = range(len(layout.blocks))
+            self.has_embedding, self.has_head = True, True
         else:
             units = {unit for stage in holding.stages for unit in pipeline.split.stages[stage]}
-            self.blocks = len(units & set(pipeline.split.blocks))
             mine = [index for index, name in enumerate(pipeline.split.blocks) if name in units]
             self.has_embedding, self.has_head = 0 in holding.stages, pipeline.num_stages - 1 in holding.stages
-        moe = range(shape.layers) if shape.moe_blocks is None else shape.moe_blocks
+        self.blocks = len(mine)
+        moe = mine if shape.moe_blocks is None else shape.moe_blocks
         self.moe_blocks = sum(index in moe for index in mine) if shape.experts else 0
         """This rank's blocks that hold experts."""
         self.gathers, self.reduces = _fsdp_passes(layout.options.zero_stage, layout.dims["pp"],
