@@ -30,7 +30,6 @@ Tokens per rank = batch x seq_len / cp; activations are ``workload.activation_by
 from __future__ import annotations
 
 from collections.abc import Sequence
-
 from dataclasses import dataclass
 
 from lightning_nd.cost.model_state import DTYPE_BYTES
