@@ -158,9 +158,22 @@ def is_experts(module: nn.Module) -> bool:
     return down.shape == (experts, hidden, double_inner // 2) and double_inner % 2 == 0
 
 
+DEFAULT_GATING = ("_default_apply_gate",)
+"""transformers' own ``act_fn(gate) * up``, which its experts classes take as ``_apply_gate``."""
+OWN_GATING = ("limit", "alpha", "swiglu_limit", "swiglu_alpha")
+"""Attributes of experts that compute more than ``act(gate) * up`` (GPT-OSS's clamped, scaled SwiGLU)."""
+
+
 def unsupported_experts(module: nn.Module) -> list[str]:
-    """Parameters of an experts module that expert parallelism would not carry over (biases, extras)."""
-    return [name for name, _ in module.named_parameters() if name not in ("gate_up_proj", "down_proj")]
+    """What of an experts module expert parallelism (by expert or over tp) would not carry over: parameters beyond
+    the two stacks (biases), and code of its own (a method beside ``forward``, as MiniMax-M3's clamped ``_apply_gate``, or a
+    gating attribute of `OWN_GATING`), since the split module computes ``down(act(gate) * up)`` itself."""
+    extra = [name for name, _ in module.named_parameters() if name not in ("gate_up_proj", "down_proj")]
+    methods = [name for cls in type(module).__mro__ if cls not in nn.Module.__mro__
+               for name, value in vars(cls).items()
+               if callable(value) and name not in ("__init__", "forward", "extra_repr", "reset_parameters")
+               and getattr(value, "__name__", "") not in DEFAULT_GATING]
+    return extra + [f"`{name}`" for name in methods] + [name for name in OWN_GATING if hasattr(module, name)]
 
 
 def torch_class(module: str, name: str) -> type | None:

@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from torch import nn
 
 from lightning_nd.layout.declared import declared_plan, expand
-from lightning_nd.layout.hf_styles import hf_meaning
-from lightning_nd.layout.structure import ModelFacts, find_blocks, is_linear, is_norm, linear_names, parent_name
+from lightning_nd.layout.hf_styles import experts_modules, hf_meaning
+from lightning_nd.layout.structure import (
+    ModelFacts, find_blocks, get_submodule, is_linear, is_norm, linear_names, parent_name,
+)
 from lightning_nd.layout.tp_checks import (
     check_no_fused_attention, check_partners, check_per_head_outputs, check_plan, is_colwise,
     vocabulary_split_with_own_forward,
@@ -48,6 +50,9 @@ NAME_PATTERNS = {
     "embedding_rowwise": ("embed_tokens", "tok_embeddings", "wte", "word_embeddings", "tok_emb", "token_embedding"),
     "colwise_gather_output": ("lm_head", "output", "head", "out"),
 }
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "fc1", "fc2", "c_fc", "gate_up_proj", "w13")
+"""The feed-forward layers a declared plan is completed with: attention left out of a declared plan may carry
+per-head state the names do not show (sinks, differential heads), so only MLP pairs are added by name."""
 
 
 @dataclass
@@ -94,14 +99,21 @@ def resolve_tp_plan(
 ) -> TPPlan:
     """Pick the plan source, expand it to concrete modules, add norms for SP, and check it against tp."""
     entries: Mapping[str, object]
+    completion: dict[str, object] = {}
     if explicit:
         entries, source, kind = expand(model, explicit), "the plan passed to `NDParallel(tp_plan=...)`", "explicit"
     elif declared := declared_plan(model):
         blocks = [name for name, _ in find_blocks(model)]
         entries = hf_meaning(model, expand(model, declared, declared=True), blocks)
         source, kind = "the plan the model declares (`_tp_plan`)", "declared"
+        completion = _completion(model, entries)
+        if completion:
+            log.info("The declared tp plan leaves out modules that name patterns split: %s", ", ".join(completion))
+            source = "the plan the model declares (`_tp_plan`), completed by name patterns"
+        entries = {**entries, **completion}
     else:
         entries, source, kind = pattern_plan(model), "name patterns", "pattern"
+    origin = {name: "pattern" if name in completion else kind for name in entries}
     for name, style in entries.items():
         if isinstance(style, str) and style not in STYLES:
             fix = "" if explicit else " The model declares it; override the model's plan with `NDParallel(tp_plan=...)`."
@@ -109,12 +121,16 @@ def resolve_tp_plan(
     check_no_fused_attention(model, entries)
     if kind == "pattern":
         entries = _paired(entries)
-    if not any(not isinstance(style, str) or style in SHARDING_STYLES for style in entries.values()):
+    splits_experts = kind == "declared" and bool(experts_modules(model))  # split over tp by the layout itself
+    if not splits_experts and not any(not isinstance(style, str) or style in SHARDING_STYLES for style in entries.values()):
         raise ValueError(_no_plan_message(model, tp, declared=kind == "declared"))
     entries = _drop_extended_embeddings(model, _drop_tied(model, entries))
     check_partners(entries, source)
     check_per_head_outputs(model, entries, facts, source)
-    sources = dict.fromkeys(entries, kind)
+    sources = {name: origin[name] for name in entries}
+    partial = _partial_gradients(model, entries)
+    entries.update(dict.fromkeys(partial, "replicated_with_grad_allreduce"))
+    sources.update(dict.fromkeys(partial, "partial_gradient"))
     if sequence_parallel:
         norms = [name for name in _residual_norms(model) if name not in entries]
         entries.update(dict.fromkeys(norms, "sequence_parallel"))
@@ -123,6 +139,41 @@ def resolve_tp_plan(
         entries = {name: style for name, style in entries.items() if style != "sequence_parallel"}
     check_plan(model, entries, tp, facts)
     return TPPlan(entries, source, {name: sources[name] for name in entries})
+
+
+def _completion(model: nn.Module, declared: Mapping[str, object]) -> dict[str, object]:
+    """What name patterns split that a declared plan leaves out (transformers declares only the embedding for
+    Bamba, only the experts for Jamba or PhiMoE): paired feed-forward layers (`MLP_NAMES`) in modules the declared
+    plan names nothing in and whose other layers are not attention (an attention's ``gate_proj`` is not an MLP's),
+    outside experts modules (the layout splits those over tp itself)."""
+    experts = experts_modules(model)
+    claimed = {parent_name(name) for name in declared}
+    guessed = _paired(pattern_plan(model))
+    mixed = {parent_name(name) for name in guessed if name.rsplit(".", 1)[-1] not in MLP_NAMES}
+    return {name: style for name, style in guessed.items()
+            if name not in declared and parent_name(name) not in claimed | mixed
+            and not any(name == e or name.startswith(e + ".") for e in experts)}
+
+
+def _partial_gradients(model: nn.Module, entries: Mapping[str, object]) -> list[str]:
+    """Unplanned modules with parameters inside an attention or MLP module whose layers the plan splits (Qwen3-VL-MoE's
+    per-head ``q_norm``/``k_norm``, Apertus' xIELU ``act_fn`` with its two scalars): they work on one tp rank's heads
+    or features, so each rank's gradient of their (whole) parameters is a part, summed over tp
+    (``replicated_with_grad_allreduce``). Only below a module that is not a block itself: a block's own norms see the
+    whole residual stream."""
+    blocks = {name for name, _ in find_blocks(model)}
+    parents = {parent_name(name) for name, style in entries.items() if is_colwise(style)} - blocks - {""}
+    found = []
+    for parent in sorted(parents):
+        for child, module in get_submodule(model, parent).named_modules():
+            name = f"{parent}.{child}"
+            if (child and name not in entries and not is_linear(module) and not isinstance(module, nn.Embedding)
+                    and not any(name.startswith(entry + ".") for entry in entries)
+                    and any(True for _ in module.parameters(recurse=False))):
+                found.append(name)
+    if found:
+        log.info("Parameters seeing one tp rank's heads or features, their gradients summed over tp: %s", ", ".join(found))
+    return found
 
 
 def _paired(entries: Mapping[str, object]) -> dict[str, object]:
