@@ -15,19 +15,25 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
         "moe_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
         "num_experts_per_tok": 2, "shared_expert_intermediate_size": 32, "n_layer": 2, "n_embd": 64, "n_head": 4,
         "n_positions": 64, "rotary_dim": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
-        "attention_dropout": 0.0, "hidden_dropout": 0.0}
+        "attention_dropout": 0.0, "hidden_dropout": 0.0,
+        # multi-head latent attention (DeepSeek-V2 and its kin): per-head q/k width 8 + 8 = head_dim, low-rank q and kv
+        "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 32, "q_lora_rank": 48,
+        "n_group": 1, "topk_group": 1}
 
 
 def tiny_model(model_type: str) -> torch.nn.Module:
     """The family's causal LM (else its base model) from a small config, on fake tensors (callers' mode)."""
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class()
-    config = config_class(**{key: value for key, value in TINY.items() if hasattr(defaults, key)})
+    sizes = dict(TINY)
+    if hasattr(defaults, "kv_lora_rank"):  # MLA: its rotary embedding is `head_dim` wide, every head has its key
+        sizes.update(head_dim=TINY["qk_rope_head_dim"], num_key_value_heads=TINY["num_attention_heads"])
+    config = config_class(**{key: value for key, value in sizes.items() if hasattr(defaults, key)})
     # Nested configs (vision, audio, and a text model the top config does not forward to) keep their full default
     # size otherwise: muse_glimmer's text model had 52 layers of width 6656, 23 s of fake-tensor forward and backward.
     for sub in vars(config).values():
         if isinstance(sub, transformers.PretrainedConfig):
-            for key, value in TINY.items():
+            for key, value in sizes.items():
                 if hasattr(sub, key):
                     setattr(sub, key, value)
     config.dtype, config.use_cache = torch.float32, False

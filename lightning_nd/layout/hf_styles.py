@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from lightning_nd.layout.declared import declared_plan, expand
+from lightning_nd.layout.latent import rope_dim
 from lightning_nd.layout.structure import get_submodule, is_experts, parent_name
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,13 @@ MEANINGS = {
     "sequence_parallel": "sequence_parallel",
     "replicate": "replicate",
     "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
+    "mla_kv_a_proj": "mla_kv_a_proj",
+    "unit_colwise": "colwise",
+    "unit_rowwise": "rowwise",
 }
-"""HF style -> our style of the same meaning (``colwise_gather_output`` is decided per module, see `_head_or_rep`)."""
+"""HF style -> our style of the same meaning (``colwise_gather_output`` is decided per module, see `_head_or_rep`).
+HF's ``unit_colwise``/``unit_rowwise`` split by whole heads and copy heads where tp exceeds their count; here they
+are colwise/rowwise, whose check refuses a tp that does not divide the head counts (naming the tps that do)."""
 
 EXPERT_TP = "expert tensor parallelism (every rank a slice of every expert) is not implemented"
 REFUSED = {
@@ -40,8 +46,6 @@ REFUSED = {
     "moe_identity_expert": EXPERT_TP,
     "packed_rowwise": EXPERT_TP + " (it splits fused expert weights)",
     "all_reduce": EXPERT_TP + " (it sums the partial outputs of experts split by tp)",
-    "mla_kv_a_proj": "multi-head latent attention's shared rotary key (its input is the attention's replicated"
-                     " input, read by layers outside the plan) is not implemented",
     "local_params": "attention sinks sharded with the heads (a bare parameter split by tp) are not implemented",
     "ep_dispatch_experts": "it is an expert-parallel style: ep reads experts from the model, not from the tp plan",
     "grouped_gemm": "it is an expert-parallel style: ep reads experts from the model, not from the tp plan",
@@ -112,6 +116,9 @@ def hf_meaning(model: nn.Module, entries: Mapping[str, str], blocks: list[str]) 
         elif name in params:
             reason = EXPERT_TP if _in_experts(model, name) else "a plan entry that names a bare parameter is not applied"
             refused.setdefault(f"{style} on a parameter", (name, reason))
+        elif style == "mla_kv_a_proj" and rope_dim(model, name) is None:
+            reason = "its attention module (and its `config`) has no `qk_rope_head_dim`: the shared rotary key's width"
+            refused.setdefault(style, (name, reason))
         elif style == "colwise_gather_output":
             resolved[name] = _head_or_rep(name, blocks)
         elif style in MEANINGS:

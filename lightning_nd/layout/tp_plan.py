@@ -16,11 +16,22 @@ from torch import nn
 
 from lightning_nd.layout.declared import declared_plan, expand
 from lightning_nd.layout.hf_styles import experts_modules, hf_meaning
+from lightning_nd.layout.latent import colwise_inputs, down_projections, feeds_colwise
 from lightning_nd.layout.structure import (
-    ModelFacts, find_blocks, get_submodule, is_linear, is_norm, linear_names, parent_name,
+    ModelFacts,
+    find_blocks,
+    get_submodule,
+    is_linear,
+    is_norm,
+    linear_names,
+    parent_name,
 )
 from lightning_nd.layout.tp_checks import (
-    check_no_fused_attention, check_partners, check_per_head_outputs, check_plan, is_colwise,
+    check_no_fused_attention,
+    check_partners,
+    check_per_head_outputs,
+    check_plan,
+    is_colwise,
     vocabulary_split_with_own_forward,
 )
 
@@ -38,6 +49,8 @@ STYLES = (
     "colwise_gather_output",
     "sequence_parallel",
     "replicated_with_grad_allreduce",
+    "mla_kv_a_proj",
+    "down_projection",
     "replicate",
 )
 SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_qkv", "colwise_rep", "rowwise_split_input")
@@ -128,9 +141,14 @@ def resolve_tp_plan(
     check_partners(entries, source)
     check_per_head_outputs(model, entries, facts, source)
     sources = {name: origin[name] for name in entries}
-    partial = _partial_gradients(model, entries)
+    split_parents = {parent_name(name) for name, style in entries.items() if is_colwise(style)}
+    split_parents -= {name for name, _ in find_blocks(model)} | {""}
+    down = down_projections(model, entries, split_parents)
+    partial = _partial_gradients(model, entries, split_parents)
     entries.update(dict.fromkeys(partial, "replicated_with_grad_allreduce"))
+    entries.update(dict.fromkeys(down, "down_projection"))
     sources.update(dict.fromkeys(partial, "partial_gradient"))
+    sources.update(dict.fromkeys(down, "down_projection"))
     if sequence_parallel:
         norms = [name for name in _residual_norms(model) if name not in entries]
         entries.update(dict.fromkeys(norms, "sequence_parallel"))
@@ -155,21 +173,22 @@ def _completion(model: nn.Module, declared: Mapping[str, object]) -> dict[str, o
             and not any(name == e or name.startswith(e + ".") for e in experts)}
 
 
-def _partial_gradients(model: nn.Module, entries: Mapping[str, object]) -> list[str]:
+def _partial_gradients(model: nn.Module, entries: Mapping[str, object], parents: set[str]) -> list[str]:
     """Unplanned modules with parameters inside an attention or MLP module whose layers the plan splits (Qwen3-VL-MoE's
     per-head ``q_norm``/``k_norm``, Apertus' xIELU ``act_fn`` with its two scalars): they work on one tp rank's heads
     or features, so each rank's gradient of their (whole) parameters is a part, summed over tp
-    (``replicated_with_grad_allreduce``). Only below a module that is not a block itself: a block's own norms see the
-    whole residual stream."""
-    blocks = {name for name, _ in find_blocks(model)}
-    parents = {parent_name(name) for name, style in entries.items() if is_colwise(style)} - blocks - {""}
+    (``replicated_with_grad_allreduce``). ``parents``: the modules the plan splits, not blocks (a block's own norms
+    see the whole residual stream). A norm in front of a colwise layer (MLA's ``kv_a_layernorm``,
+    `lightning_nd.layout.latent`) sees the whole latent and is left whole."""
     found = []
     for parent in sorted(parents):
+        widths = colwise_inputs(model, entries, parent)
         for child, module in get_submodule(model, parent).named_modules():
             name = f"{parent}.{child}"
             if (child and name not in entries and not is_linear(module) and not isinstance(module, nn.Embedding)
                     and not any(name.startswith(entry + ".") for entry in entries)
-                    and any(True for _ in module.parameters(recurse=False))):
+                    and any(True for _ in module.parameters(recurse=False))
+                    and not (parent_name(name) == parent and feeds_colwise(module, widths))):
                 found.append(name)
     if found:
         log.info("Parameters seeing one tp rank's heads or features, their gradients summed over tp: %s", ", ".join(found))

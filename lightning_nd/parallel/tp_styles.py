@@ -2,14 +2,16 @@
 
 Beyond torch's colwise/rowwise: GPT-2's ``Conv1D`` (a linear layer whose weight is stored ``[in, out]``),
 fused weights of equal parts split part by part (``[gate; up]``, GPT-2's ``[q; k; v]``), and the
-Hugging Face styles ``colwise_rep``, ``rowwise_split_input`` and ``replicated_with_grad_allreduce``
-(``transformers/distributed/tensor_parallel.py``), with the same meaning.
+Hugging Face styles ``colwise_rep``, ``rowwise_split_input``, ``replicated_with_grad_allreduce`` and
+``mla_kv_a_proj`` (``transformers/distributed/tensor_parallel.py``), with the same meaning, and
+``down_projection``: a whole layer that reads an attention's shared input for a colwise layer (MLA's ``q_a_proj``).
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
@@ -122,10 +124,46 @@ class ShardingSequenceParallel(SequenceParallel):
         return value
 
 
-def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_shared: bool = False) -> ParallelStyle:
+class WholeOnSharedInput(ParallelStyle):
+    """A layer kept whole on every tp rank that reads its attention's shared input (a Replicate DTensor, see
+    `apply_tp`) and whose output a colwise layer reads (MLA's ``q_a_proj``, and ``kv_a_proj_with_mqa``): it runs
+    on the local input, and the gradient it hands back is whole on every rank, since the colwise layer after it
+    sums its input gradient over tp.
+
+    ``rope_dim``: Hugging Face's ``mla_kv_a_proj``. The last ``rope_dim`` output features (MLA's shared rotary key)
+    go straight to every head, so each rank's gradient of them covers its own heads only; it is summed over tp
+    (an all-reduce in backward, none in forward)."""
+
+    def __init__(self, rope_dim: int = 0) -> None:
+        super().__init__()
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(_local_input)
+        if self.rope_dim:
+            module.register_forward_hook(partial(_sum_rope_gradient, self.rope_dim, device_mesh))
+        return module
+
+
+def _local_input(module: nn.Module, args: tuple) -> tuple:
+    value, *rest = args
+    if isinstance(value, DTensor):
+        value = value.redistribute(placements=[Replicate()]).to_local(grad_placements=[Replicate()])
+    return (value, *rest)
+
+
+def _sum_rope_gradient(rope_dim: int, mesh: DeviceMesh, module: nn.Module, args: tuple, output):
+    latent, rope = output.split([output.shape[-1] - rope_dim, rope_dim], dim=-1)
+    summed = DTensor.from_local(rope, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    return torch.cat([latent, summed], dim=-1)
+
+
+def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_shared: bool = False,
+              rope_dim: int = 0) -> ParallelStyle:
     """The torch `ParallelStyle` for a style name, in the current SP / loss-parallel mode.
 
     ``input_shared``: the enclosing module hands its projections one replicated input (see `apply_tp`).
+    ``rope_dim``: for ``mla_kv_a_proj``, the width of the shared rotary key at the end of its output.
     """
     residual = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
     # Colwise layers declare the layout they receive: torch redistributes by the declared layout, not
@@ -158,4 +196,8 @@ def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_sha
         return ShardingSequenceParallel(sequence_dim=SEQUENCE_DIM)
     if name == "replicated_with_grad_allreduce":
         return ReplicatedPartialGrad()
+    if name == "down_projection":
+        return WholeOnSharedInput()
+    if name == "mla_kv_a_proj":
+        return WholeOnSharedInput(rope_dim=rope_dim)
     raise ValueError(f"Unknown TP style {name!r}.")

@@ -1,0 +1,66 @@
+"""Layers a tp plan keeps whole in front of a colwise layer: multi-head latent attention (MLA, DeepSeek-V2 and
+V3) compresses the attention's input to a low-rank latent (``q_a_proj``, ``kv_a_proj_with_mqa``), normalises it
+(``q_a_layernorm``, ``kv_a_layernorm``) and expands it per head (``q_b_proj``, ``kv_b_proj``: colwise).
+
+The whole layers see the full latent on every tp rank and get a whole gradient back (the colwise layer after them
+sums its input gradient over tp), so their parameter gradients must not be summed again; they are told apart from
+per-head layers (Qwen3's ``q_norm`` after a colwise layer, whose gradients are summed) by width: their output is
+the input width of a colwise sibling. The one exception is MLA's shared rotary key, the last
+``qk_rope_head_dim`` outputs of ``kv_a_proj_with_mqa``, which go to every head directly (`rope_dim`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from torch import nn
+
+from lightning_nd.layout.structure import get_submodule, is_linear, parent_name
+from lightning_nd.layout.tp_checks import is_colwise
+
+ROPE_ATTRS = ("qk_rope_head_dim",)
+"""Where an MLA attention module (or its ``config``) keeps the width of its shared rotary key."""
+
+
+def rope_dim(model: nn.Module, name: str) -> int | None:
+    """The shared rotary key's width for ``mla_kv_a_proj`` on ``name``: read from its attention module."""
+    parent = get_submodule(model, parent_name(name))
+    for holder in (parent, getattr(parent, "config", None)):
+        for attr in ROPE_ATTRS:
+            value = getattr(holder, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+    return None
+
+
+def colwise_inputs(model: nn.Module, entries: Mapping[str, object], parent: str) -> set[int]:
+    """The input widths of the colwise layers directly below ``parent``."""
+    widths = set()
+    for name, style in entries.items():
+        if parent_name(name) == parent and is_colwise(style):
+            width = getattr(get_submodule(model, name), "in_features", None)
+            if isinstance(width, int):
+                widths.add(width)
+    return widths
+
+
+def feeds_colwise(module: nn.Module, widths: set[int]) -> bool:
+    """A norm or linear layer whose output has the input width of a colwise sibling (and not its own input width):
+    a latent's down projection or norm, whole before the per-head split."""
+    if is_linear(module):
+        return module.out_features in widths and module.out_features != module.in_features
+    sizes = {param.shape[-1] for param in module.parameters(recurse=False) if param.ndim == 1}
+    return len(sizes) == 1 and sizes <= widths
+
+
+def down_projections(model: nn.Module, entries: Mapping[str, object], parents: set[str]) -> list[str]:
+    """Unplanned linear layers below ``parents`` (attention or MLP modules the plan splits, not blocks) that
+    compress the shared input for a colwise sibling (MLA's ``q_a_proj``): ``down_projection``."""
+    found = []
+    for parent in sorted(parents):
+        widths = colwise_inputs(model, entries, parent)
+        for child, module in get_submodule(model, parent).named_children():
+            name = f"{parent}.{child}"
+            if name not in entries and is_linear(module) and feeds_colwise(module, widths):
+                found.append(name)
+    return found
