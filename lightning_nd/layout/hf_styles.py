@@ -46,7 +46,6 @@ REFUSED = {
     "moe_identity_expert": EXPERT_TP,
     "packed_rowwise": EXPERT_TP + " (it splits fused expert weights)",
     "all_reduce": EXPERT_TP + " (it sums the partial outputs of experts split by tp)",
-    "local_params": "attention sinks sharded with the heads (a bare parameter split by tp) are not implemented",
     "ep_dispatch_experts": "it is an expert-parallel style: ep reads experts from the model, not from the tp plan",
     "grouped_gemm": "it is an expert-parallel style: ep reads experts from the model, not from the tp plan",
 }
@@ -113,6 +112,10 @@ def hf_meaning(model: nn.Module, entries: Mapping[str, str], blocks: list[str]) 
             refused.setdefault(style, (name, "it is not a style of the installed `transformers`"))
         elif style in REFUSED:
             refused.setdefault(style, (name, REFUSED[style]))
+        elif name in params and _per_head(entries, name, style):
+            resolved[parent_name(name)] = "per_head_params"
+        elif style == "local_params":
+            continue  # what it declares is done by `per_head_params` on the module its parameter entries name
         elif name in params:
             reason = EXPERT_TP if _in_experts(model, name) else "a plan entry that names a bare parameter is not applied"
             refused.setdefault(f"{style} on a parameter", (name, reason))
@@ -125,9 +128,20 @@ def hf_meaning(model: nn.Module, entries: Mapping[str, str], blocks: list[str]) 
             resolved[name] = MEANINGS[style]
         else:
             refused.setdefault(style, (name, "this version of lightning_nd does not know it"))
+    for owner in [name for name, style in resolved.items() if style == "per_head_params"]:
+        undeclared = [f"{owner}.{param}" for param, _ in get_submodule(model, owner).named_parameters(recurse=False)
+                      if entries.get(f"{owner}.{param}") != "colwise"]
+        if undeclared:
+            refused.setdefault("local_params", (owner, f"its own parameter `{undeclared[0]}` has no per-head entry"))
     if refused:
         raise TPPlanRefusal(_refusal_message(model, refused), {style: name for style, (name, _) in refused.items()})
     return resolved
+
+
+def _per_head(entries: Mapping[str, str], param_name: str, style: str) -> bool:
+    """A bare parameter declared ``colwise`` whose module is declared ``local_params`` (attention sinks, Beam's
+    ``gate_bias``): split on its first dim with the module's heads, used as local shards in its forward."""
+    return style == "colwise" and entries.get(parent_name(param_name)) == "local_params"
 
 
 def _in_experts(model: nn.Module, param_name: str) -> bool:

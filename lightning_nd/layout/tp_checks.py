@@ -63,6 +63,10 @@ def check_plan(model: nn.Module, entries: Mapping[str, object], tp: int, facts: 
                                  f" would be split mid-head. HINT: choose tp from {divisors(value)}.")
     for name, style in entries.items():
         module = get_submodule(model, name)
+        for param_name, param in module.named_parameters(recurse=False) if style == "per_head_params" else ():
+            if param.shape[0] % tp:
+                raise ValueError(f"`NDParallel(tp={tp})` does not divide `{name}.{param_name}`'s {param.shape[0]} heads"
+                                 f" (per_head_params). HINT: choose tp from {divisors(param.shape[0])}.")
         size, what = _sharded_size(module, style)
         if size is not None and size % tp:
             raise ValueError(
@@ -91,6 +95,8 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
     split on its own, a ``_StridedShard``); None when it stays whole on every tp rank."""
     # A colwise style object may split a fused weight part by part (`FusedColwiseParallel.parts`).
     parts = PACKED_PARTS.get(style, getattr(style, "parts", 1) if is_torch_style(style, "ColwiseParallel") else 1)
+    if style == "per_head_params":  # an attention's own per-head parameters (sinks), split with its heads
+        return 0, 1
     colwise = style in COLWISE_WEIGHT or is_torch_style(style, "ColwiseParallel")
     rowwise = style in ROWWISE_WEIGHT or is_torch_style(style, "RowwiseParallel")
     if isinstance(module, nn.Embedding):

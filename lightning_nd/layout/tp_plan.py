@@ -51,6 +51,7 @@ STYLES = (
     "replicated_with_grad_allreduce",
     "mla_kv_a_proj",
     "down_projection",
+    "per_head_params",
     "replicate",
 )
 SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_qkv", "colwise_rep", "rowwise_split_input")

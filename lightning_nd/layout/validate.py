@@ -98,6 +98,8 @@ def check_model(module: nn.Module, dims: ParallelDims, config: ParallelConfig, b
     if (dims.dp_enabled or dims.fsdp_enabled) and not blocks:
         warn(notes, "No repeated blocks found: FSDP shards the whole model as one unit (more peak memory)."
                     " Pass `NDParallel(block_classes=[...])` to shard block by block.")
+    if config.sequence_parallel and dims.tp > 1:
+        _check_experts_under_sequence_parallel(module, dims.tp)
     if config.sequence_parallel and not blocks:
         raise ValueError("`NDParallel(sequence_parallel=True)` needs the model's repeated blocks to bound the"
                          " sequence-parallel region, and none were found. HINT: pass `NDParallel(block_classes=[YourBlock])`.")
@@ -150,6 +152,16 @@ def _check_batch_statistics(module: nn.Module, dims: ParallelDims, config: Paral
             " `torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)`; or, for statistics that do not train, a frozen"
             " BatchNorm (`torchvision.ops.FrozenBatchNorm2d`); or keep these dims at 1 for this model."
         )
+
+
+def _check_experts_under_sequence_parallel(module: nn.Module, tp: int) -> None:
+    """Sequence parallelism hands each MoE layer a sequence-sharded DTensor, which routers do not take (measured on
+    Qwen3-MoE, Mixtral and DeepSeek-V2 at tp=2: "mixed torch.Tensor and DTensor" at the router)."""
+    experts = [name for name, m in module.named_modules() if is_experts(m)]
+    if experts:
+        raise ValueError(f"`NDParallel(tp={tp}, sequence_parallel=True)`: the MoE layer of experts `{experts[0]}` would"
+                         " receive sequence-sharded activations, which routing does not take in this release."
+                         " HINT: sequence_parallel=False (tp still splits attention and experts).")
 
 
 def _check_experts(module: nn.Module, ep: int) -> None:

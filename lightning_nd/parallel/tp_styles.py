@@ -90,17 +90,29 @@ class ReplicatedPartialGrad(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute(module, device_mesh, lambda param: Replicate())
-        module.register_forward_pre_hook(_use_local_parameters)
+        module.register_forward_pre_hook(partial(_use_local_parameters, Partial()))
         module.register_forward_hook(_restore_parameters)
         return module
 
 
-def _use_local_parameters(module: nn.Module, args: tuple) -> None:
+class PerHeadParameters(ParallelStyle):
+    """Hugging Face's ``local_params`` with its parameters declared ``colwise``: a module's own parameters with one
+    entry per head (attention sinks, Beam's ``gate_bias``) are split on their first dim, as its colwise projections
+    split the heads, and its forward runs on the local shards: each rank's gradient is its heads' part."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        _distribute(module, device_mesh, lambda param: Shard(0))
+        module.register_forward_pre_hook(partial(_use_local_parameters, Shard(0)))
+        module.register_forward_hook(_restore_parameters)
+        return module
+
+
+def _use_local_parameters(grad_placement, module: nn.Module, args: tuple) -> None:
     dtensor_parameters = dict(module._parameters)
     setattr(module, "_dtensor_parameters", dtensor_parameters)
     for name, param in dtensor_parameters.items():
         if isinstance(param, DTensor):
-            module._parameters[name] = param.to_local(grad_placements=[Partial()])
+            module._parameters[name] = param.to_local(grad_placements=[grad_placement])
 
 
 def _restore_parameters(module: nn.Module, args: tuple, output: object) -> None:
@@ -196,6 +208,8 @@ def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_sha
         return ShardingSequenceParallel(sequence_dim=SEQUENCE_DIM)
     if name == "replicated_with_grad_allreduce":
         return ReplicatedPartialGrad()
+    if name == "per_head_params":
+        return PerHeadParameters()
     if name == "down_projection":
         return WholeOnSharedInput()
     if name == "mla_kv_a_proj":

@@ -36,7 +36,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return grads
 
 
-def check_family(model_type: str, mesh) -> tuple[str, str, float]:
+def check_family(model_type: str, mesh, sequence_parallel: bool = False) -> tuple[str, str, float]:
     from lightning_nd import ParallelConfig, ParallelDims, plan_layout
     from lightning_nd.layout.hf_styles import TPPlanRefusal
     from lightning_nd.parallel.expert import apply_ep
@@ -55,13 +55,13 @@ def check_family(model_type: str, mesh) -> tuple[str, str, float]:
     except Exception as error:  # noqa: BLE001  (the family itself, in one process)
         return "not runnable", f"{type(error).__name__}: {str(error).splitlines()[0][:90]}", 0.0
     try:
-        layout = plan_layout(model, ParallelDims(tp=2, world_size=2), ParallelConfig())
+        layout = plan_layout(model, ParallelDims(tp=2, world_size=2), ParallelConfig(sequence_parallel=sequence_parallel))
     except TPPlanRefusal as refusal:
         return "refused", ", ".join(sorted(refusal.pieces)), 0.0
     except ValueError as error:
         return "refused", str(error).split(" HINT")[0][:200], 0.0
     try:
-        apply_tp(model, mesh, {entry.module: entry.style for entry in layout.tp}, sequence_parallel=False,
+        apply_tp(model, mesh, {entry.module: entry.style for entry in layout.tp}, sequence_parallel=sequence_parallel,
                  loss_parallel=False, block_names=list(layout.blocks))
         if layout.applies("expert_tensor_parallel"):
             apply_ep(model, None, mesh)
@@ -82,7 +82,8 @@ def check_family(model_type: str, mesh) -> tuple[str, str, float]:
     return ("differs" if wrong else "planned"), detail, max(errors.values())
 
 
-def run(families: list[str]) -> dict[str, tuple[str, str, float]]:
+def run(families: list[str], sequence_parallel: tuple[str, ...] = ()) -> dict[str, tuple[str, str, float]]:
+    """Every family at tp=2; those in ``sequence_parallel`` also with sequence parallelism (keyed ``name+sp``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     warnings.simplefilter("ignore")
@@ -90,5 +91,6 @@ def run(families: list[str]) -> dict[str, tuple[str, str, float]]:
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     results = {family: check_family(family, mesh) for family in families}
+    results.update({f"{family}+sp": check_family(family, mesh, sequence_parallel=True) for family in sequence_parallel})
     dist.destroy_process_group()
     return results

@@ -72,6 +72,8 @@ CASES = [
     case("ep_with_compile", {"ep": 2, "compile": True}, ValueError, ["compile", "ep=2"]),
     case("ep_with_sequence_parallel", {"ep": 2, "tp": 2, "sequence_parallel": True}, ValueError,
          ["ep=2", "sequence_parallel=False"]),
+    case("experts_under_sequence_parallel", {"tp": 2, "sequence_parallel": True}, ValueError,
+         ["tp=2, sequence_parallel=True", "sequence_parallel=False"], 2, "six_experts"),
     case("ep_not_dividing_experts", {"ep": 4, "dp_shard": 4}, ValueError, ["ep=4", "6", "[1, 2, 3, 6]"], 4,
          "six_experts"),
     case("ep_experts_with_biases", {"ep": 2, "dp_shard": 2}, ValueError, ["gate_up_proj_bias", "ep=1"], 2,

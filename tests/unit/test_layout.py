@@ -139,13 +139,16 @@ def test_plans_sharing_a_memo_are_the_plans_made_alone():
     refused is refused again on the next plan that meets it, with the same message."""
     memo, module = PlanMemo(), CausalLM(model=build("moe_llama"))
     explicit = {"tp_plan": {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise"}}
-    trials = [({"tp": 2, "dp_shard": 4}, {}), ({"tp": 2, "dp_shard": 4}, {"sequence_parallel": True}),
-              ({"tp": 2, "pp": 2, "dp_shard": 2}, {}), ({"pp": 2, "dp_shard": 4}, {"pp_layers_per_stage": [1, 1]}),
+    trials = [({"tp": 2, "dp_shard": 4}, {}), ({"tp": 2, "pp": 2, "dp_shard": 2}, {}), ({"pp": 2, "dp_shard": 4}, {"pp_layers_per_stage": [1, 1]}),
               ({"pp": 2, "dp_shard": 4}, {}), ({"ep": 2, "dp_shard": 8}, {}), ({"tp": 2, "dp_shard": 4}, explicit),
               ({"tp": 2, "ep": 2, "dp_shard": 2, "dp_replicate": 2}, {}), ({"dp_shard": 8}, {})]
     for sizes, options in trials * 2:
         dims, config = ParallelDims(**sizes, world_size=8), ParallelConfig(**options)
         assert plan_layout(module, dims, config, memo=memo) == plan_layout(module, dims, config), (sizes, options)
+    dense, dense_memo = CausalLM(model=build("llama")), PlanMemo()  # MoE layers are refused under SP
+    for options in [{"sequence_parallel": True}, {}] * 2:
+        dims, config = ParallelDims(tp=2, dp_shard=4, world_size=8), ParallelConfig(**options)
+        assert plan_layout(dense, dims, config, memo=dense_memo) == plan_layout(dense, dims, config), options
     bad = ParallelDims(tp=4, dp_shard=2, world_size=8), ParallelConfig()  # 2 kv heads do not split over 4 ranks
     messages = []
     for _ in range(2):

@@ -1,7 +1,8 @@
-"""Multi-head latent attention's tp plan (DeepSeek-V2/V3): the low-rank down projections and their norms stay whole
-on every rank with whole gradients, the shared rotary key's gradient is summed, the per-head up projections and the
-output are split; per-head norms after a colwise layer still have their gradients summed. Values under tp are
-checked on real ranks for every MLA family by tests/distributed/test_hf_families.py."""
+"""Per-head state under tp. Multi-head latent attention (DeepSeek-V2/V3): the low-rank down projections and their
+norms stay whole on every rank with whole gradients, the shared rotary key's gradient is summed, the per-head up
+projections and the output are split. Per-head norms after a colwise layer still have their gradients summed;
+attention sinks are split with their heads. Values under tp are checked on real ranks for every such family by
+tests/distributed/test_hf_families.py."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 from lightning_nd.layout.hf_styles import TPPlanRefusal
 from lightning_nd.layout.latent import rope_dim
 from lightning_nd.layout.structure import read_model_facts
+from lightning_nd.layout.tp_checks import tp_split
 from lightning_nd.layout.tp_plan import resolve_tp_plan
 
 transformers = pytest.importorskip("transformers")
@@ -77,3 +79,14 @@ class _Model(nn.Module):
 def test_mla_without_a_rotary_width_is_refused_naming_the_attribute():
     with pytest.raises(TPPlanRefusal, match="qk_rope_head_dim"):
         _plan(_Model())
+
+
+def test_attention_sinks_are_split_with_their_heads():
+    config = transformers.GraniteSWAConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = transformers.GraniteSWAForCausalLM(config)
+    attention = _attention(_plan(model))
+    assert attention["q_proj"] == "colwise" and "sinks" not in attention
+    assert _plan(model).entries["model.layers.0.self_attn"] == "per_head_params"
+    assert tp_split(model.model.layers[0].self_attn, "sinks", "per_head_params") == (0, 1)  # bytes per rank: a half
