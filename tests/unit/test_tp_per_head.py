@@ -90,3 +90,21 @@ def test_attention_sinks_are_split_with_their_heads():
     assert attention["q_proj"] == "colwise" and "sinks" not in attention
     assert _plan(model).entries["model.layers.0.self_attn"] == "per_head_params"
     assert tp_split(model.model.layers[0].self_attn, "sinks", "per_head_params") == (0, 1)  # bytes per rank: a half
+
+
+def test_deepseek_v3_at_tp2_holds_half_of_its_parameters_per_rank():
+    """MLA split by heads and routed experts split over tp (ETP): only the latents' down projections, norms and
+    routers stay whole, so a rank holds about half the model (0.501 for the 6-layer real-width model of the note)."""
+    from lightning_nd.plan.dry_run import dry_run
+    from lightning_nd.plan.source import Holder
+
+    config = transformers.DeepseekV3Config(**{**MLA, "hidden_size": 256, "intermediate_size": 512,
+                                              "moe_intermediate_size": 128, "num_hidden_layers": 4,
+                                              "first_k_dense_replace": 1, "n_routed_experts": 8,
+                                              "n_shared_experts": 1}, q_lora_rank=64)
+    with torch.device("meta"):
+        model = transformers.DeepseekV3ForCausalLM(config)
+    whole = sum(param.numel() * param.element_size() for param in model.parameters())
+    layout = dry_run(Holder(model), 2, {"tp": 2}, {})
+    assert layout.applies("expert_tensor_parallel")
+    assert layout.rank(0).param_bytes <= 0.55 * whole, layout.rank(0).param_bytes / whole
