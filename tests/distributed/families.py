@@ -33,6 +33,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                              "moe_intermediate_size": 32, "head_dim": 16,
                                                              "router_aux_loss_coef": 0.0}),
+    # multi-head latent attention (q and kv latents), a dense first block, routed experts split over tp by ETP
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 8, "v_head_dim": 16, "first_k_dense_replace": 1, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1}),
+    # attention sinks split with their heads; its experts (clamped SwiGLU, biases) whole on every tp rank
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {"head_dim": 16, "num_local_experts": 4,
+                                                       "num_experts_per_tok": 2, "router_aux_loss_coef": 0.0,
+                                                       "sliding_window": 8, "attn_implementation": "eager"}),
 }
 
 
@@ -73,8 +82,9 @@ def build_family(name: str, seed: int = 0) -> nn.Module:
     known = config_cls().to_dict()
     fields |= {key: value for key, value in NO_DROPOUT.items() if key in known}
     fields = {key: value for key, value in fields.items() if value is not None or key in known}
+    attention = fields.pop("attn_implementation", "sdpa")  # gpt-oss has no SDPA path (its sinks)
     config = config_cls(**{key: value for key, value in fields.items() if key in known or key in extra},
-                        attn_implementation="sdpa")
+                        attn_implementation=attention)
     torch.manual_seed(seed)
     return getattr(transformers, model_name)(config)
 

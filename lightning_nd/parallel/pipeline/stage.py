@@ -85,6 +85,7 @@ class StageModule(nn.Module):
             if name not in own:
                 del get_submodule(self.module, parent_name(name))._modules[name.rsplit(".", 1)[-1]]
         self.block_names = [name for name in layout.blocks if name in own]
+        _restrict_layer_lists(self.module, layout.blocks, own)
         self.on_output: Callable[[torch.Tensor, Any, torch.Tensor | None], None] | None = None
         """Hears, on the last stage, of each microbatch's output: the tensor handed on, what the model returned and
         the stage's MoE auxiliary losses (None without MoE layers)."""
@@ -135,6 +136,27 @@ class StageModule(nn.Module):
             return main
         finally:
             self._slot.carried = self._slot.output = None
+
+
+def _restrict_layer_lists(module: nn.Module, blocks: Sequence[str], own: set[str]) -> None:
+    """A config's per-layer lists (Hugging Face's ``layer_types``, ``mlp_layer_types``) restricted to the stage's
+    blocks: the model's own forward reads them by the position of each block it still holds
+    (``causal_mask_mapping[self.config.layer_types[i]]`` for ``i, layer in enumerate(self.layers)``), so a later
+    stage would give its first block the first layer's mask (gpt-oss: a sliding window for a full-attention layer,
+    silently). The blocks read theirs by index when built, before the split. The stage's copy of the config is its
+    own (the model was deep-copied)."""
+    containers: dict[str, list[str]] = {}
+    for name in blocks:
+        containers.setdefault(parent_name(name), []).append(name)
+    configs = {id(config): config for sub in module.modules() if (config := getattr(sub, "config", None)) is not None}
+    for names in containers.values():
+        kept = [position for position, name in enumerate(names) if name in own]
+        if len(kept) == len(names):
+            continue
+        for config in configs.values():
+            for attr, value in list(vars(config).items()):
+                if attr.endswith("layer_types") and isinstance(value, (list, tuple)) and len(value) == len(names):
+                    setattr(config, attr, type(value)(value[position] for position in kept))
 
 
 def _loss_only_inputs(model: nn.Module) -> tuple[str, ...]:
