@@ -14,7 +14,14 @@ from torch import nn
 
 from lightning_nd.layout.dims import ParallelDims, divisors
 from lightning_nd.layout.structure import (
-    HEAD_ATTRS, KV_HEAD_ATTRS, ModelFacts, get_submodule, is_conv1d, is_linear, parent_name, torch_class,
+    HEAD_ATTRS,
+    KV_HEAD_ATTRS,
+    ModelFacts,
+    get_submodule,
+    is_conv1d,
+    is_linear,
+    parent_name,
+    torch_class,
 )
 
 if TYPE_CHECKING:
@@ -191,6 +198,27 @@ def check_no_fused_attention(model: nn.Module, entries: Mapping[str, object]) ->
                 f" plan for the feed-forward layers only, e.g. `NDParallel(tp_plan={hint or '{...}'})`"
                 " (with `*` for the layer number)."
             )
+
+
+def unequal_parts(module: nn.Module) -> tuple[int, int] | None:
+    """(input width, output width) of a fused ``[q; k; v]`` that is not three parts of the input's width each
+    (GPT-BigCode's multi-query ``c_attn``: all query heads, one shared key and value head); None when it is."""
+    weight = getattr(module, "weight", None)
+    if weight is None or weight.ndim != 2:
+        return None
+    width, out = (weight.shape[0], weight.shape[1]) if is_conv1d(module) else (weight.shape[1], weight.shape[0])
+    return None if out == 3 * width else (width, out)
+
+
+def check_three_equal_parts(model: nn.Module, entries: Mapping[str, object]) -> None:
+    """``packed_qkv`` splits a fused ``[q; k; v]`` as three equal parts (GPT-2's ``c_attn``); another shape would be
+    cut across q, k and v. (A name-pattern guess of that shape is left out instead, `tp_plan._paired`.)"""
+    for name, style in entries.items():
+        if style == "packed_qkv" and (shape := unequal_parts(get_submodule(model, name))):
+            raise ValueError(f"TP plan: `{name}` is packed_qkv (three equal parts q, k, v), but it maps {shape[0]}"
+                             f" features to {shape[1]}, not {3 * shape[0]}: multi-query or grouped key/value heads,"
+                             " which this style would cut across q, k and v. HINT: leave the attention out of"
+                             " `NDParallel(tp_plan=...)` (it stays whole on every tp rank) and split the MLP only.")
 
 
 def _feed_forward_plan(block: nn.Module) -> dict[str, str]:

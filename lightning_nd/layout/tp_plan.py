@@ -31,7 +31,9 @@ from lightning_nd.layout.tp_checks import (
     check_partners,
     check_per_head_outputs,
     check_plan,
+    check_three_equal_parts,
     is_colwise,
+    unequal_parts,
     vocabulary_split_with_own_forward,
 )
 
@@ -133,8 +135,10 @@ def resolve_tp_plan(
             fix = "" if explicit else " The model declares it; override the model's plan with `NDParallel(tp_plan=...)`."
             raise ValueError(f"TP plan entry {name!r} has unknown style {style!r}.{fix} HINT: use one of {STYLES}.")
     check_no_fused_attention(model, entries)
-    if kind == "pattern":
-        entries = _paired(entries)
+    if kind == "pattern":  # a guessed fused [q; k; v] of another shape (multi-query) is left out, with its partner
+        entries = _paired({name: style for name, style in entries.items()
+                           if style != "packed_qkv" or not unequal_parts(get_submodule(model, name))})
+    check_three_equal_parts(model, entries)
     splits_experts = kind == "declared" and bool(experts_modules(model))  # split over tp by the layout itself
     if not splits_experts and not any(not isinstance(style, str) or style in SHARDING_STYLES for style in entries.values()):
         raise ValueError(_no_plan_message(model, tp, declared=kind == "declared"))

@@ -43,7 +43,6 @@ NOT_PLANNED: dict[str, tuple[str, str]] = {
     "mvp": ("failed", "its attention reshapes with `embed_dim`, which the plan does not divide"),
     "trocr": ("failed", "its attention reshapes with `embed_dim`, which the plan does not divide"),
     "git": ("failed", "it writes in place into a view of a layer's local output (an autograd limit of DTensor.to_local)"),
-    "gpt_bigcode": ("failed", "multi-query attention: one fused projection holds all query heads and the single shared key/value"),
     "doge": ("refused", "a per-head `dt_proj` (one output per kv head) that the plan does not split"),
     "llama4_text": ("refused", "its experts are declared packed_rowwise (transposed stacks), not implemented"),
     "moshi": ("refused", "its vocabulary of 129 rows does not divide by tp=2"),

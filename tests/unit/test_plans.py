@@ -11,8 +11,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from examples.models.gpt import GPT, GPTConfig
 from lightning_nd.layout.declared import pattern_to_regex
-from lightning_nd.layout.tp_plan import resolve_tp_plan
 from lightning_nd.layout.structure import read_model_facts
+from lightning_nd.layout.tp_plan import resolve_tp_plan
 from tests.models import build
 
 LLAMA_LAYER_PLAN = {
@@ -239,3 +239,18 @@ def test_an_embedding_whose_forward_works_on_the_rows_stays_whole():
     model.embed_tokens = _NormedEmbedding(256, 64)
     assert _resolve(model).entries == {name: style for name, style in _llama_expected().items()
                                        if name != "embed_tokens"}
+
+
+def test_a_multi_query_fused_projection_is_left_out_of_a_guess_and_refused_when_named():
+    pytest.importorskip("transformers")
+    import torch
+
+    from tests.hf_tiny import tiny_model
+
+    with torch.device("meta"):
+        model = tiny_model("gpt_bigcode")  # multi-query: c_attn maps 64 features to 64 + 2 x 16
+    guessed = _resolve(model).entries
+    assert "transformer.h.0.attn.c_attn" not in guessed and "transformer.h.0.attn.c_proj" not in guessed
+    assert guessed["transformer.h.0.mlp.c_fc"] == "colwise" and guessed["transformer.h.0.mlp.c_proj"] == "rowwise"
+    with pytest.raises(ValueError, match="maps 64 features to 96, not 192"):
+        _resolve(model, {"transformer.h.*.attn.c_attn": "packed_qkv", "transformer.h.*.attn.c_proj": "rowwise"})
