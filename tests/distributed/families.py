@@ -33,6 +33,9 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                              "moe_intermediate_size": 32, "head_dim": 16,
                                                              "router_aux_loss_coef": 0.0}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                                         "num_key_value_heads": 4, "router_aux_loss_coef": 0.0,
+                                                         "sliding_window": None}),
     # multi-head latent attention (q and kv latents), a dense first block, routed experts split over tp by ETP
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
         "num_key_value_heads": 4, "head_dim": 8, "q_lora_rank": 48, "kv_lora_rank": 32, "qk_rope_head_dim": 8,

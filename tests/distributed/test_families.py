@@ -1,7 +1,7 @@
 """Models we did not write train like one process: `transformers` families (random init, dropout 0), each in a
 plain LightningModule with its own steps, under dp_shard x tp, pp x dp_shard and cp x dp_shard (an MoE family
-also under ep x dp_shard x tp), and PyTorch's own `nn.TransformerEncoder` under FSDP, HSDP, tp, pp and cp, in
-one launch of 4 processes. Loss per step, gradients and parameters after 3 SGD-momentum steps match (see
+also under ep x dp_shard x tp, Mixtral with its experts split four ways under tp=4 alone), and PyTorch's own
+`nn.TransformerEncoder` under FSDP, HSDP, tp, pp and cp, in one launch of 4 processes. Loss per step, gradients and parameters after 3 SGD-momentum steps match (see
 families_scenario.py for why not AdamW); a family/layout pair that is not trained must be refused while
 planning, for the named reason this file expects."""
 
@@ -20,6 +20,7 @@ LAYOUTS = {
     "ep2_fsdp2_tp2": {"dp_shard": 2, "tp": 2, "ep": 2},
     "hsdp": {"dp_replicate": 2, "dp_shard": 2},
     "ddp2_tp2": {"dp_replicate": 2, "dp_shard": 1, "tp": 2},
+    "tp4": {"dp_shard": 1, "tp": 4},
 }
 BATCH = dict.fromkeys(LAYOUTS, 2) | {"pp2_fsdp2": 4}  # per rank; pp: 2 x pp microbatches of one sample
 CHUNK = dict.fromkeys(LAYOUTS, 2) | {"pp2_fsdp2": 1}  # samples per forward on a rank
@@ -33,7 +34,7 @@ REFUSED = {("torch_transformer", "cp2_fsdp2"): "takes no `position_ids`",
 ``c_attn`` bias, split part by part over tp, is not sharded again by FSDP (it trains under ``ddp2_tp2``); gpt-oss
 has no SDPA path (its attention sinks), which ring attention replaces."""
 CASES = [(family, layout) for family in FAMILIES for layout in ("fsdp2_tp2", "pp2_fsdp2", "cp2_fsdp2")]
-CASES += [("qwen3_moe", "ep2_fsdp2_tp2"), ("gpt2", "ddp2_tp2"), ("torch_transformer", "fsdp2_tp2"), ("torch_transformer", "hsdp"),
+CASES += [("mixtral", "tp4"), ("qwen3_moe", "ep2_fsdp2_tp2"), ("gpt2", "ddp2_tp2"), ("torch_transformer", "fsdp2_tp2"), ("torch_transformer", "hsdp"),
           ("torch_transformer", "pp2_fsdp2"), ("torch_transformer", "cp2_fsdp2")]
 
 
