@@ -53,14 +53,14 @@ def feeds_colwise(module: nn.Module, widths: set[int]) -> bool:
     return len(sizes) == 1 and sizes <= widths
 
 
-def down_projections(model: nn.Module, entries: Mapping[str, object], parents: set[str]) -> list[str]:
-    """Unplanned linear layers below ``parents`` (attention or MLP modules the plan splits, not blocks) that
-    compress the shared input for a colwise sibling (MLA's ``q_a_proj``): ``down_projection``."""
+def down_projections(model: nn.Module, entries: Mapping[str, object], widths: Mapping[str, set[int]]) -> list[str]:
+    """Unplanned linear layers below the modules of ``widths`` (attention or MLP modules the plan splits, not blocks,
+    each with its `colwise_inputs`) that compress the shared input for a colwise sibling (MLA's ``q_a_proj``):
+    ``down_projection``."""
     found = []
-    for parent in sorted(parents):
-        widths = colwise_inputs(model, entries, parent)
+    for parent, inputs in widths.items():
         for child, module in get_submodule(model, parent).named_children():
             name = f"{parent}.{child}"
-            if name not in entries and is_linear(module) and feeds_colwise(module, widths):
+            if name not in entries and is_linear(module) and feeds_colwise(module, inputs):
                 found.append(name)
     return found

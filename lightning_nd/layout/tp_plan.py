@@ -148,8 +148,9 @@ def resolve_tp_plan(
     sources = {name: origin[name] for name in entries}
     split_parents = {parent_name(name) for name, style in entries.items() if is_colwise(style)}
     split_parents -= {name for name, _ in find_blocks(model)} | {""}
-    down = down_projections(model, entries, split_parents)
-    partial = _partial_gradients(model, entries, split_parents)
+    widths = {parent: colwise_inputs(model, entries, parent) for parent in sorted(split_parents)}
+    down = down_projections(model, entries, widths)
+    partial = _partial_gradients(model, entries, widths)
     entries.update(dict.fromkeys(partial, "replicated_with_grad_allreduce"))
     entries.update(dict.fromkeys(down, "down_projection"))
     sources.update(dict.fromkeys(partial, "partial_gradient"))
@@ -178,22 +179,21 @@ def _completion(model: nn.Module, declared: Mapping[str, object]) -> dict[str, o
             and not any(name == e or name.startswith(e + ".") for e in experts)}
 
 
-def _partial_gradients(model: nn.Module, entries: Mapping[str, object], parents: set[str]) -> list[str]:
+def _partial_gradients(model: nn.Module, entries: Mapping[str, object], widths: Mapping[str, set[int]]) -> list[str]:
     """Unplanned modules with parameters inside an attention or MLP module whose layers the plan splits (Qwen3-VL-MoE's
     per-head ``q_norm``/``k_norm``, Apertus' xIELU ``act_fn`` with its two scalars): they work on one tp rank's heads
     or features, so each rank's gradient of their (whole) parameters is a part, summed over tp
-    (``replicated_with_grad_allreduce``). ``parents``: the modules the plan splits, not blocks (a block's own norms
-    see the whole residual stream). A norm in front of a colwise layer (MLA's ``kv_a_layernorm``,
+    (``replicated_with_grad_allreduce``). ``widths``: the modules the plan splits, not blocks (a block's own norms
+    see the whole residual stream), each with its colwise layers' input widths. A norm in front of a colwise layer (MLA's ``kv_a_layernorm``,
     `lightning_nd.layout.latent`) sees the whole latent and is left whole."""
     found = []
-    for parent in sorted(parents):
-        widths = colwise_inputs(model, entries, parent)
+    for parent, inputs in widths.items():
         for child, module in get_submodule(model, parent).named_modules():
             name = f"{parent}.{child}"
             if (child and name not in entries and not is_linear(module) and not isinstance(module, nn.Embedding)
                     and not any(name.startswith(entry + ".") for entry in entries)
                     and any(True for _ in module.parameters(recurse=False))
-                    and not (parent_name(name) == parent and feeds_colwise(module, widths))):
+                    and not (parent_name(name) == parent and feeds_colwise(module, inputs))):
                 found.append(name)
     if found:
         log.info("Parameters seeing one tp rank's heads or features, their gradients summed over tp: %s", ", ".join(found))
