@@ -1,6 +1,7 @@
 """The three models every layout is checked on: the example Llama, the unlike-it GPT, and a tiny
 randomly initialised Hugging Face Llama with no plan written by us (it declares its own); plus a
-Llama whose MLP has one fused ``gate_up_proj`` (the ``packed_colwise`` style)."""
+Llama whose MLP has one fused ``gate_up_proj`` with a bias (the ``packed_colwise`` style; the bias is held whole
+on every tp rank and sharded by FSDP)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ VOCAB = 256
 class FusedSwiGLU(nn.Module):
     def __init__(self, hidden: int, inner: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=False)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inner)
         self.down_proj = nn.Linear(inner, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

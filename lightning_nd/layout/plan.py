@@ -20,7 +20,6 @@ from lightning_nd.layout.record import ExpertsPlacement, Layout, StagePlan, Tech
 from lightning_nd.layout.roles import role_groups, role_names
 from lightning_nd.layout.positions import describe_positions
 from lightning_nd.layout.structure import ModelFacts, find_blocks, is_experts, read_model_facts, unsupported_experts
-from lightning_nd.layout.tp_checks import check_packed_biases_under_fsdp
 from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
 from lightning_nd.layout.validate import check_config, check_model, warn
 
@@ -62,8 +61,6 @@ def plan_layout(
             raise ValueError("`NDParallel(loss_parallel=True)` needs a vocabulary-sharded output head, and the plan"
                              " has none (a head tied to the embedding stays whole). HINT: set loss_parallel=False, or"
                              " put the head in `tp_plan` as 'colwise_gather_output'.")
-        if dims.fsdp_enabled:
-            check_packed_biases_under_fsdp(module, plan.entries, dims)
     pipeline = _plan_stages(module, blocks, dims, config, options, memo) if dims.pp > 1 else None
     experts = _experts(module, dims)
     expert_tp = _expert_tp(module, dims, config, notes)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
-from lightning_nd.layout.dims import ParallelDims, divisors
+from lightning_nd.layout.dims import divisors
 from lightning_nd.layout.structure import (
     HEAD_ATTRS,
     KV_HEAD_ATTRS,
@@ -109,6 +109,8 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
     if isinstance(module, nn.Embedding):
         return (1, 1) if colwise else (0, 1) if rowwise else None
     out_dim = 1 if is_conv1d(module) else 0
+    if colwise and param_name != "weight" and parts > 1:  # a fused layer's bias: whole (`FusedColwiseParallel`)
+        return None
     if colwise:
         return (out_dim if param_name == "weight" else 0), parts
     if rowwise and param_name == "weight":
@@ -228,17 +230,3 @@ def _feed_forward_plan(block: nn.Module) -> dict[str, str]:
         return {}
     return {child: "colwise" if module.out_features >= module.in_features else "rowwise" for child, module in linears}
 
-
-def check_packed_biases_under_fsdp(model: nn.Module, entries: Mapping[str, object], dims: ParallelDims) -> None:
-    """A fused layer's bias split part by part over tp (``_StridedShard`` of its only dim) cannot also be sharded
-    by FSDP: FSDP2 shards that same dim again in plain row order and mixes the parts' gradients (measured on
-    GPT-2's ``c_attn`` at dp_shard=2 x tp=2: bias gradients wrong in 110 of 192 elements). Refused."""
-    for name, style in entries.items():
-        bias = getattr(get_submodule(model, name), "bias", None)
-        if PACKED_PARTS.get(style, 1) > 1 and isinstance(bias, torch.Tensor):
-            raise ValueError(
-                f"`NDParallel(dp_shard={dims.dp_shard}, cp={dims.cp}, tp={dims.tp})`: `{name}` is a fused layer"
-                f" ({style}) with a bias, split part by part over tp, which FSDP cannot shard again. HINT: use"
-                " data parallelism without sharding for it (`dp_replicate` instead of `dp_shard`), or tp=1"
-                " (FSDP alone), or a model without that bias."
-            )

@@ -10,6 +10,7 @@ Hugging Face styles ``colwise_rep``, ``rowwise_split_input``, ``replicated_with_
 from __future__ import annotations
 
 from functools import partial
+from typing import cast
 
 import torch
 from torch import nn
@@ -38,6 +39,11 @@ class FusedColwiseParallel(ColwiseParallel):
     original weight: its full tensor, state dict and checkpoints are in the model's own order. The output
     stays in that layout, which locally is ``[x @ gate_r, x @ up_r]``: what the module's ``chunk`` or
     ``split(split_size)`` expects (``split_size`` divided by tp, see `apply_tp`).
+
+    A fused layer's bias (GPT-2's ``c_attn``) is held whole on every tp rank (a Replicate DTensor): FSDP2 shards
+    a 1-D parameter on its only dim, and over a part-by-part tp split that gives a 2-D layout whose full tensor
+    is read back in the wrong order. Each forward runs on the rank's parts of it (`_use_packed_bias`), and its
+    gradient, which covers those parts only, is summed over tp (declared Partial, as `ReplicatedPartialGrad`).
     """
 
     def __init__(self, *, parts: int = 1, **kwargs) -> None:
@@ -47,7 +53,8 @@ class FusedColwiseParallel(ColwiseParallel):
     def _partition_linear_fn(self, name, module, device_mesh):
         out_dim = 1 if is_conv1d(module) else 0
         split = lambda dim: Shard(dim) if self.parts == 1 else _StridedShard(dim, split_factor=self.parts)  # noqa: E731
-        _distribute(module, device_mesh, lambda param: split(out_dim if param == "weight" else 0))
+        packed_bias = Replicate() if self.parts > 1 else split(0)
+        _distribute(module, device_mesh, lambda param: split(out_dim) if param == "weight" else packed_bias)
 
     def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
         if self.parts > 1:  # keep the part-by-part layout (see the class docstring)
@@ -57,11 +64,25 @@ class FusedColwiseParallel(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module) and self.parts == 1:
             return super()._apply(module, device_mesh)
-        return distribute_module(
+        distribute_module(
             module, device_mesh, self._partition_linear_fn,
             partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
+        if self.parts > 1 and isinstance(getattr(module, "bias", None), DTensor):
+            module.register_forward_pre_hook(partial(_use_packed_bias, self.parts, device_mesh))
+            module.register_forward_hook(_restore_parameters)
+        return module
+
+
+def _use_packed_bias(parts: int, mesh: DeviceMesh, module: nn.Module, args: tuple) -> None:
+    """Swap a fused layer's whole bias for the rank's slice of each part, laid out as its weight's output."""
+    bias = module._parameters["bias"]
+    setattr(module, "_dtensor_parameters", {"bias": bias})
+    whole = cast(DTensor, bias).to_local(grad_placements=[Partial()])
+    local = whole.view(parts, mesh.size(), -1)[:, mesh.get_local_rank()].reshape(-1)
+    strided = DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=parts)], run_check=False)
+    module._parameters["bias"] = cast(nn.Parameter, strided)  # a view for this forward, as `_use_local_parameters`
 
 
 class Conv1DRowwiseParallel(RowwiseParallel):

@@ -27,11 +27,9 @@ CHUNK = dict.fromkeys(LAYOUTS, 2) | {"pp2_fsdp2": 1}  # samples per forward on a
 OPTIONS = {"torch_transformer": {"tp_plan": TORCH_TRANSFORMER_PLAN}}  # `nn.MultiheadAttention` is not split
 REFUSED = {("torch_transformer", "cp2_fsdp2"): "takes no `position_ids`",
            ("torch_transformer", "pp2_fsdp2"): "indexes its first layer",
-           ("gpt2", "fsdp2_tp2"): "FSDP cannot shard again",
            ("gpt_oss", "cp2_fsdp2"): "uses attn_implementation='eager'"}
 """(family, layout) -> a phrase its refusal must contain: learned positions from the local length under cp;
-`nn.TransformerEncoder`'s forward reads ``self.layers[0]``, which a later stage does not hold; GPT-2's fused
-``c_attn`` bias, split part by part over tp, is not sharded again by FSDP (it trains under ``ddp2_tp2``); gpt-oss
+`nn.TransformerEncoder`'s forward reads ``self.layers[0]``, which a later stage does not hold; gpt-oss
 has no SDPA path (its attention sinks), which ring attention replaces."""
 CASES = [(family, layout) for family in FAMILIES for layout in ("fsdp2_tp2", "pp2_fsdp2", "cp2_fsdp2")]
 CASES += [("mixtral", "tp4"), ("qwen3_moe", "ep2_fsdp2_tp2"), ("gpt2", "ddp2_tp2"), ("torch_transformer", "fsdp2_tp2"), ("torch_transformer", "hsdp"),

@@ -1,5 +1,6 @@
 """The ``packed_colwise`` style: a fused ``[gate; up]`` projection split half by half matches one
-process, and its full tensor keeps the model's own row order (what checkpoints hold)."""
+process, with FSDP too (its bias whole over tp, sharded by FSDP), and its full tensor keeps the model's own row
+order (what checkpoints hold)."""
 
 from __future__ import annotations
 
