@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from lightning_nd.layout.structure import get_submodule, is_linear, parent_name
+from lightning_nd.layout.structure import get_submodule, is_linear, is_norm, parent_name
 from lightning_nd.layout.tp_checks import is_colwise
 
 ROPE_ATTRS = ("qk_rope_head_dim",)
@@ -54,13 +54,18 @@ def feeds_colwise(module: nn.Module, widths: set[int]) -> bool:
 
 
 def down_projections(model: nn.Module, entries: Mapping[str, object], widths: Mapping[str, set[int]]) -> list[str]:
-    """Unplanned linear layers below the modules of ``widths`` (attention or MLP modules the plan splits, not blocks,
-    each with its `colwise_inputs`) that compress the shared input for a colwise sibling (MLA's ``q_a_proj``):
-    ``down_projection``."""
+    """Unplanned layers below the modules of ``widths`` (attention or MLP modules the plan splits, not blocks,
+    each with its `colwise_inputs`) that read the shared input for a colwise sibling: a linear layer compressing it
+    (MLA's ``q_a_proj``), or a norm of the input's own width when no sibling projects to it (a pre-norm inside the
+    MLP module, RoBERTa-PreLayerNorm's ``intermediate.LayerNorm``): ``down_projection``."""
     found = []
     for parent, inputs in widths.items():
-        for child, module in get_submodule(model, parent).named_children():
+        children = dict(get_submodule(model, parent).named_children())
+        projected = {module.out_features for module in children.values() if is_linear(module)
+                     and isinstance(getattr(module, "out_features", None), int)}
+        for child, module in children.items():
             name = f"{parent}.{child}"
-            if name not in entries and is_linear(module) and feeds_colwise(module, inputs):
+            reads_input = not is_linear(module) and is_norm(module) and not (inputs & projected)
+            if name not in entries and (is_linear(module) or reads_input) and feeds_colwise(module, inputs):
                 found.append(name)
     return found

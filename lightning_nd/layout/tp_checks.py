@@ -6,7 +6,7 @@ style splits a parameter, which the Layout's per-rank holdings follow.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -70,6 +70,9 @@ def check_plan(model: nn.Module, entries: Mapping[str, object], tp: int, facts: 
                                  f" would be split mid-head. HINT: choose tp from {divisors(value)}.")
     for name, style in entries.items():
         module = get_submodule(model, name)
+        if style == "multihead_attention" and (heads := cast(nn.MultiheadAttention, module).num_heads) % tp:
+            raise ValueError(f"`NDParallel(tp={tp})` does not divide `{name}.num_heads={heads}`: its heads would be"
+                             f" split mid-head. HINT: choose tp from {divisors(heads)}.")
         for param_name, param in module.named_parameters(recurse=False) if style == "per_head_params" else ():
             if param.shape[0] % tp:
                 raise ValueError(f"`NDParallel(tp={tp})` does not divide `{name}.{param_name}`'s {param.shape[0]} heads"
@@ -81,6 +84,11 @@ def check_plan(model: nn.Module, entries: Mapping[str, object], tp: int, facts: 
                 f" HINT: choose tp dividing {size}, or pass `NDParallel(tp_plan=...)` without `{name}`."
             )
 
+
+MHA_SPLITS = {"in_proj_weight": (0, 3), "q_proj_weight": (0, 1), "k_proj_weight": (0, 1), "v_proj_weight": (0, 1),
+              "bias_k": (2, 1), "bias_v": (2, 1)}
+"""How the ``multihead_attention`` style splits an ``nn.MultiheadAttention``'s own parameters (its out_proj:
+rowwise)."""
 
 SIZE_NAMES = {"Embedding": ("num_embeddings", "embedding_dim"), "Conv1D": ("nx", "nf")}
 """The attribute naming each weight dim (``nn.Linear``: out_features, in_features)."""
@@ -104,6 +112,8 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
     parts = PACKED_PARTS.get(style, getattr(style, "parts", 1) if is_torch_style(style, "ColwiseParallel") else 1)
     if style == "per_head_params":  # an attention's own per-head parameters (sinks), split with its heads
         return 0, 1
+    if style == "multihead_attention":  # `parallel/tp_attention.py`: by heads; the packed bias whole
+        return MHA_SPLITS.get(param_name)
     colwise = style in COLWISE_WEIGHT or is_torch_style(style, "ColwiseParallel")
     rowwise = style in ROWWISE_WEIGHT or is_torch_style(style, "RowwiseParallel")
     if isinstance(module, nn.Embedding):
@@ -118,14 +128,19 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
     return None
 
 
-def check_partners(entries: Mapping[str, object], source: str) -> None:
+def check_partners(entries: Mapping[str, object], source: str, paired: Collection[str] = ()) -> None:
     """A layer whose output stays split needs the rowwise layer that takes it back, in the same module, and the
-    reverse: alone, either would hand the next layer a tensor of the wrong width."""
+    reverse: alone, either would hand the next layer a tensor of the wrong width. ``paired``: layers planned from
+    the structure, whose partner may sit in the next module (BERT's ``attention.output.dense``)."""
     by_parent: dict[str, dict[str, list[str]]] = {}
     for name, style in entries.items():
-        side = "colwise" if is_colwise(style) else "rowwise" if _is_plain_rowwise(style) else None
-        if side is not None:
-            by_parent.setdefault(parent_name(name), {"colwise": [], "rowwise": []})[side].append(name)
+        if name in paired:
+            continue
+        fans_out = is_colwise(style) or style == "multihead_attention"
+        side = "colwise" if fans_out else "rowwise" if _is_plain_rowwise(style) else None
+        if side is not None:  # an nn.MultiheadAttention's partner is its own out_proj
+            parent = name if style == "multihead_attention" else parent_name(name)
+            by_parent.setdefault(parent, {"colwise": [], "rowwise": []})[side].append(name)
     for parent, sides in by_parent.items():
         for side, other in (("colwise", "rowwise"), ("rowwise", "colwise")):
             if sides[side] and not sides[other]:
@@ -182,23 +197,20 @@ def _partner_example(side: str) -> str:
     return "'o_proj'/'down_proj': 'rowwise'" if side == "colwise" else "'q_proj'/'up_proj': 'colwise'"
 
 
-def check_no_fused_attention(model: nn.Module, entries: Mapping[str, object]) -> None:
-    """``nn.MultiheadAttention`` runs ``F.multi_head_attention_forward`` on its fused ``in_proj_weight`` and checks
-    the full ``embed_dim``; none of the styles can split it, and splitting its ``out_proj`` alone would mix
-    sharded and whole tensors in its first forward."""
+def check_fused_attention(model: nn.Module, entries: Mapping[str, object]) -> None:
+    """An ``nn.MultiheadAttention`` is split whole, by heads (``multihead_attention``, its ``out_proj`` rowwise): it
+    runs ``F.multi_head_attention_forward`` on its fused ``in_proj_weight`` and reads ``out_proj.weight`` without
+    calling ``out_proj``, so a plan naming some of its parts only (``out_proj`` by name) is refused."""
     for name, module in model.named_modules():
         if not isinstance(module, nn.MultiheadAttention):
             continue
-        inside = sorted(entry for entry in entries if entry == name or entry.startswith(name + "."))
-        if inside:
-            block = parent_name(name)
-            hint = {f"{block}.{child}" if block else child: style
-                    for child, style in _feed_forward_plan(get_submodule(model, block)).items()}
+        inside = {entry: style for entry, style in entries.items() if entry == name or entry.startswith(name + ".")}
+        if inside and inside != {name: "multihead_attention", f"{name}.out_proj": "rowwise"}:
             raise ValueError(
-                f"TP plan names `{inside[0]}`, part of `{name}`, an `nn.MultiheadAttention`: its fused"
-                f" `in_proj_weight` cannot be split by heads here, so it stays whole on every tp rank. HINT: pass a"
-                f" plan for the feed-forward layers only, e.g. `NDParallel(tp_plan={hint or '{...}'})`"
-                " (with `*` for the layer number)."
+                f"TP plan names {', '.join(f'`{entry}`: {style!r}' for entry, style in sorted(inside.items()))}, part"
+                f" of `{name}`, an `nn.MultiheadAttention`: it is split by heads as a whole or not at all."
+                f" HINT: pass `NDParallel(tp_plan={{'{name}': 'multihead_attention', '{name}.out_proj': 'rowwise'}})`"
+                " (with `*` for the layer number), or leave it out of the plan (it stays whole on every tp rank)."
             )
 
 

@@ -23,11 +23,11 @@ from lightning_nd.layout.structure import (
     get_submodule,
     is_linear,
     is_norm,
-    linear_names,
     parent_name,
 )
+from lightning_nd.layout.structure_plan import left_whole, structure_plan
 from lightning_nd.layout.tp_checks import (
-    check_no_fused_attention,
+    check_fused_attention,
     check_partners,
     check_per_head_outputs,
     check_plan,
@@ -36,6 +36,7 @@ from lightning_nd.layout.tp_checks import (
     unequal_parts,
     vocabulary_split_with_own_forward,
 )
+from lightning_nd.layout.tp_suggest import no_plan_message
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,11 @@ STYLES = (
     "mla_kv_a_proj",
     "down_projection",
     "per_head_params",
+    "multihead_attention",
     "replicate",
 )
-SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_qkv", "colwise_rep", "rowwise_split_input")
+SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_qkv", "colwise_rep", "rowwise_split_input",
+                   "multihead_attention")
 NAME_PATTERNS = {
     "colwise": ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value",
                 "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc"),
@@ -102,7 +105,15 @@ def pattern_plan(model: nn.Module) -> dict[str, str]:
             kind_ok = isinstance(module, nn.Embedding) if style == "embedding_rowwise" else is_linear(module)
             if kind_ok and not (outer_only and inside(name)):
                 plan[name] = style
+        if isinstance(module, nn.MultiheadAttention):  # split by heads as a whole (its out_proj: rowwise by name)
+            plan[name] = "multihead_attention"
     return plan
+
+
+def _with_out_projections(model: nn.Module, entries: Mapping[str, object]) -> dict[str, object]:
+    """An ``nn.MultiheadAttention`` split by heads has its ``out_proj`` rowwise, named or not."""
+    added = {f"{name}.out_proj": "rowwise" for name, style in entries.items() if style == "multihead_attention"}
+    return {**entries, **added}
 
 
 def resolve_tp_plan(
@@ -134,18 +145,28 @@ def resolve_tp_plan(
         if isinstance(style, str) and style not in STYLES:
             fix = "" if explicit else " The model declares it; override the model's plan with `NDParallel(tp_plan=...)`."
             raise ValueError(f"TP plan entry {name!r} has unknown style {style!r}.{fix} HINT: use one of {STYLES}.")
-    check_no_fused_attention(model, entries)
+    entries = _with_out_projections(model, entries)
+    check_fused_attention(model, entries)
     if kind == "pattern":  # a guessed fused [q; k; v] of another shape (multi-query) is left out, with its partner
         entries = _paired({name: style for name, style in entries.items()
                            if style != "packed_qkv" or not unequal_parts(get_submodule(model, name))})
+    structural: dict[str, object] = {}
+    if kind != "explicit":  # what names leave out, from the blocks' structure (a declared plan: feed-forward only)
+        structural = dict(structure_plan(model, entries, tuple(experts_modules(model)), attention=kind == "pattern",
+                                         hidden=facts.hidden_size))
+        entries = {**entries, **structural}
+        origin.update(dict.fromkeys(structural, "structure"))
+        if structural and kind == "pattern" and not completion:
+            source = "name patterns and the blocks' structure"
     check_three_equal_parts(model, entries)
     splits_experts = kind == "declared" and bool(experts_modules(model))  # split over tp by the layout itself
     if not splits_experts and not any(not isinstance(style, str) or style in SHARDING_STYLES for style in entries.values()):
-        raise ValueError(_no_plan_message(model, tp, declared=kind == "declared"))
+        known = NAME_PATTERNS["colwise"][:6]
+        raise ValueError(no_plan_message(model, tp, kind == "declared", known))
     entries = _drop_extended_embeddings(model, _drop_tied(model, entries))
-    check_partners(entries, source)
+    check_partners(entries, source, paired=set(structural))
     check_per_head_outputs(model, entries, facts, source)
-    sources = {name: origin[name] for name in entries}
+    sources = {name: origin.get(name, kind) for name in entries}
     split_parents = {parent_name(name) for name, style in entries.items() if is_colwise(style)}
     split_parents -= {name for name, _ in find_blocks(model)} | {""}
     widths = {parent: colwise_inputs(model, entries, parent) for parent in sorted(split_parents)}
@@ -162,6 +183,9 @@ def resolve_tp_plan(
     else:
         entries = {name: style for name, style in entries.items() if style != "sequence_parallel"}
     check_plan(model, entries, tp, facts)
+    if whole := left_whole(model, entries, tuple(experts_modules(model))):
+        log.warning("The tp plan (%s) leaves these matrices of the first block whole on every tp rank: %s. Pass"
+                    " `NDParallel(tp_plan=...)` naming them to split them.", source, ", ".join(whole))
     return TPPlan(entries, source, {name: sources[name] for name in entries})
 
 
@@ -203,11 +227,13 @@ def _partial_gradients(model: nn.Module, entries: Mapping[str, object], widths: 
 def _paired(entries: Mapping[str, object]) -> dict[str, object]:
     """Name patterns guess; a guessed colwise layer without its rowwise partner (or the reverse) is left out."""
     sides: dict[str, set[str]] = {}
+    group = lambda name, style: name if style == "multihead_attention" else parent_name(name)  # noqa: E731
+    fans_out = lambda style: is_colwise(style) or style == "multihead_attention"  # noqa: E731
     for name, style in entries.items():
-        if is_colwise(style) or style == "rowwise":
-            sides.setdefault(parent_name(name), set()).add("colwise" if is_colwise(style) else "rowwise")
+        if fans_out(style) or style == "rowwise":
+            sides.setdefault(group(name, style), set()).add("colwise" if fans_out(style) else "rowwise")
     alone = {name for name, style in entries.items()
-             if (is_colwise(style) or style == "rowwise") and len(sides[parent_name(name)]) == 1}
+             if (fans_out(style) or style == "rowwise") and len(sides[group(name, style)]) == 1}
     if alone:
         log.info("Left out of the tp plan, found without a colwise/rowwise partner: %s", ", ".join(sorted(alone)))
     return {name: style for name, style in entries.items() if name not in alone}
@@ -246,34 +272,3 @@ def _residual_norms(model: nn.Module) -> list[str]:
         if not in_block or parent_name(name) in in_block:
             norms.append(name)
     return norms
-
-
-def _no_plan_message(model: nn.Module, tp: int, declared: bool) -> str:
-    linears = linear_names(model)
-    if declared:
-        return (f"`NDParallel(tp={tp})`: the plan `{type(model).__name__}` declares (`base_model_tp_plan`) splits no"
-                f" weight matrix, only embeddings or norms. HINT: pass `NDParallel(tp_plan=...)` naming its"
-                f" attention and MLP layers ('colwise' in, 'rowwise' out), e.g. {_suggest_plan(model)}.")
-    suggestion = _suggest_plan(model)
-    listing = "\n".join(f"    {name}" for name in linears) or "    (none)"
-    return (
-        f"`NDParallel(tp={tp})` found no tensor-parallel plan for `{type(model).__name__}`: it declares none"
-        f" (`_tp_plan`) and none of its linear layers has a known name ({', '.join(NAME_PATTERNS['colwise'][:6])}, ...)."
-        f"\n  Linear layers:\n{listing}\n"
-        f"  HINT: pass a plan, e.g. `NDParallel(tp={tp}, tp_plan={suggestion})`: 'colwise' for a layer that"
-        " fans out of the residual stream, 'rowwise' for the one that comes back into it."
-    )
-
-
-def _suggest_plan(model: nn.Module) -> dict[str, str]:
-    blocks = find_blocks(model)
-    if not blocks:
-        return {name: "colwise" for name in linear_names(model)[:1]}
-    first_name, first = blocks[0]
-    pattern_prefix = first_name.rsplit(".", 1)[0] + ".*." if "." in first_name else "*."
-    plan = {}
-    for name, module in first.named_modules():
-        if isinstance(module, nn.Linear):
-            fans_out = module.out_features >= module.in_features
-            plan[pattern_prefix + name] = "colwise" if fans_out else "rowwise"
-    return plan

@@ -187,10 +187,13 @@ def _check_context_parallel(module: nn.Module, cp: int) -> None:
         config = getattr(submodule, "config", None)
         implementation = getattr(config, "_attn_implementation", None)
         if implementation not in (None, "sdpa"):
+            fix = ("build the model with `attn_implementation=\"sdpa\"`, or use cp=1"
+                   if getattr(submodule, "_supports_sdpa", True) else
+                   f"`{type(submodule).__name__}` has no SDPA path in `transformers` (`_supports_sdpa` is False):"
+                   " use cp=1 and split the model with tp, pp or dp")
             raise ValueError(
                 f"`NDParallel(cp={cp})` routes scaled-dot-product attention to ring attention, and"
-                f" `{name or 'model'}` uses attn_implementation={implementation!r}. HINT: build the model with"
-                " `attn_implementation=\"sdpa\"`, or use cp=1."
+                f" `{name or 'model'}` uses attn_implementation={implementation!r}. HINT: {fix}."
             )
         window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
         if window:

@@ -19,11 +19,12 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_nd.layout.latent import rope_dim
-from lightning_nd.layout.structure import get_submodule, parent_name
+from lightning_nd.layout.structure import HEAD_ATTRS, get_submodule, parent_name
+from lightning_nd.layout.structure_plan import widths
 from lightning_nd.layout.tp_checks import PACKED_PARTS, head_counts, is_colwise
 from lightning_nd.parallel.tp_dropout import fork_rng_per_rank, has_dropout
 from lightning_nd.parallel.tp_styles import SEQUENCE_DIM, style_for
@@ -55,6 +56,9 @@ def apply_tp(
     tp_rank = tp_mesh.get_local_rank()
     for name in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
         module = get_submodule(model, name)
+        heads = next((value for attr, value in head_counts(module).items() if attr in HEAD_ATTRS), None)
+        if heads and name not in block_names:
+            module.register_forward_pre_hook(_local_head_inputs(heads, tp_mesh), with_kwargs=True)
         _divide_head_counts(name, module, tp_mesh.size(), entries)
         # A module strictly inside a block (attention, MLP) shares its input once among all its
         # projections: one all-gather (SP) or none (replicated input), and in backward a single
@@ -95,12 +99,61 @@ def _mark_sequence_parallel_region(
     get_submodule(model, last).register_forward_hook(_leave_sequence_parallel)
 
 
+HEAD_DIM_ATTRS = ("head_dim", "attention_head_size", "head_size")
+WIDTH_ATTRS = ("all_head_size", "embed_dim", "inner_dim", "hidden_size")
+"""Attributes a module split by heads may reshape its heads' output with; divided by tp where they equal heads x
+head_dim (the width before its rowwise layer) and a separate query projection has that width. Not beside a fused
+one: CodeGen's ``embed_dim // mp_num`` is the width of a group of its fused rows, which must stay whole."""
+
+
+def _local_head_inputs(heads: int, tp_mesh: DeviceMesh):
+    """Pre-hook of a module split by heads: per-head tensors computed outside it (Bloom's ALiBi bias,
+    ``[batch * heads, 1, keys]``; a ``[batch, heads, queries, keys]`` bias) are cut to the rank's heads. Only
+    floating tensors of 3 or more dims after the first argument, whose first dim is batch x heads or whose second
+    (of 4) is the head count. A learned one (CPM-Ant's position bias) gets a gradient for the rank's heads only,
+    which is summed over tp."""
+    local, rank = heads // tp_mesh.size(), tp_mesh.get_local_rank()
+
+    def cut(batch: int, value: object) -> object:
+        if not _is_plain_float(value) or value.dim() < 3:
+            return value
+        if value.requires_grad and (value.shape[0] == batch * heads or value.shape[:2] == (batch, heads)):
+            whole = DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False)
+            value = whole.to_local(grad_placements=[Partial()])
+        if value.shape[0] == batch * heads:
+            per_head = value.reshape(batch, heads, *value.shape[1:])[:, rank * local:(rank + 1) * local]
+            return per_head.reshape(batch * local, *value.shape[1:])
+        if value.dim() == 4 and value.shape[:2] == (batch, heads):
+            return value[:, rank * local:(rank + 1) * local]
+        return value
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        if not isinstance(first, torch.Tensor) or first.dim() < 2:
+            return args, kwargs
+        batch = first.shape[0]
+        return ((args[0], *(cut(batch, a) for a in args[1:])) if args else args,
+                {key: value if value is first else cut(batch, value) for key, value in kwargs.items()})
+
+    return hook
+
+
 def _divide_head_counts(name: str, module: nn.Module, tp: int, entries: Mapping[str, object]) -> None:
     """Modules that reshape with their head count must see the local count (heads / tp; the plan checked it).
     A module that splits a fused output by ``split_size`` (GPT-2's attention) splits the local width."""
-    for attr, value in head_counts(module).items():
+    counts = head_counts(module)
+    head_dim = next((value for attr in HEAD_DIM_ATTRS if isinstance(value := getattr(module, attr, None), int)), None)
+    heads = next((value for attr, value in counts.items() if attr in HEAD_ATTRS), None)
+    for attr, value in counts.items():
         assert value % tp == 0, f"{name}.{attr}={value} passed the plan's check against tp={tp}"
         setattr(module, attr, value // tp)
+    width = heads * head_dim if heads and head_dim else None
+    query = any(parent_name(child) == name and is_colwise(style)
+                and widths(get_submodule(module, child[len(name) + 1:] if name else child))[1] == width
+                for child, style in entries.items())
+    for attr in WIDTH_ATTRS if query else ():  # the heads' total width, in a reshape (RoFormer, MVP)
+        if getattr(module, attr, None) == width:
+            setattr(module, attr, cast(int, width) // tp)
     fused = [child for child, style in entries.items() if parent_name(child) == name and style in PACKED_PARTS]
     if fused and isinstance(split_size := getattr(module, "split_size", None), int):
         setattr(module, "split_size", split_size // tp)

@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_nd.layout.structure import is_conv1d
 from lightning_nd.layout.tp_checks import PACKED_PARTS
+from lightning_nd.parallel.tp_attention import MultiheadAttentionParallel
 
 SEQUENCE_DIM = 1
 
@@ -235,4 +236,6 @@ def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_sha
         return WholeOnSharedInput()
     if name == "mla_kv_a_proj":
         return WholeOnSharedInput(rope_dim=rope_dim)
+    if name == "multihead_attention":
+        return MultiheadAttentionParallel()
     raise ValueError(f"Unknown TP style {name!r}.")

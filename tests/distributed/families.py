@@ -30,6 +30,8 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": None, "rotary_pct": 0.5}),
+    # no declared plan, no known names: planned from its structure; ALiBi biases cut to each rank's heads
+    "bloom": ("BloomConfig", "BloomForCausalLM", {"n_head": 4, "n_layer": 2, "attn_implementation": "eager"}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
                                                              "moe_intermediate_size": 32, "head_dim": 16,
                                                              "router_aux_loss_coef": 0.0}),
@@ -69,9 +71,6 @@ class TorchTransformerLM(nn.Module):
         mask = nn.Transformer.generate_square_subsequent_mask(length, device=input_ids.device)
         return Output(self.lm_head(self.norm(self.encoder(hidden, mask=mask, is_causal=True))))
 
-
-TORCH_TRANSFORMER_PLAN = {"model.encoder.layers.*.linear1": "colwise", "model.encoder.layers.*.linear2": "rowwise"}
-"""Its tp plan: the feed-forward layers (the fused attention stays whole on every tp rank)."""
 
 
 def build_family(name: str, seed: int = 0) -> nn.Module:

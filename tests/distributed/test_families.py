@@ -1,7 +1,9 @@
 """Models we did not write train like one process: `transformers` families (random init, dropout 0), each in a
 plain LightningModule with its own steps, under dp_shard x tp, pp x dp_shard and cp x dp_shard (an MoE family
-also under ep x dp_shard x tp, Mixtral with its experts split four ways under tp=4 alone), and PyTorch's own
-`nn.TransformerEncoder` under FSDP, HSDP, tp, pp and cp, in one launch of 4 processes. Loss per step, gradients and parameters after 3 SGD-momentum steps match (see
+also under ep x dp_shard x tp, Mixtral with its experts split four ways under tp=4 alone; Bloom, no declared plan
+and no known names, planned from its structure), and PyTorch's own `nn.TransformerEncoder` (its
+`nn.MultiheadAttention` split by heads, its feed-forward pair found from the structure) under FSDP, HSDP, tp, pp and
+cp, in one launch of 4 processes. Loss per step, gradients and parameters after 3 SGD-momentum steps match (see
 families_scenario.py for why not AdamW); a family/layout pair that is not trained must be refused while
 planning, for the named reason this file expects."""
 
@@ -10,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.families import FAMILIES, TORCH_TRANSFORMER_PLAN
+from tests.distributed.families import FAMILIES
 from tests.launcher import launch
 
 LAYOUTS = {
@@ -24,10 +26,11 @@ LAYOUTS = {
 }
 BATCH = dict.fromkeys(LAYOUTS, 2) | {"pp2_fsdp2": 4}  # per rank; pp: 2 x pp microbatches of one sample
 CHUNK = dict.fromkeys(LAYOUTS, 2) | {"pp2_fsdp2": 1}  # samples per forward on a rank
-OPTIONS = {"torch_transformer": {"tp_plan": TORCH_TRANSFORMER_PLAN}}  # `nn.MultiheadAttention` is not split
+OPTIONS: dict[str, dict] = {}
 REFUSED = {("torch_transformer", "cp2_fsdp2"): "takes no `position_ids`",
            ("torch_transformer", "pp2_fsdp2"): "indexes its first layer",
-           ("gpt_oss", "cp2_fsdp2"): "uses attn_implementation='eager'"}
+           ("gpt_oss", "cp2_fsdp2"): "uses attn_implementation='eager'",
+           ("bloom", "cp2_fsdp2"): "has no SDPA path in `transformers`"}
 """(family, layout) -> a phrase its refusal must contain: learned positions from the local length under cp;
 `nn.TransformerEncoder`'s forward reads ``self.layers[0]``, which a later stage does not hold; gpt-oss
 has no SDPA path (its attention sinks), which ring attention replaces."""

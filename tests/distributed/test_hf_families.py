@@ -31,17 +31,19 @@ SEQUENCE_PARALLEL = ("llama", "qwen3", "deepseek_v3", "minicpm3", "granite_swa")
 """Also run with sequence parallelism (keyed ``name+sp``): dense, per-head norms, MLA with and without a q latent,
 attention sinks."""
 
-NO_NAMES = ("refused", "no declared plan and no linear layer with a known name: plans inferred from structure are not implemented")
+NO_PLAN = ("refused", "no attention heads and no feed-forward pair to split: a state-space or RWKV mixer (Mamba,"
+           " RWKV) or JetMoE's mixture of attention heads, which no style splits")
 NOT_PLANNED: dict[str, tuple[str, str]] = {
-    **dict.fromkeys(['bert', 'bert-generation', 'big_bird', 'bloom', 'camembert', 'cpmant', 'ctrl', 'data2vec-text', 'electra', 'ernie', 'falcon_mamba', 'fuyu', 'gpt_neox_japanese', 'jetmoe', 'mamba', 'megatron-bert', 'modernbert-decoder', 'persimmon', 'rembert', 'roberta', 'roberta-prelayernorm', 'roc_bert', 'roformer', 'rwkv', 'xlm', 'xlm-roberta', 'xlm-roberta-xl'], NO_NAMES),
+    **dict.fromkeys(["falcon_mamba", "jetmoe", "mamba", "rwkv"], NO_PLAN),
+    "big_bird": ("failed", "its forward replaces its attention module for short sequences (block sparse -> full),"
+                           " dropping the split one"),
+    "trocr": ("failed", "its attention reshapes with the input's own width (`hidden_states.size()`), the full one"),
     "axk2": ("failed", "its sparse-attention indexer reads the attention's shared input with layers the plan leaves whole"),
     "deepseek_v32": ("failed", "its sparse-attention indexer reads the attention's shared input with layers the plan leaves whole"),
     "glm_moe_dsa": ("failed", "its sparse-attention indexer reads the attention's shared input with layers the plan leaves whole"),
     "hy_v4": ("failed", "a layer its declared plan leaves whole reads the attention's shared input"),
-    "bitnet": ("failed", "its attention reshapes with the full width (a per-module attribute the plan does not divide)"),
-    "dory": ("failed", "its attention reshapes with the full width (a per-module attribute the plan does not divide)"),
-    "mvp": ("failed", "its attention reshapes with `embed_dim`, which the plan does not divide"),
-    "trocr": ("failed", "its attention reshapes with `embed_dim`, which the plan does not divide"),
+    "bitnet": ("failed", "a norm over the attention's concatenated heads (`attn_sub_norm`), which tp splits"),
+    "dory": ("failed", "a per-feature scale of all heads (`sqk`) applied to the rank's heads"),
     "git": ("failed", "it writes in place into a view of a layer's local output (an autograd limit of DTensor.to_local)"),
     "doge": ("refused", "a per-head `dt_proj` (one output per kv head) that the plan does not split"),
     "llama4_text": ("refused", "its experts are declared packed_rowwise (transposed stacks), not implemented"),

@@ -23,10 +23,20 @@ class Mixer(nn.Module):
         return x + self.beta(torch.relu(self.alpha(x)))
 
 
+class ReversedMixer(Mixer):
+    """The same block, its layers registered out-of-order (``beta`` first): what its structure shows does not
+    say which layer fans out first, so no plan is inferred."""
+
+    def __init__(self, hidden: int, inner: int) -> None:
+        nn.Module.__init__(self)
+        self.beta = nn.Linear(inner, hidden)
+        self.alpha = nn.Linear(hidden, inner)
+
+
 class MixerNet(nn.Module):
-    def __init__(self, hidden: int = 16, inner: int = 32) -> None:
+    def __init__(self, hidden: int = 16, inner: int = 32, block: type[Mixer] = Mixer) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Mixer(hidden, inner) for _ in range(2))
+        self.blocks = nn.ModuleList(block(hidden, inner) for _ in range(2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -133,6 +143,7 @@ router_logits_mixtral = lightning_module(hf_mixtral_router_logits)
 six_experts = lightning_module(moe, 6)
 biased_experts = lightning_module(moe, 8, bias=True)
 mixer = lightning_module(MixerNet)
+reversed_mixer = lightning_module(MixerNet, block=ReversedMixer)
 narrow_mixer = lightning_module(MixerNet, 16, 12)
 blocks_sharing_a_weight = lightning_module(shared_blocks)
 

@@ -99,7 +99,7 @@ CASES = [
          ["'model.layers.*.attn.q_proj'", "model.layers.0.self_attn.q_proj"], 2, "llama"),
     case("no_known_linear_names", {"tp": 2}, ValueError,
          ["model.blocks.0.alpha", "model.blocks.0.beta", "model.blocks.1.alpha", "model.blocks.1.beta",
-          f"tp_plan={MIXER_PLAN}"], 2, "mixer"),
+          f"tp_plan={dict(reversed(MIXER_PLAN.items()))}"], 2, "reversed_mixer"),
     case("block_classes_not_in_model", {"block_classes": ["TransformerBlock"]}, ValueError,
          ["TransformerBlock", "DecoderLayer"], 2, "llama"),
     case("loss_parallel_with_tied_head", {"tp": 2, "loss_parallel": True}, ValueError, ["loss_parallel=True", "tied"],

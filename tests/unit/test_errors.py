@@ -24,7 +24,7 @@ from lightning_nd.layout.arguments import DIM_DEFAULTS
 from lightning_nd.plan.__main__ import build_parser, main, run
 from lightning_nd.plan.source import load_factory
 from tests.models import build
-from tests.unit.bad_models import MIXER_PLAN, LearnedPositions, MixerNet, batch_norm_net, moe
+from tests.unit.bad_models import MIXER_PLAN, LearnedPositions, MixerNet, ReversedMixer, batch_norm_net, moe
 from tests.unit.error_cases import CASES, MODELS, Case
 
 
@@ -104,8 +104,8 @@ def test_the_same_setups_with_good_values_connect():
 
 def test_the_suggested_plan_can_be_copied():
     with pytest.raises(ValueError) as raised:
-        _connect(2, NDParallel(tp=2), MixerNet())
+        _connect(2, NDParallel(tp=2), MixerNet(block=ReversedMixer))
     suggested = ast.literal_eval(re.search(r"tp_plan=(\{.*?\})", str(raised.value)).group(1))
     trainer = _trainer(2, NDParallel(tp=2, tp_plan=suggested))
-    trainer.strategy.connect(CausalLM(model=MixerNet()))
+    trainer.strategy.connect(CausalLM(model=MixerNet(block=ReversedMixer)))
     assert not torch.distributed.is_initialized()

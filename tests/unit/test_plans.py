@@ -5,6 +5,8 @@ The expected plans are written out by hand from the models' definitions.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -202,14 +204,70 @@ def test_a_declared_style_not_applied_here_is_refused_by_name():
     assert refusal.value.pieces == {"some_future_style": "model.layers.0.self_attn.q_proj"}
 
 
-def test_multihead_attention_is_refused_while_planning_with_a_feed_forward_plan():
+def test_the_torch_transformer_is_planned_by_heads_and_structure():
+    """`nn.MultiheadAttention` split by heads as a whole (its out_proj rowwise); the feed-forward pair found from the
+    block's structure; a plan naming only a part of the attention is refused with the whole-module entry to use."""
     layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, batch_first=True)
     model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
-    with pytest.raises(ValueError, match=r"`layers.0.self_attn`, an `nn.MultiheadAttention`.*HINT.*"
-                                         r"'layers.0.linear1': 'colwise', 'layers.0.linear2': 'rowwise'"):
-        _resolve(model)
-    plan = _resolve(model, {"layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"})
-    assert set(plan.entries) == {f"layers.{i}.linear{j}" for i in range(2) for j in (1, 2)}
+    plan = _resolve(model)
+    assert plan.entries == {f"layers.{i}.{name}": style for i in range(2) for name, style in (
+        ("self_attn", "multihead_attention"), ("self_attn.out_proj", "rowwise"), ("linear1", "colwise"),
+        ("linear2", "rowwise"))}
+    assert {plan.sources[f"layers.0.{name}"] for name in ("linear1", "linear2")} == {"structure"}
+    with pytest.raises(ValueError, match=r"`layers.0.self_attn.out_proj`: 'rowwise', part of `layers.0.self_attn`, an"
+                                         r" `nn.MultiheadAttention`.*HINT.*'layers.0.self_attn': 'multihead_attention'"):
+        _resolve(model, {"layers.*.self_attn.out_proj": "rowwise", "layers.*.linear1": "colwise",
+                         "layers.*.linear2": "rowwise"})
+    explicit = _resolve(model, {"layers.*.self_attn": "multihead_attention"})
+    assert explicit.entries == {f"layers.{i}.self_attn{part}": style for i in range(2)
+                                for part, style in (("", "multihead_attention"), (".out_proj", "rowwise"))}
+    with pytest.raises(ValueError, match=r"does not divide `num_attention_heads=4` \(read from `layers.0.self_attn`\)"):
+        _resolve(model, tp=8)
+
+
+class _Block(nn.Module):
+    """A block with names no pattern knows: BERT's shape (the heads' output layer in the next module) or Bloom's
+    (fused head-major [q; k; v] and the output layer in the attention module), and a feed-forward pair."""
+
+    def __init__(self, fused: bool, norm_inner: bool = False) -> None:
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.num_heads = 4
+        if fused:
+            self.attn.query_key_value, self.attn.dense = nn.Linear(16, 48), nn.Linear(16, 16)
+        else:
+            self.attn.alpha, self.attn.beta, self.attn.gamma = (nn.Linear(16, 16) for _ in range(3))
+            self.after = nn.Linear(16, 16)
+        self.grow, self.shrink = nn.Linear(16, 40), nn.Linear(40, 16)
+        if norm_inner:
+            self.inner_norm = nn.LayerNorm(40)
+
+
+def _stack(**kwargs) -> nn.Module:
+    return nn.Sequential(*(_Block(**kwargs) for _ in range(2)))
+
+
+def test_blocks_with_unknown_names_are_planned_from_their_structure():
+    bert = _resolve(_stack(fused=False)).entries
+    assert {name: style for name, style in bert.items() if name.startswith("0.")} == {
+        "0.attn.alpha": "colwise", "0.attn.beta": "colwise", "0.attn.gamma": "colwise", "0.after": "rowwise",
+        "0.grow": "colwise", "0.shrink": "rowwise"}
+    bloom = _resolve(_stack(fused=True)).entries
+    assert {name: style for name, style in bloom.items() if name.startswith("0.")} == {
+        "0.attn.query_key_value": "colwise", "0.attn.dense": "rowwise", "0.grow": "colwise", "0.shrink": "rowwise"}
+    normed = _resolve(_stack(fused=False, norm_inner=True)).entries  # a norm of the inner width: the MLP stays whole
+    assert "0.grow" not in normed and "0.shrink" not in normed and normed["0.after"] == "rowwise"
+
+
+def test_a_fused_projection_of_unknown_order_is_left_whole_and_named(caplog):
+    model = _stack(fused=True)
+    for block in model:
+        block.attn.qkv = block.attn.query_key_value  # [q; k; v] part by part or head by head: the name does not say
+        del block.attn.query_key_value
+    with caplog.at_level(logging.WARNING):
+        entries = _resolve(model).entries
+    assert {name for name in entries if name.startswith("0.")} == {"0.grow", "0.shrink"}
+    assert "0.attn.qkv.weight" in caplog.text and "whole on every tp rank" in caplog.text
 
 
 def test_a_per_head_layer_not_split_with_the_heads_is_refused_while_planning():

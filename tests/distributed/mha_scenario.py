@@ -1,0 +1,103 @@
+"""Run on each of 2 ranks: ``nn.MultiheadAttention`` split by heads (the ``multihead_attention`` style) against the
+same module whole, for each way torch's module can be built and called (tests/distributed/test_tp_attention.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+BATCH, LENGTH, WIDTH, HEADS = 2, 6, 16, 4
+CASES = {
+    "self_causal_no_weights": ({}, {"self": True, "causal_mask": True, "need_weights": False, "is_causal": True}),
+    "self_averaged_weights": ({}, {"self": True, "need_weights": True}),
+    "per_head_weights_3d_bool_mask": ({}, {"self": True, "mask_3d": True, "need_weights": True,
+                                           "average_attn_weights": False}),
+    "cross_key_padding": ({}, {"self": False, "padding": True, "need_weights": False}),
+    "seq_first_kdim_vdim": ({"batch_first": False, "kdim": 12, "vdim": 10}, {"self": False, "need_weights": False}),
+    "bias_kv_zero_attn": ({"add_bias_kv": True, "add_zero_attn": True}, {"self": True, "need_weights": False}),
+    "no_bias": ({"bias": False}, {"self": True, "need_weights": False}),
+    "sequence_sharded_input": ({}, {"self": True, "need_weights": False, "sequence_sharded": True}),
+}
+"""name -> (module arguments, call): each compared for the output, the input and parameter gradients."""
+
+
+def _inputs(built: dict, call: dict, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    first = built.get("batch_first", True)
+    shape = lambda width: (BATCH, LENGTH, width) if first else (LENGTH, BATCH, width)  # noqa: E731
+    query = torch.randn(shape(WIDTH), generator=generator)
+    if call["self"]:
+        return query, query, query
+    return (query, torch.randn(shape(built.get("kdim", WIDTH)), generator=generator),
+            torch.randn(shape(built.get("vdim", WIDTH)), generator=generator))
+
+
+def _call_arguments(call: dict, generator: torch.Generator) -> dict:
+    arguments = {"need_weights": call["need_weights"]}
+    if "average_attn_weights" in call:
+        arguments["average_attn_weights"] = call["average_attn_weights"]
+    if call.get("causal_mask"):
+        arguments["attn_mask"] = nn.Transformer.generate_square_subsequent_mask(LENGTH)
+        arguments["is_causal"] = call["is_causal"]
+    if call.get("mask_3d"):
+        arguments["attn_mask"] = torch.rand(BATCH * HEADS, LENGTH, LENGTH, generator=generator) > 0.7
+        arguments["attn_mask"][..., 0] = False  # every query attends to something
+    if call.get("padding"):
+        arguments["key_padding_mask"] = torch.zeros(BATCH, LENGTH, dtype=torch.bool)
+        arguments["key_padding_mask"][0, -2:] = True
+    return arguments
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: (param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad).clone()
+            for name, param in module.named_parameters()}
+
+
+def compare() -> dict[str, dict[str, float]]:
+    """For each case: the largest absolute difference of output, weights, input gradients and parameter gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from lightning_nd.parallel.tp_styles import style_for
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    results = {}
+    for name, (built, call) in CASES.items():
+        torch.manual_seed(0)
+        generator = torch.Generator().manual_seed(1)
+        whole = nn.MultiheadAttention(WIDTH, HEADS, **{"batch_first": True, **built})
+        split = copy.deepcopy(whole)
+        parallelize_module(split, mesh, style_for("multihead_attention", False, False))
+        out_style = style_for("rowwise", call.get("sequence_sharded", False), False)
+        parallelize_module(split.out_proj, mesh, out_style)
+        inputs = _inputs(built, call, generator)
+        arguments = _call_arguments(call, generator)
+        leaves = [x.clone().requires_grad_() for x in dict.fromkeys(inputs)]
+        by_id = {id(x): leaf for x, leaf in zip(dict.fromkeys(inputs), leaves)}
+        expected, expected_weights = whole(*(by_id[id(x)] for x in inputs), **arguments)
+        (expected.square().sum() + (expected_weights.sum() if expected_weights is not None else 0)).backward()
+        split_leaves = [x.clone().requires_grad_() for x in dict.fromkeys(inputs)]
+        split_by_id = {id(x): leaf for x, leaf in zip(dict.fromkeys(inputs), split_leaves)}
+        given = [split_by_id[id(x)] for x in inputs]
+        if call.get("sequence_sharded"):
+            sharded = DTensor.from_local(given[0], mesh, [Replicate()], run_check=False).redistribute(
+                placements=[Shard(1)])
+            given = [sharded] * 3
+        output, weights = split(*given, **arguments)
+        output = output.full_tensor() if isinstance(output, DTensor) else output
+        (output.square().sum() + (weights.sum() if weights is not None else 0)).backward()
+        differences = {"output": (output - expected).abs().max().item(),
+                       "input_grads": max((a.grad - b.grad).abs().max().item() for a, b in zip(split_leaves, leaves))}
+        if expected_weights is not None:
+            differences["weights"] = (weights - expected_weights).abs().max().item()
+        reference = _grads(whole)
+        differences["param_grads"] = max((g - reference[n]).abs().max().item() for n, g in _grads(split).items())
+        differences["split"] = float(isinstance(split.out_proj.weight, DTensor) and isinstance(
+            next(p for n, p in split.named_parameters() if "proj_weight" in n), DTensor))
+        results[name] = differences
+    dist.destroy_process_group()
+    return results
