@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_nd.layout.declared import declared_plan, expand
 from lightning_nd.layout.latent import rope_dim
-from lightning_nd.layout.structure import get_submodule, is_experts, parent_name
+from lightning_nd.layout.structure import get_submodule, is_experts, is_transposed_experts, parent_name
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ def hf_meaning(model: nn.Module, entries: Mapping[str, str], blocks: list[str]) 
     Entries on experts (``moe_tp_experts``, expert parameters) are left out: the plan splits stacked experts over
     tp itself (expert tensor parallelism, `lightning_nd.layout.plan._expert_tp`), or keeps them whole on every tp
     rank, where they see the same tokens (the router and the experts' input are replicated over tp); ep, which
-    borrows dp_shard x cp ranks, splits them by expert."""
+    borrows dp_shard x cp ranks, splits them by expert. Llama 4's experts (transposed stacks that see every token,
+    `is_transposed_experts`) are split over tp by their ``moe_tp_experts`` entry: ``transposed_experts``."""
     known = installed_styles() | set(MEANINGS) | {"colwise_gather_output"}
     refused: dict[str, tuple[str, str]] = {}
     resolved: dict[str, str] = {}
@@ -105,10 +106,14 @@ def hf_meaning(model: nn.Module, entries: Mapping[str, str], blocks: list[str]) 
     if skipped:
         log.info("The declared expert tp entries are not applied; the layout splits the experts over tp itself, or"
                  " says why they stay whole: %s", ", ".join(experts))
+    transposed = {name for name in entries if name in dict(model.named_modules())
+                  and is_transposed_experts(get_submodule(model, name))}
     for name, style in entries.items():
-        if name in skipped:
+        if name in skipped or parent_name(name) in transposed:  # the module's entry splits its stacks
             continue
-        if style not in known:
+        if name in transposed and style == "moe_tp_experts":
+            resolved[name] = "transposed_experts"
+        elif style not in known:
             refused.setdefault(style, (name, "it is not a style of the installed `transformers`"))
         elif style in REFUSED:
             refused.setdefault(style, (name, REFUSED[style]))

@@ -158,6 +158,16 @@ def is_experts(module: nn.Module) -> bool:
     return down.shape == (experts, hidden, double_inner // 2) and double_inner % 2 == 0
 
 
+def is_transposed_experts(module: nn.Module) -> bool:
+    """Llama 4's experts: stacks stored as the layers' inputs by outputs, gate_up_proj [E, H, 2I] and down_proj
+    [E, I, H], run on every token (pre-scaled by its router score) with ``bmm``: nothing to dispatch."""
+    gate_up, down = (getattr(module, name, None) for name in ("gate_up_proj", "down_proj"))
+    if not (isinstance(gate_up, Tensor) and isinstance(down, Tensor) and gate_up.ndim == down.ndim == 3):
+        return False
+    experts, hidden, double_inner = gate_up.shape
+    return down.shape == (experts, double_inner // 2, hidden) and double_inner % 2 == 0 and hidden != double_inner // 2
+
+
 DEFAULT_GATING = ("_default_apply_gate",)
 """transformers' own ``act_fn(gate) * up``, which its experts classes take as ``_apply_gate``."""
 OWN_GATING = ("limit", "alpha", "swiglu_limit", "swiglu_alpha")

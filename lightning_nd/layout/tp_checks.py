@@ -73,6 +73,9 @@ def check_plan(model: nn.Module, entries: Mapping[str, object], tp: int, facts: 
         if style == "multihead_attention" and (heads := cast(nn.MultiheadAttention, module).num_heads) % tp:
             raise ValueError(f"`NDParallel(tp={tp})` does not divide `{name}.num_heads={heads}`: its heads would be"
                              f" split mid-head. HINT: choose tp from {divisors(heads)}.")
+        if style == "transposed_experts" and (inner := cast(torch.Tensor, module.down_proj).shape[1]) % tp:
+            raise ValueError(f"`NDParallel(tp={tp})` does not divide the intermediate size {inner} of `{name}`'s"
+                             f" experts (transposed_experts). HINT: choose tp from {divisors(inner)}.")
         for param_name, param in module.named_parameters(recurse=False) if style == "per_head_params" else ():
             if param.shape[0] % tp:
                 raise ValueError(f"`NDParallel(tp={tp})` does not divide `{name}.{param_name}`'s {param.shape[0]} heads"
@@ -114,6 +117,8 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
         return 0, 1
     if style == "multihead_attention":  # `parallel/tp_attention.py`: by heads; the packed bias whole
         return MHA_SPLITS.get(param_name)
+    if style == "transposed_experts":  # Llama 4's [E, H, 2I] / [E, I, H]: each expert's intermediate features
+        return {"gate_up_proj": (2, 2), "down_proj": (1, 1)}.get(param_name)
     colwise = style in COLWISE_WEIGHT or is_torch_style(style, "ColwiseParallel")
     rowwise = style in ROWWISE_WEIGHT or is_torch_style(style, "RowwiseParallel")
     if isinstance(module, nn.Embedding):

@@ -56,10 +56,11 @@ STYLES = (
     "down_projection",
     "per_head_params",
     "multihead_attention",
+    "transposed_experts",
     "replicate",
 )
 SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_qkv", "colwise_rep", "rowwise_split_input",
-                   "multihead_attention")
+                   "multihead_attention", "transposed_experts")
 NAME_PATTERNS = {
     "colwise": ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value",
                 "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc"),
@@ -183,6 +184,10 @@ def resolve_tp_plan(
     else:
         entries = {name: style for name, style in entries.items() if style != "sequence_parallel"}
     check_plan(model, entries, tp, facts)
+    if sequence_parallel and (experts := [name for name, style in entries.items() if style == "transposed_experts"]):
+        raise ValueError(f"`NDParallel(sequence_parallel=True)`: `{experts[0]}` (transposed_experts, Llama 4's) is"
+                         " split over tp on tokens every tp rank holds whole; with the sequence split the block's"
+                         " router would see a shard. HINT: sequence_parallel=False for this model.")
     if whole := left_whole(model, entries, tuple(experts_modules(model))):
         log.warning("The tp plan (%s) leaves these matrices of the first block whole on every tp rank: %s. Pass"
                     " `NDParallel(tp_plan=...)` naming them to split them.", source, ", ".join(whole))

@@ -195,12 +195,14 @@ def _check_context_parallel(module: nn.Module, cp: int) -> None:
                 f"`NDParallel(cp={cp})` routes scaled-dot-product attention to ring attention, and"
                 f" `{name or 'model'}` uses attn_implementation={implementation!r}. HINT: {fix}."
             )
-        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
-        if window:
+        attr = next((attr for attr in ("sliding_window", "attention_chunk_size") if getattr(config, attr, None)), None)
+        if attr:
+            window = getattr(config, attr)
             raise ValueError(
                 f"`NDParallel(cp={cp})`: `{name or 'model'}` attends within a window of {window} tokens"
                 " (sliding-window or chunked attention), which ring attention does not implement. HINT: use cp=1"
-                " for this model."
+                f" for this model; or, if no sequence is longer than {window} tokens (the window then changes"
+                f" nothing), build its config with `{attr}=None`."
             )
 
 

@@ -10,6 +10,9 @@ intermediate activation and, through its slice of ``down_proj``, a partial sum o
 - `reduce_from_tp` sums the partial outputs over tp (identity in backward) before the routing weights multiply
   them, so every tp rank holds the whole output and the router's gradient is whole, as in one process;
 - `copy_to_tp` is the identity on the experts' input and sums its gradient, partial per rank, over tp;
+- `TransposedExpertsParallel` splits Llama 4's experts (``gate_up_proj`` [E, H, 2I], ``down_proj`` [E, I, H], every
+  token through every expert, pre-scaled by its router score) the same way, on dims 2 and 1, and runs the module's
+  own forward on the local slices between `copy_to_tp` and `reduce_from_tp`;
 - `check_same_routing` makes sure the tp ranks routed alike (one small all-reduce per layer and forward), so a
   model whose replicated weights differ across tp ranks stops with the fix named instead of a collective mismatch.
 
@@ -20,7 +23,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_nd.runtime.profiling import comm_label
@@ -96,3 +102,35 @@ def tp_slice(name: str, weight: torch.Tensor, rank: int, size: int) -> torch.Ten
     if not packed:
         return weight[..., start:start + width]
     return torch.cat([weight[..., start:start + width, :], weight[..., inner + start:inner + start + width, :]], dim=-2)
+
+
+TRANSPOSED_PLACEMENTS = {"gate_up_proj": _StridedShard(2, split_factor=2), "down_proj": Shard(1)}
+
+
+class TransposedExpertsParallel(ParallelStyle):
+    """Expert tensor parallelism for transposed stacks that see every token (Llama 4's ``Llama4TextExperts``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, placement in TRANSPOSED_PLACEMENTS.items():
+            param = module.get_parameter(name)
+            dist_param = distribute_tensor(param, device_mesh, [placement])
+            module.register_parameter(name, nn.Parameter(dist_param, requires_grad=param.requires_grad))
+        group = device_mesh.get_group()
+        module.register_forward_pre_hook(lambda mod, args: _local_stacks(mod, args, group))
+        module.register_forward_hook(lambda mod, args, output: _whole_output(mod, output, group))
+        return module
+
+
+def _local_stacks(module: nn.Module, args: tuple, group: dist.ProcessGroup) -> tuple:
+    """The module's forward runs on its local slices (their gradients go to the DTensors' shards)."""
+    whole = {name: module._parameters[name] for name in TRANSPOSED_PLACEMENTS}
+    setattr(module, "_dtensor_parameters", whole)
+    for name, param in whole.items():
+        module._parameters[name] = param.to_local() if isinstance(param, DTensor) else param
+    first, *rest = args
+    return (copy_to_tp(first, group), *rest)
+
+
+def _whole_output(module: nn.Module, output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    module._parameters.update(module.__dict__.pop("_dtensor_parameters"))
+    return reduce_from_tp(output, group)

@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_nd.layout.structure import is_conv1d
 from lightning_nd.layout.tp_checks import PACKED_PARTS
+from lightning_nd.parallel.expert_tp import TransposedExpertsParallel, reduce_from_tp
 from lightning_nd.parallel.tp_attention import MultiheadAttentionParallel
 
 SEQUENCE_DIM = 1
@@ -87,7 +88,17 @@ def _use_packed_bias(parts: int, mesh: DeviceMesh, module: nn.Module, args: tupl
 
 
 class Conv1DRowwiseParallel(RowwiseParallel):
-    """Rowwise for ``nn.Linear`` and ``Conv1D`` (weight ``[in, out]``: split on dim 0, bias whole)."""
+    """Rowwise for ``nn.Linear`` and ``Conv1D`` (weight ``[in, out]``: split on dim 0, bias whole).
+
+    A partial-sum output returned as a local tensor is summed by `reduce_from_tp`, which gives a tensor of its own:
+    DTensor's ``to_local`` returns a view made inside an autograd Function, which the module's next in-place op
+    (Llama 4's ``out.add_(routed_out)``) may not modify."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if use_local_output and outputs.placements[0].is_partial() and output_layouts[0].is_replicate():
+            return reduce_from_tp(outputs.to_local(grad_placements=[Replicate()]), device_mesh.get_group())
+        return RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not is_conv1d(module):
@@ -238,4 +249,6 @@ def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_sha
         return WholeOnSharedInput(rope_dim=rope_dim)
     if name == "multihead_attention":
         return MultiheadAttentionParallel()
+    if name == "transposed_experts":
+        return TransposedExpertsParallel()
     raise ValueError(f"Unknown TP style {name!r}.")

@@ -30,6 +30,10 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", {}),
     "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", {"num_key_value_heads": None, "rotary_pct": 0.5}),
+    # experts stored transposed ([E, H, 2I]) that see every token: split over tp by transposed_experts; layer 0 dense
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", {
+        "head_dim": 16, "intermediate_size": 32, "intermediate_size_mlp": 96, "num_local_experts": 4,
+        "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "router_aux_loss_coef": 0.0}),
     # no declared plan, no known names: planned from its structure; ALiBi biases cut to each rank's heads
     "bloom": ("BloomConfig", "BloomForCausalLM", {"n_head": 4, "n_layer": 2, "attn_implementation": "eager"}),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,

@@ -1,6 +1,7 @@
 """Models we did not write train like one process: `transformers` families (random init, dropout 0), each in a
 plain LightningModule with its own steps, under dp_shard x tp, pp x dp_shard and cp x dp_shard (an MoE family
-also under ep x dp_shard x tp, Mixtral with its experts split four ways under tp=4 alone; Bloom, no declared plan
+also under ep x dp_shard x tp, Mixtral with its experts split four ways under tp=4 alone; Llama 4 with its
+transposed experts split over tp; Bloom, no declared plan
 and no known names, planned from its structure), and PyTorch's own `nn.TransformerEncoder` (its
 `nn.MultiheadAttention` split by heads, its feed-forward pair found from the structure) under FSDP, HSDP, tp, pp and
 cp, in one launch of 4 processes. Loss per step, gradients and parameters after 3 SGD-momentum steps match (see
@@ -30,7 +31,8 @@ OPTIONS: dict[str, dict] = {}
 REFUSED = {("torch_transformer", "cp2_fsdp2"): "takes no `position_ids`",
            ("torch_transformer", "pp2_fsdp2"): "indexes its first layer",
            ("gpt_oss", "cp2_fsdp2"): "uses attn_implementation='eager'",
-           ("bloom", "cp2_fsdp2"): "has no SDPA path in `transformers`"}
+           ("bloom", "cp2_fsdp2"): "has no SDPA path in `transformers`",
+           ("llama4_text", "cp2_fsdp2"): "attends within a window of 8192 tokens"}
 """(family, layout) -> a phrase its refusal must contain: learned positions from the local length under cp;
 `nn.TransformerEncoder`'s forward reads ``self.layers[0]``, which a later stage does not hold; gpt-oss
 has no SDPA path (its attention sinks), which ring attention replaces."""

@@ -33,11 +33,17 @@ class _Slot:
 
 
 class _Carry(nn.Module):
-    """Stands in for a unit before the blocks that another stage holds: returns the received activation."""
+    """Stands in for a unit before the blocks that another stage holds: returns the received activation.
 
-    def __init__(self, slot: _Slot) -> None:
+    A stand-in for an embedding keeps an empty ``weight`` of its dtype and device (not saved): models read
+    ``self.embed_tokens.weight.device`` before calling it (Llama 4)."""
+
+    def __init__(self, slot: _Slot, unit: nn.Module) -> None:
         super().__init__()
         self._slot = slot
+        weight = getattr(unit, "weight", None)
+        if isinstance(weight, torch.Tensor):
+            self.register_buffer("weight", torch.empty(0, dtype=weight.dtype, device=weight.device), persistent=False)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self._slot.carried is not None, "only a stage after the first carries a unit in"
@@ -76,7 +82,8 @@ class StageModule(nn.Module):
         memo: dict[int, Any] = {}
         for name in layout.pre + layout.post:
             if name not in own:
-                memo[id(get_submodule(model, name))] = _Carry(slot) if name in layout.pre else _Pass()
+                unit = get_submodule(model, name)
+                memo[id(unit)] = _Carry(slot, unit) if name in layout.pre else _Pass()
         for name in layout.blocks:
             if name not in own:
                 memo[id(get_submodule(model, name))] = None
