@@ -19,7 +19,6 @@ from lightning_nd.layout.schedules import V_SHAPED
 from lightning_nd.layout.structure import get_submodule, model_child, owns_parameters
 
 
-
 @dataclass(frozen=True)
 class StageLayout:
     """Which units each pipeline stage holds, in order, and where that split came from."""

@@ -16,9 +16,9 @@ from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.holdings import rank_holdings
 from lightning_nd.layout.options import ParallelConfig, ResolvedOptions, block_class_list, jsonable, resolve_options
 from lightning_nd.layout.pipeline_split import pipeline_model, split_stages, stage_ranks
+from lightning_nd.layout.positions import describe_positions
 from lightning_nd.layout.record import ExpertsPlacement, Layout, StagePlan, Technique, TPEntry
 from lightning_nd.layout.roles import role_groups, role_names
-from lightning_nd.layout.positions import describe_positions
 from lightning_nd.layout.structure import ModelFacts, find_blocks, is_experts, read_model_facts, unsupported_experts
 from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
 from lightning_nd.layout.validate import check_config, check_model, warn

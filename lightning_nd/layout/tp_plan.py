@@ -12,6 +12,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from lightning_nd.layout.declared import declared_plan, expand
@@ -35,6 +36,13 @@ from lightning_nd.layout.tp_checks import (
     is_colwise,
     unequal_parts,
     vocabulary_split_with_own_forward,
+)
+from lightning_nd.layout.tp_patterns import (
+    NAME_PATTERNS,
+    completion_by_names,
+    gated_widths,
+    paired,
+    pattern_plan,
 )
 from lightning_nd.layout.tp_suggest import no_plan_message
 
@@ -61,20 +69,6 @@ STYLES = (
 )
 SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_qkv", "colwise_rep", "rowwise_split_input",
                    "multihead_attention", "transposed_experts")
-NAME_PATTERNS = {
-    "colwise": ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value",
-                "gate_proj", "up_proj", "w1", "w3", "fc1", "c_fc"),
-    "rowwise": ("o_proj", "wo", "out_proj", "down_proj", "w2", "fc2", "c_proj"),
-    "packed_colwise": ("gate_up_proj", "w13"),
-    "packed_qkv": ("c_attn",),  # GPT-2's fused [q; k; v], split by `split_size`
-    "embedding_rowwise": ("embed_tokens", "tok_embeddings", "wte", "word_embeddings", "tok_emb", "token_embedding"),
-    "colwise_gather_output": ("lm_head", "output", "head", "out"),
-}
-MLP_NAMES = ("gate_proj", "up_proj", "down_proj", "w1", "w2", "w3", "fc1", "fc2", "c_fc", "gate_up_proj", "w13")
-"""The feed-forward layers a declared plan is completed with: attention left out of a declared plan may carry
-per-head state the names do not show (sinks, differential heads), so only MLP pairs are added by name."""
-
-
 @dataclass
 class TPPlan:
     """A resolved plan: concrete module name -> style name (or `ParallelStyle`), plus where it came from."""
@@ -85,30 +79,10 @@ class TPPlan:
     """Per module: ``explicit``, ``declared``, ``pattern`` or ``sequence_parallel`` (a residual norm under SP)."""
 
 
-
 def custom_styles(model: nn.Module, explicit: Mapping[str, object] | None) -> dict[str, object]:
     """The torch `ParallelStyle` objects of an explicit plan, by concrete module name (the Layout names them only)."""
     objects = {pattern: style for pattern, style in (explicit or {}).items() if not isinstance(style, str)}
     return expand(model, objects) if objects else {}
-
-
-def pattern_plan(model: nn.Module) -> dict[str, str]:
-    """Name-pattern detection of the common families; heads and embeddings only outside the blocks."""
-    blocks = [name for name, _ in find_blocks(model)]
-    inside = lambda name: any(name.startswith(block + ".") for block in blocks)  # noqa: E731
-    plan: dict[str, str] = {}
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        for style, leaves in NAME_PATTERNS.items():
-            if leaf not in leaves:
-                continue
-            outer_only = style in ("embedding_rowwise", "colwise_gather_output")
-            kind_ok = isinstance(module, nn.Embedding) if style == "embedding_rowwise" else is_linear(module)
-            if kind_ok and not (outer_only and inside(name)):
-                plan[name] = style
-        if isinstance(module, nn.MultiheadAttention):  # split by heads as a whole (its out_proj: rowwise by name)
-            plan[name] = "multihead_attention"
-    return plan
 
 
 def _with_out_projections(model: nn.Module, entries: Mapping[str, object]) -> dict[str, object]:
@@ -134,7 +108,7 @@ def resolve_tp_plan(
         blocks = [name for name, _ in find_blocks(model)]
         entries = hf_meaning(model, expand(model, declared, declared=True), blocks)
         source, kind = "the plan the model declares (`_tp_plan`)", "declared"
-        completion = _completion(model, entries)
+        completion = completion_by_names(model, entries)
         if completion:
             log.info("The declared tp plan leaves out modules that name patterns split: %s", ", ".join(completion))
             source = "the plan the model declares (`_tp_plan`), completed by name patterns"
@@ -149,8 +123,9 @@ def resolve_tp_plan(
     entries = _with_out_projections(model, entries)
     check_fused_attention(model, entries)
     if kind == "pattern":  # a guessed fused [q; k; v] of another shape (multi-query) is left out, with its partner
-        entries = _paired({name: style for name, style in entries.items()
-                           if style != "packed_qkv" or not unequal_parts(get_submodule(model, name))})
+        guessed = {name: style for name, style in entries.items()
+                   if style != "packed_qkv" or not unequal_parts(get_submodule(model, name))}
+        entries = gated_widths(model, paired(guessed))
     structural: dict[str, object] = {}
     if kind != "explicit":  # what names leave out, from the blocks' structure (a declared plan: feed-forward only)
         structural = dict(structure_plan(model, entries, tuple(experts_modules(model)), attention=kind == "pattern",
@@ -165,6 +140,8 @@ def resolve_tp_plan(
         known = NAME_PATTERNS["colwise"][:6]
         raise ValueError(no_plan_message(model, tp, kind == "declared", known))
     entries = _drop_extended_embeddings(model, _drop_tied(model, entries))
+    if kind != "explicit":
+        entries = _drop_indivisible_vocabulary(model, entries, tp)
     check_partners(entries, source, paired=set(structural))
     check_per_head_outputs(model, entries, facts, source)
     sources = {name: origin.get(name, kind) for name in entries}
@@ -194,20 +171,6 @@ def resolve_tp_plan(
     return TPPlan(entries, source, {name: sources[name] for name in entries})
 
 
-def _completion(model: nn.Module, declared: Mapping[str, object]) -> dict[str, object]:
-    """What name patterns split that a declared plan leaves out (transformers declares only the embedding for
-    Bamba, only the experts for Jamba or PhiMoE): paired feed-forward layers (`MLP_NAMES`) in modules the declared
-    plan names nothing in and whose other layers are not attention (an attention's ``gate_proj`` is not an MLP's),
-    outside experts modules (the layout splits those over tp itself)."""
-    experts = experts_modules(model)
-    claimed = {parent_name(name) for name in declared}
-    guessed = _paired(pattern_plan(model))
-    mixed = {parent_name(name) for name in guessed if name.rsplit(".", 1)[-1] not in MLP_NAMES}
-    return {name: style for name, style in guessed.items()
-            if name not in declared and parent_name(name) not in claimed | mixed
-            and not any(name == e or name.startswith(e + ".") for e in experts)}
-
-
 def _partial_gradients(model: nn.Module, entries: Mapping[str, object], widths: Mapping[str, set[int]]) -> list[str]:
     """Unplanned modules with parameters inside an attention or MLP module whose layers the plan splits (Qwen3-VL-MoE's
     per-head ``q_norm``/``k_norm``, Apertus' xIELU ``act_fn`` with its two scalars): they work on one tp rank's heads
@@ -227,21 +190,6 @@ def _partial_gradients(model: nn.Module, entries: Mapping[str, object], widths: 
     if found:
         log.info("Parameters seeing one tp rank's heads or features, their gradients summed over tp: %s", ", ".join(found))
     return found
-
-
-def _paired(entries: Mapping[str, object]) -> dict[str, object]:
-    """Name patterns guess; a guessed colwise layer without its rowwise partner (or the reverse) is left out."""
-    sides: dict[str, set[str]] = {}
-    group = lambda name, style: name if style == "multihead_attention" else parent_name(name)  # noqa: E731
-    fans_out = lambda style: is_colwise(style) or style == "multihead_attention"  # noqa: E731
-    for name, style in entries.items():
-        if fans_out(style) or style == "rowwise":
-            sides.setdefault(group(name, style), set()).add("colwise" if fans_out(style) else "rowwise")
-    alone = {name for name, style in entries.items()
-             if (fans_out(style) or style == "rowwise") and len(sides[group(name, style)]) == 1}
-    if alone:
-        log.info("Left out of the tp plan, found without a colwise/rowwise partner: %s", ", ".join(sorted(alone)))
-    return {name: style for name, style in entries.items() if name not in alone}
 
 
 def _drop_tied(model: nn.Module, entries: Mapping[str, object]) -> dict[str, object]:
@@ -264,6 +212,24 @@ def _drop_extended_embeddings(model: nn.Module, entries: dict[str, object]) -> d
     if extended:
         log.info("Embeddings whose forward works on the looked-up rows stay replicated under TP: %s", ", ".join(extended))
     return {name: style for name, style in entries.items() if name not in extended}
+
+
+def _drop_indivisible_vocabulary(model: nn.Module, entries: dict[str, object], tp: int) -> dict[str, object]:
+    """An embedding or output head of a declared or guessed plan whose vocabulary tp does not divide (Moshi's 129
+    rows) stays whole on every tp rank; the rest of the plan applies. (An explicit plan naming it is refused.)"""
+    outer = ("embedding_rowwise", "embedding_colwise", "colwise_gather_output")
+    dropped = sorted(name for name, style in entries.items() if style in outer
+                     and (size := _vocabulary(get_submodule(model, name), style)) is not None and size % tp)
+    if dropped:
+        log.warning("tp=%d does not divide the vocabulary of %s: left whole on every tp rank.", tp, ", ".join(dropped))
+    return {name: style for name, style in entries.items() if name not in dropped}
+
+
+def _vocabulary(module: nn.Module, style: object) -> int | None:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        return None
+    return weight.shape[1] if style == "embedding_colwise" else weight.shape[0]
 
 
 def _residual_norms(model: nn.Module) -> list[str]:

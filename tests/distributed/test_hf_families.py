@@ -46,7 +46,6 @@ NOT_PLANNED: dict[str, tuple[str, str]] = {
     "dory": ("failed", "a per-feature scale of all heads (`sqk`) applied to the rank's heads"),
     "git": ("failed", "it writes in place into a view of a layer's local output (an autograd limit of DTensor.to_local)"),
     "doge": ("refused", "a per-head `dt_proj` (one output per kv head) that the plan does not split"),
-    "moshi": ("refused", "its vocabulary of 129 rows does not divide by tp=2"),
     "neomme": ("refused", "its declared q_proj has no rowwise partner in its module"),
 }
 """family -> (outcome, reason): what does not train under tp=2 today, and why."""
