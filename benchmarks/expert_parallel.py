@@ -8,6 +8,11 @@ sends to *other* ranks are counted (rows kept on the rank move nothing). The ana
 direction (dispatch, and combine the same again; backward repeats both for the gradients):
 tokens x top-k x hidden x bytes x (ep-1)/ep, for routing spread evenly over the experts. The small
 count exchanges (per-expert counts, totals) are listed apart.
+
+Expert tensor parallelism (each expert split over tp, `lightning_nd/parallel/expert_tp.py`) at ep=2 x tp=2: every
+tp rank routes the same tokens, so its all-to-all bytes are ep=2's; beside them the tp all-reduces of the experts'
+partial outputs (forward) and of their input gradients (backward) are counted, each against its payload minimum,
+rows received x hidden x bytes (one all-reduce of the rows each way).
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ TOKENS, HIDDEN, INNER, EXPERTS, TOP_K = 4 * 128, 256, 512, 8, 2
 
 
 class AllToAllBytes(TorchDispatchMode):
-    """Bytes this rank sends to other ranks in all-to-alls, by phase; other collectives' bytes apart."""
+    """Bytes this rank sends to other ranks in all-to-alls, by phase; all-reduces of token rows (ETP's partial
+    sums, ``[rows, HIDDEN]``) by phase; other collectives' bytes apart."""
 
     def __init__(self) -> None:
         super().__init__()
         self.phase = "forward"
         self.sent: dict[str, int] = defaultdict(int)
+        self.reduced: dict[str, int] = defaultdict(int)
         self.other = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -48,24 +55,38 @@ class AllToAllBytes(TorchDispatchMode):
             row = tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
             self.sent[self.phase] += (sum(input_splits) - input_splits[rank]) * row
         elif func.namespace == "c10d" and "barrier" not in name:  # count exchange, totals (c10d ops box lists)
-            self.other += sum(t.numel() * t.element_size() for t in tensors_in(args))
+            tensors = tensors_in(args)
+            rows = [t for t in tensors if t.ndim == 2 and t.shape[-1] == HIDDEN]
+            self.reduced[self.phase] += sum(t.numel() * t.element_size() for t in rows)
+            self.other += sum(t.numel() * t.element_size() for t in tensors if t.ndim != 2 or t.shape[-1] != HIDDEN)
         return out
 
 
-def measure(ep: int, mesh) -> tuple[dict[str, int], int]:
+def measure(mesh, seed: int) -> AllToAllBytes:
+    """One forward and backward of the layer split over ``mesh`` (ep, or (ep, tp)); ``seed``: this rank's tokens."""
     from lightning_nd.nn.moe import MoE
     from lightning_nd.parallel.expert import apply_ep
 
     torch.manual_seed(0)
     layer = MoE(HIDDEN, INNER, EXPERTS, TOP_K)
     apply_ep(layer, mesh)
-    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(seed), requires_grad=True)
     mode = AllToAllBytes()
     with mode:
         out = layer(x)
         mode.phase = "backward"
         out.square().mean().backward()
-    return dict(mode.sent), mode.other
+    return mode
+
+
+def expert_tp_row(rank: int) -> tuple[float, ...]:
+    """ep=2 x tp=2: mean bytes per rank of all-to-alls and tp all-reduces, each way, and their minimum."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    mode = measure(mesh, seed=mesh.get_coordinate()[0])  # one token set per tp pair (replicated over tp)
+    totals = torch.tensor([mode.sent.get("forward", 0), mode.sent.get("backward", 0), mode.reduced.get("forward", 0),
+                           mode.reduced.get("backward", 0)], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return tuple((totals / WORLD_SIZE).tolist())
 
 
 def main() -> None:
@@ -74,12 +95,14 @@ def main() -> None:
     rows = []
     for ep in (2, 4):
         mesh = init_device_mesh("cpu", (WORLD_SIZE // ep, ep), mesh_dim_names=("outer", "ep"))["ep"]
-        sent, other = measure(ep, mesh)
-        totals = torch.tensor([sent.get("forward", 0), sent.get("backward", 0), other], dtype=torch.float64)
+        mode = measure(mesh, seed=rank)
+        totals = torch.tensor([mode.sent.get("forward", 0), mode.sent.get("backward", 0), mode.other],
+                              dtype=torch.float64)
         dist.all_reduce(totals)
         minimum = 2 * TOKENS * TOP_K * HIDDEN * 4 * (ep - 1) / ep  # dispatch + combine
         rows.append((ep, totals[0].item() / WORLD_SIZE, totals[1].item() / WORLD_SIZE, totals[2].item() / WORLD_SIZE,
                      minimum))
+    etp = expert_tp_row(rank)
     if rank == 0:
         print(f"\n{'ep':>3} {'forward bytes':>14} {'backward bytes':>15} {'minimum/pass':>13} {'fwd ratio':>10}"
               f" {'bwd ratio':>10} {'counts etc.':>12}")
@@ -89,6 +112,11 @@ def main() -> None:
         print("mean bytes per rank; forward = dispatch + combine, backward = their gradients; minimum assumes"
               " routing spread evenly")
         print(f"forward all-to-all bytes / analytic minimum: {', '.join(f'ep={r[0]} {r[1] / r[4]:.3f}' for r in rows)}")
+        minimum, payload = rows[0][4], TOKENS * TOP_K * HIDDEN * 4  # ep=2's all-to-all; rows received x hidden
+        print(f"ep=2 x tp=2 (experts split over tp): all-to-all forward {etp[0]:,.0f} ({etp[0] / minimum:.3f} x ep=2's"
+              f" minimum), backward {etp[1]:,.0f} ({etp[1] / minimum:.3f}); tp all-reduce payload forward"
+              f" {etp[2]:,.0f} ({etp[2] / payload:.3f} x rows x hidden x 4), backward {etp[3]:,.0f}"
+              f" ({etp[3] / payload:.3f})")
     dist.destroy_process_group()
 
 
