@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast
 from torch import Tensor, nn
 
 from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.layout.hf_styles import experts_modules
 from lightning_nd.layout.holdings import rank_holdings
 from lightning_nd.layout.options import ParallelConfig, ResolvedOptions, block_class_list, jsonable, resolve_options
 from lightning_nd.layout.pipeline_split import pipeline_model, split_stages, stage_ranks
@@ -20,6 +21,7 @@ from lightning_nd.layout.positions import describe_positions
 from lightning_nd.layout.record import ExpertsPlacement, Layout, StagePlan, Technique, TPEntry
 from lightning_nd.layout.roles import role_groups, role_names
 from lightning_nd.layout.structure import ModelFacts, find_blocks, is_experts, read_model_facts, unsupported_experts
+from lightning_nd.layout.structure_plan import left_whole
 from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
 from lightning_nd.layout.validate import check_config, check_model, warn
 
@@ -61,6 +63,9 @@ def plan_layout(
             raise ValueError("`NDParallel(loss_parallel=True)` needs a vocabulary-sharded output head, and the plan"
                              " has none (a head tied to the embedding stays whole). HINT: set loss_parallel=False, or"
                              " put the head in `tp_plan` as 'colwise_gather_output'.")
+        if whole := left_whole(module, plan.entries, tuple(experts_modules(module))):
+            warn(notes, f"The tp plan ({plan.source}) leaves these matrices of the first block whole on every tp"
+                        f" rank: {', '.join(whole)}. HINT: pass `NDParallel(tp_plan=...)` naming them to split them.")
     pipeline = _plan_stages(module, blocks, dims, config, options, memo) if dims.pp > 1 else None
     experts = _experts(module, dims)
     expert_tp = _expert_tp(module, dims, config, notes)

@@ -26,7 +26,7 @@ from lightning_nd.layout.structure import (
     is_norm,
     parent_name,
 )
-from lightning_nd.layout.structure_plan import left_whole, structure_plan
+from lightning_nd.layout.structure_plan import structure_plan
 from lightning_nd.layout.tp_checks import (
     check_fused_attention,
     check_partners,
@@ -165,9 +165,6 @@ def resolve_tp_plan(
         raise ValueError(f"`NDParallel(sequence_parallel=True)`: `{experts[0]}` (transposed_experts, Llama 4's) is"
                          " split over tp on tokens every tp rank holds whole; with the sequence split the block's"
                          " router would see a shard. HINT: sequence_parallel=False for this model.")
-    if whole := left_whole(model, entries, tuple(experts_modules(model))):
-        log.warning("The tp plan (%s) leaves these matrices of the first block whole on every tp rank: %s. Pass"
-                    " `NDParallel(tp_plan=...)` naming them to split them.", source, ", ".join(whole))
     return TPPlan(entries, source, {name: sources[name] for name in entries})
 
 
