@@ -161,6 +161,12 @@ def resolve_tp_plan(
     else:
         entries = {name: style for name, style in entries.items() if style != "sequence_parallel"}
     check_plan(model, entries, tp, facts)
+    if sequence_parallel and kind == "pattern" and structural:
+        raise ValueError(f"`NDParallel(sequence_parallel=True)` with a plan inferred from the blocks' structure"
+                         f" (`{next(iter(structural))}`, ...): the structure does not show where the model adds its"
+                         " residual stream or normalizes it (BERT's post-norms sit inside its attention and MLP"
+                         " modules), which the sequence split must follow. HINT: sequence_parallel=False, or pass"
+                         " `NDParallel(tp_plan=...)` naming every split layer and residual norm.")
     if sequence_parallel and (experts := [name for name, style in entries.items() if style == "transposed_experts"]):
         raise ValueError(f"`NDParallel(sequence_parallel=True)`: `{experts[0]}` (transposed_experts, Llama 4's) is"
                          " split over tp on tokens every tp rank holds whole; with the sequence split the block's"

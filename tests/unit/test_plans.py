@@ -256,6 +256,9 @@ def test_blocks_with_unknown_names_are_planned_from_their_structure():
         "0.attn.query_key_value": "colwise", "0.attn.dense": "rowwise", "0.grow": "colwise", "0.shrink": "rowwise"}
     normed = _resolve(_stack(fused=False, norm_inner=True)).entries  # a norm of the inner width: the MLP stays whole
     assert "0.grow" not in normed and "0.shrink" not in normed and normed["0.after"] == "rowwise"
+    with pytest.raises(ValueError, match=r"sequence_parallel=True\)` with a plan inferred from the blocks' structure"
+                                         r" \(`0.attn.query_key_value`.*HINT: sequence_parallel=False"):
+        _resolve(_stack(fused=True), sequence_parallel=True)
 
 
 def test_a_fused_projection_of_unknown_order_is_left_whole_and_named():
