@@ -51,20 +51,20 @@ class Saved:
 
 
 def saved_tensors(shape: ModelShape, element_bytes: int, recompute: str = "none", *, cp: int = 1,
-                  local_seq: int = 0, ep: int = 1, etp: bool = False) -> tuple[Saved, ...]:
+                  local_seq: int = 0, ep: int = 1, etp: bool = False, moe: bool = True) -> tuple[Saved, ...]:
     """What one block saves per token (see the module docstring). ``cp`` > 1: attention is the ring of
     `nn/ring_attention.py` over ``local_seq`` tokens per rank, which materialises its scores. ``etp``: experts
-    split over tp (their intermediates are cut by tp)."""
+    split over tp (their intermediates are cut by tp). ``moe``: False for a dense block of an MoE model."""
     h, e = shape.hidden, element_bytes
     if recompute == "full":
         return (Saved("block input", h, e, "residual"),)
     attention = _attention(shape, e, cp, local_seq, recompute)
-    mlp = _mlp(shape, e, recompute, ep, etp)
+    mlp = _mlp(shape, e, recompute, ep, etp, moe)
     if recompute == "selective":
         return (Saved("block input", h, e, "residual"), *attention, *mlp,
                 # row-parallel matmuls (attention output, a dense MLP's down) return partial sums, whole on each
                 # tp rank (experts keep their down projection's output per copy, above)
-                Saved("row-parallel matmul outputs", (1 if shape.experts else 2) * h, e, "gathered"))
+                Saved("row-parallel matmul outputs", (1 if shape.experts and moe else 2) * h, e, "gathered"))
     return (
         Saved("norm inputs", 2 * h, e, "residual"),
         Saved("normed (gated block: RMSNorm keeps its product)", 2 * h if shape.mlp == "gated" else 0, e, "residual"),
@@ -93,10 +93,11 @@ def _attention(shape: ModelShape, e: int, cp: int, local_seq: int, recompute: st
             Saved("merged partial outputs", 2 * (cp - 1) * h, 4, "tp"))
 
 
-def _mlp(shape: ModelShape, e: int, recompute: str, ep: int, etp: bool = False) -> tuple[Saved, ...]:
+def _mlp(shape: ModelShape, e: int, recompute: str, ep: int, etp: bool = False, moe: bool = True) -> tuple[Saved, ...]:
     inner, h = shape.intermediate, shape.hidden
     gated = shape.mlp == "gated"
-    if not shape.experts:
+    if not shape.experts or not moe:  # a dense block of an MoE model has its own inner size
+        inner = shape.dense_intermediate if shape.experts and shape.dense_intermediate else inner
         elements = (2 if gated else 1) * inner if recompute == "selective" else (4 if gated else 2) * inner
         return (Saved("MLP matmul outputs" if recompute == "selective" else "MLP intermediates", elements, e, "tp"),)
     # Mixture of experts (`nn/moe.py`, `parallel/expert.py`), per copy of a token (k of them): the copy gathered
@@ -117,11 +118,12 @@ def _mlp(shape: ModelShape, e: int, recompute: str, ep: int, etp: bool = False) 
 
 
 def block_bytes(shape: ModelShape, tokens: int, element_bytes: int, *, tp: int = 1, sequence_parallel: bool = False,
-                recompute: str = "none", cp: int = 1, local_seq: int = 0, ep: int = 1, etp: bool = False) -> int:
+                recompute: str = "none", cp: int = 1, local_seq: int = 0, ep: int = 1, etp: bool = False,
+                moe: bool = True) -> int:
     """Bytes one block keeps between its forward and its backward, for ``tokens`` tokens on this rank
     (micro-batch x local sequence), with its tp split and recomputation mode."""
     total = 0
-    for saved in saved_tensors(shape, element_bytes, recompute, cp=cp, local_seq=local_seq, ep=ep, etp=etp):
+    for saved in saved_tensors(shape, element_bytes, recompute, cp=cp, local_seq=local_seq, ep=ep, etp=etp, moe=moe):
         divisor = tp if saved.split == "tp" or (saved.split == "residual" and sequence_parallel) else 1
         total += tokens * saved.elements * saved.bytes // divisor
     return total

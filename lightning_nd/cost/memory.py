@@ -20,7 +20,7 @@ chunks of 1/v of the rank's blocks, looped BFS all m v.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from dataclasses import asdict, dataclass, replace
 
@@ -85,7 +85,10 @@ def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int
     state = model_state(layout, rank, optimizer)
     holding, options, dims = layout.rank(rank), layout.options, layout.dims
     names = frozenset(layout.blocks)
-    blocks = len({block_of(p.name, names) for p in holding.params} - {None})
+    held_blocks = {block_of(p.name, names) for p in holding.params} - {None}
+    blocks = len(held_blocks)
+    moe = shape.moe_blocks
+    dense = sum(layout.blocks.index(cast(str, name)) not in moe for name in held_blocks) if moe else 0
     chunks, chunks_per_stage = in_flight(layout, holding.coordinates["pp"])
     tokens, element = tokens_per_microbatch(layout, workload), workload.activation_bytes
     tp, recompute, pp = dims["tp"], options.activation_checkpointing, dims["pp"] > 1
@@ -93,6 +96,9 @@ def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int
              "local_seq": workload.seq_len // dims["cp"], "ep": dims["ep"],
              "etp": layout.applies("expert_tensor_parallel")}
     per_block = block_bytes(shape, tokens, element, recompute=recompute, **split)
+    if dense:  # DeepSeek's first blocks are dense: the mean over the blocks held
+        dense_block = block_bytes(shape, tokens, element, recompute=recompute, moe=False, **split)
+        per_block = (dense * dense_block + (blocks - dense) * per_block) // blocks
     block_activations = chunks * (blocks // chunks_per_stage) * per_block
     has_loss = layout.pipeline is None or layout.pipeline.num_stages - 1 in holding.stages
     loss_parallel = options.loss_parallel
@@ -118,7 +124,9 @@ def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int
     accumulated = 0
     if workload.accumulation > 1 and not pp:
         accumulated = state.stage_grads_bytes if options.zero_stage == 1 and state.stage_grads_bytes else old_grads
-    recomputed = block_bytes(shape, tokens, element, **split) if recompute == "full" and blocks else 0
+    kinds = (True, False) if dense else (True,)  # one block at a time is recomputed: the larger kind
+    recomputed = max(block_bytes(shape, tokens, element, moe=moe, **split) for moe in kinds
+                     ) if recompute == "full" and blocks else 0
     loss_grads = 2 * logits_bytes(shape, tokens, tp=tp, loss_parallel=loss_parallel) if has_loss else 0
     in_block = block_backward_bytes(shape, tokens, element, tp=tp) if blocks else 0
     held = {"forward_end": old_grads + activations, "backward_start": activations + accumulated,

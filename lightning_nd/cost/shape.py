@@ -37,6 +37,9 @@ class ModelShape:
     moe_blocks: tuple[int, ...] | None = None
     """Indices of the blocks that hold experts (None: every block when ``experts``; DeepSeek's first blocks
     are dense)."""
+    dense_intermediate: int = 0
+    """The inner size of the MLP of the blocks without experts, where some have none (DeepSeek's first blocks;
+    0: none, or the same as ``intermediate``)."""
 
     @property
     def moe_layers(self) -> int:
@@ -100,13 +103,19 @@ def model_shape(model: Any, block_classes: Any = None) -> ModelShape:
     gated = any(word in names for word in GATED_MLP_NAMES)
     experts = facts.num_experts or 0
     intermediate = facts.intermediate_size or _intermediate(blocks[0][1], hidden)
+    moe_blocks = _moe_blocks(blocks) if experts else None
+    dense_intermediate = 0
+    if moe_blocks:  # one expert's inner size from its stacks; a dense block's own where there is one
+        dense = [block for index, (_, block) in enumerate(blocks) if index not in moe_blocks]
+        dense_intermediate = _intermediate(dense[0], hidden) if dense else 0
+        intermediate = _intermediate(blocks[moe_blocks[0]][1], hidden)
     return ModelShape(
         hidden=hidden, layers=len(blocks), heads=heads, kv_heads=facts.num_key_value_heads or heads,
         intermediate=intermediate,
         vocab=max((m.num_embeddings for m in embeddings), default=0),
         params=sum(p.numel() for p in model.parameters()),
         mlp="gated" if gated else "plain", experts=experts, top_k=_top_k(model) if experts else 0,
-        moe_blocks=_moe_blocks(blocks) if experts else None,
+        moe_blocks=moe_blocks, dense_intermediate=dense_intermediate,
     )
 
 

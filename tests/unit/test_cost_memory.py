@@ -72,6 +72,23 @@ def test_block_activations_are_what_the_block_saves(family, mode):
     assert measured == pytest.approx(expected, rel=0.03), (measured, expected)
 
 
+def test_a_dense_block_of_an_moe_model_is_priced_as_dense():
+    """DeepSeek's shape: a dense first block (its own inner size) before MoE blocks; each kind's count against what
+    torch keeps, and the model's shape reads both inner sizes."""
+    torch.manual_seed(0)
+    dense_config = LlamaConfig(**{**vars(MOE), "num_experts": 0, "intermediate_size": 352, "num_hidden_layers": 3})
+    model = Llama(LlamaConfig(**{**vars(MOE), "num_hidden_layers": 3}))
+    model.layers[0] = DecoderLayer(dense_config)
+    shape = model_shape(model)
+    assert (shape.moe_blocks, shape.intermediate, shape.dense_intermediate) == ((1, 2), 96, 352)
+    batch, seq = 2, 64
+    for index, moe in ((0, False), (1, True)):
+        x = torch.randn(batch, seq, shape.hidden, requires_grad=True)
+        measured = _forward_activations(model.layers[index], x, torch.arange(seq))
+        expected = block_bytes(shape, batch * seq, 4, moe=moe)
+        assert measured == pytest.approx(expected, rel=0.03), (index, measured, expected)
+
+
 def test_model_state_is_the_layout_shards_priced():
     with torch.device("meta"):
         model = Llama(LLAMA)
