@@ -35,15 +35,22 @@ class _Slot:
 class _Carry(nn.Module):
     """Stands in for a unit before the blocks that another stage holds: returns the received activation.
 
-    A stand-in for an embedding keeps an empty ``weight`` of its dtype and device (not saved): models read
-    ``self.embed_tokens.weight.device`` before calling it (Llama 4)."""
+    A stand-in for an embedding answers ``weight`` with an empty tensor of its dtype, on the carried activation's
+    device (no parameter, no buffer: nothing to initialise or save): models read ``self.embed_tokens.weight.device``
+    before calling it (Llama 4)."""
 
     def __init__(self, slot: _Slot, unit: nn.Module) -> None:
         super().__init__()
         self._slot = slot
         weight = getattr(unit, "weight", None)
-        if isinstance(weight, torch.Tensor):
-            self.register_buffer("weight", torch.empty(0, dtype=weight.dtype, device=weight.device), persistent=False)
+        self._dtype = weight.dtype if isinstance(weight, torch.Tensor) else None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        if self._dtype is None:
+            raise AttributeError("the module this stage does not hold has no `weight`")
+        carried = self._slot.carried
+        return torch.empty(0, dtype=self._dtype, device=carried.device if carried is not None else None)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         assert self._slot.carried is not None, "only a stage after the first carries a unit in"
