@@ -53,12 +53,11 @@ def _local(param: torch.Tensor | None) -> torch.Tensor | None:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
-def _packed_bias(bias: torch.Tensor | None, mesh: DeviceMesh) -> torch.Tensor | None:
-    """The rank's slice of q's, k's and v's bias, from the whole bias (its gradient summed over tp)."""
-    if not isinstance(bias, DTensor):
-        return bias
+def packed_bias_slice(bias: DTensor, parts: int, mesh: DeviceMesh) -> torch.Tensor:
+    """The rank's slice of each of the ``parts`` equal parts of a bias held whole over tp (a Replicate DTensor),
+    concatenated as a part-by-part weight's output; its gradient, covering those slices only, is summed over tp."""
     whole = bias.to_local(grad_placements=[Partial()])
-    return whole.view(3, mesh.size(), -1)[:, mesh.get_local_rank()].reshape(-1)
+    return whole.view(parts, mesh.size(), -1)[:, mesh.get_local_rank()].reshape(-1)
 
 
 def _whole_inputs(mesh: DeviceMesh, *values: torch.Tensor) -> list[torch.Tensor]:
@@ -82,7 +81,8 @@ def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | N
 
 def _projections(module: nn.MultiheadAttention, mesh: DeviceMesh, query, key, value):
     """q, k, v of the rank's heads, batch first."""
-    bias = _packed_bias(module.in_proj_bias, mesh)
+    packed = module.in_proj_bias
+    bias = packed_bias_slice(packed, 3, mesh) if isinstance(packed, DTensor) else packed
     biases = bias.chunk(3) if bias is not None else (None, None, None)
     if module._qkv_same_embed_dim:
         weights = cast(torch.Tensor, _local(module.in_proj_weight)).chunk(3)

@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_nd.layout.structure import is_conv1d
 from lightning_nd.layout.tp_checks import PACKED_PARTS
 from lightning_nd.parallel.expert_tp import TransposedExpertsParallel, reduce_from_tp
-from lightning_nd.parallel.tp_attention import MultiheadAttentionParallel
+from lightning_nd.parallel.tp_attention import MultiheadAttentionParallel, packed_bias_slice
 
 SEQUENCE_DIM = 1
 
@@ -81,8 +81,7 @@ def _use_packed_bias(parts: int, mesh: DeviceMesh, module: nn.Module, args: tupl
     """Swap a fused layer's whole bias for the rank's slice of each part, laid out as its weight's output."""
     bias = module._parameters["bias"]
     setattr(module, "_dtensor_parameters", {"bias": bias})
-    whole = cast(DTensor, bias).to_local(grad_placements=[Partial()])
-    local = whole.view(parts, mesh.size(), -1)[:, mesh.get_local_rank()].reshape(-1)
+    local = packed_bias_slice(cast(DTensor, bias), parts, mesh)
     strided = DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=parts)], run_check=False)
     module._parameters["bias"] = cast(nn.Parameter, strided)  # a view for this forward, as `_use_local_parameters`
 
