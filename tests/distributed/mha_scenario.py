@@ -99,5 +99,31 @@ def compare() -> dict[str, dict[str, float]]:
         differences["split"] = float(isinstance(split.out_proj.weight, DTensor) and isinstance(
             next(p for n, p in split.named_parameters() if "proj_weight" in n), DTensor))
         results[name] = differences
+    results["lightning_demo_transformer"] = _demo_transformer(mesh)
     dist.destroy_process_group()
     return results
+
+
+def _demo_transformer(mesh) -> dict[str, float]:
+    """Lightning's demo `Transformer` (`nn.Transformer`: encoder, decoder, cross-attention), planned with no plan of
+    ours at tp=2, against the same model whole in float64: largest differences of output and gradients."""
+    from lightning.pytorch.demos import Transformer
+
+    from lightning_nd import ParallelConfig, ParallelDims, plan_layout
+    from lightning_nd.parallel.tensor import apply_tp
+
+    torch.manual_seed(0)
+    model = Transformer(vocab_size=64, ninp=32, nhead=4, nhid=64, nlayers=2, dropout=0.0).double()
+    whole = copy.deepcopy(model)
+    source, target = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    expected = whole(source, target)
+    expected.square().mean().backward()
+    layout = plan_layout(model, ParallelDims(tp=2, world_size=2), ParallelConfig())
+    apply_tp(model, mesh, {entry.module: entry.style for entry in layout.tp}, sequence_parallel=False,
+             loss_parallel=False, block_names=list(layout.blocks))
+    output = model(source, target)
+    output.square().mean().backward()
+    reference = _grads(whole)
+    return {"output": (output - expected).abs().max().item(),
+            "param_grads": max((grad - reference[name]).abs().max().item() for name, grad in _grads(model).items()),
+            "split": float(sum(entry.style == "multihead_attention" for entry in layout.tp) == 6)}
