@@ -111,6 +111,18 @@ class Conv1DRowwiseParallel(RowwiseParallel):
         )
 
 
+class EmbeddingRowwiseParallel(RowwiseParallel):
+    """torch's vocabulary split of an embedding, its summed lookup returned as a tensor of its own (one copy of the
+    embeddings per forward): DTensor's ``to_local`` gives a view made inside an autograd Function, which a model's
+    next in-place op (GIT's ``embeddings += position_embeddings``) may not modify. The sum itself stays DTensor's,
+    whose masked partial zeroes the rows other ranks hold."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        output = RowwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+        return output.clone() if use_local_output else output
+
+
 class ReplicatedPartialGrad(ParallelStyle):
     """Hugging Face's ``replicated_with_grad_allreduce``: parameters whole on every tp rank, but each rank's
     gradient covers only its own heads (Qwen3's per-head ``q_norm``/``k_norm`` between a colwise and a rowwise
@@ -229,7 +241,7 @@ def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_sha
     if name == "embedding_rowwise":
         # Replicated even under SP: code between the embedding and the first block (positions, masks)
         # sees an ordinary full tensor; the first block's pre-hook slices it (no communication).
-        return RowwiseParallel(input_layouts=Replicate())
+        return EmbeddingRowwiseParallel(input_layouts=Replicate())
     if name == "embedding_colwise":
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if name == "colwise_gather_output":

@@ -44,7 +44,6 @@ NOT_PLANNED: dict[str, tuple[str, str]] = {
     "hy_v4": ("failed", "a layer its declared plan leaves whole reads the attention's shared input"),
     "bitnet": ("failed", "a norm over the attention's concatenated heads (`attn_sub_norm`), which tp splits"),
     "dory": ("failed", "a per-feature scale of all heads (`sqk`) applied to the rank's heads"),
-    "git": ("failed", "it writes in place into a view of a layer's local output (an autograd limit of DTensor.to_local)"),
     "doge": ("refused", "a per-head `dt_proj` (one output per kv head) that the plan does not split"),
     "neomme": ("refused", "its declared q_proj has no rowwise partner in its module"),
 }
