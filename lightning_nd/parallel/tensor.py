@@ -13,6 +13,7 @@ models that derive positions from it (Hugging Face) rely on.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import TypeGuard, cast
 
 import torch
@@ -23,7 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_nd.layout.latent import rope_dim
-from lightning_nd.layout.structure import HEAD_ATTRS, get_submodule, parent_name
+from lightning_nd.layout.structure import HEAD_ATTRS, get_submodule, is_linear, parent_name
 from lightning_nd.layout.structure_plan import widths
 from lightning_nd.layout.tp_checks import PACKED_PARTS, head_counts, is_colwise
 from lightning_nd.parallel.tp_dropout import fork_rng_per_rank, has_dropout
@@ -60,6 +61,10 @@ def apply_tp(
         if heads and name not in block_names:
             module.register_forward_pre_hook(_local_head_inputs(heads, tp_mesh), with_kwargs=True)
         _divide_head_counts(name, module, tp_mesh.size(), entries)
+        for child in _whole_children(name, module, entries) if name not in block_names else ():
+            child.register_forward_pre_hook(_local_inputs, with_kwargs=True)
+            full = f"{name}.{child_name(module, child)}" if name else child_name(module, child)
+            child.register_forward_hook(partial(_check_no_gradient, full))
         # A module strictly inside a block (attention, MLP) shares its input once among all its
         # projections: one all-gather (SP) or none (replicated input), and in backward a single
         # reduction of the input gradient instead of one per projection (q, k, v: three). A block's
@@ -104,6 +109,38 @@ WIDTH_ATTRS = ("all_head_size", "embed_dim", "inner_dim", "hidden_size")
 """Attributes a module split by heads may reshape its heads' output with; divided by tp where they equal heads x
 head_dim (the width before its rowwise layer) and a separate query projection has that width. Not beside a fused
 one: CodeGen's ``embed_dim // mp_num`` is the width of a group of its fused rows, which must stay whole."""
+
+
+def _whole_children(name: str, module: nn.Module, entries: Mapping[str, object]) -> list[nn.Module]:
+    """Children of a split module that hold linear layers the plan leaves whole, none of their own in the plan
+    (DeepSeek-V3.2's sparse-attention indexer): they run whole on every tp rank, on local inputs."""
+    kept_whole = ("replicated_with_grad_allreduce", "down_projection", "replicate")  # styles that split nothing
+    planned = lambda child: any((entry == child or entry.startswith(child + ".")) and style not in kept_whole  # noqa: E731
+                                for entry, style in entries.items())
+    return [child for child_name, child in module.named_children()
+            if not is_linear(child) and not planned(f"{name}.{child_name}" if name else child_name)
+            and any(is_linear(sub) for sub in child.modules())]
+
+
+def child_name(parent: nn.Module, child: nn.Module) -> str:
+    return next(name for name, module in parent.named_children() if module is child)
+
+
+def _local_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    local = lambda value: value.full_tensor() if isinstance(value, DTensor) else value  # noqa: E731
+    return tuple(local(a) for a in args), {key: local(value) for key, value in kwargs.items()}
+
+
+def _check_no_gradient(name: str, module: nn.Module, args: tuple, output: object) -> None:
+    """A whole child's output must carry no gradient (the indexer's top-k mask, computed under no_grad): each tp
+    rank would hand back the gradient of its own heads only, which nothing here sums."""
+    outputs = output if isinstance(output, (tuple, list)) else (output,)
+    if any(isinstance(value, torch.Tensor) and value.requires_grad for value in outputs):
+        raise RuntimeError(
+            f"Tensor parallelism: `{name}` runs whole on every tp rank (the plan splits none of its layers) and its"
+            " output carries a gradient, which each tp rank would only have for its own heads. HINT: pass"
+            f" `NDParallel(tp_plan=...)` that leaves `{parent_name(name)}` out (it then stays whole on every tp"
+            " rank), or one that splits `{name}` too.")
 
 
 def _local_head_inputs(heads: int, tp_mesh: DeviceMesh):

@@ -100,6 +100,7 @@ def compare() -> dict[str, dict[str, float]]:
             next(p for n, p in split.named_parameters() if "proj_weight" in n), DTensor))
         results[name] = differences
     results["lightning_demo_transformer"] = _demo_transformer(mesh)
+    results["whole_child_with_gradient"] = _whole_child_with_gradient(mesh)
     dist.destroy_process_group()
     return results
 
@@ -127,3 +128,32 @@ def _demo_transformer(mesh) -> dict[str, float]:
     return {"output": (output - expected).abs().max().item(),
             "param_grads": max((grad - reference[name]).abs().max().item() for name, grad in _grads(model).items()),
             "split": float(sum(entry.style == "multihead_attention" for entry in layout.tp) == 6)}
+
+
+class _GatedHeads(nn.Module):
+    """An attention-like module whose ``gate`` child (layers no plan splits) feeds the output differentiably."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_heads = 4
+        self.q_proj, self.o_proj = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.gate = nn.Sequential(nn.Linear(WIDTH, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.q_proj(x)) * self.gate(x)
+
+
+def _whole_child_with_gradient(mesh) -> dict[str, float]:
+    """The whole child's output carries a gradient: the first forward stops, naming it (1.0), instead of training
+    with each rank's part of its gradient."""
+    from lightning_nd.parallel.tensor import apply_tp
+
+    module = _GatedHeads()
+    apply_tp(module, mesh, {"q_proj": "colwise", "o_proj": "rowwise"}, sequence_parallel=False, loss_parallel=False,
+             block_names=[])
+    try:
+        module(torch.randn(BATCH, LENGTH, WIDTH))
+    except RuntimeError as error:
+        return {"refused": float("`gate` runs whole on every tp rank" in str(error) and "HINT" in str(error))}
+    return {"refused": 0.0}
+

@@ -38,10 +38,8 @@ NOT_PLANNED: dict[str, tuple[str, str]] = {
     "big_bird": ("failed", "its forward replaces its attention module for short sequences (block sparse -> full),"
                            " dropping the split one"),
     "trocr": ("failed", "its attention reshapes with the input's own width (`hidden_states.size()`), the full one"),
-    "axk2": ("failed", "its sparse-attention indexer reads the attention's shared input with layers the plan leaves whole"),
-    "deepseek_v32": ("failed", "its sparse-attention indexer reads the attention's shared input with layers the plan leaves whole"),
-    "glm_moe_dsa": ("failed", "its sparse-attention indexer reads the attention's shared input with layers the plan leaves whole"),
-    "hy_v4": ("failed", "a layer its declared plan leaves whole reads the attention's shared input"),
+    "axk2": ("failed", "its declared plan splits the heads but not the query's latent path, whose `q_a_proj` reads the"
+                       " attention's shared input"),
     "bitnet": ("failed", "a norm over the attention's concatenated heads (`attn_sub_norm`), which tp splits"),
     "dory": ("failed", "a per-feature scale of all heads (`sqk`) applied to the rank's heads"),
     "doge": ("refused", "a per-head `dt_proj` (one output per kv head) that the plan does not split"),

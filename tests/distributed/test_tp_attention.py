@@ -24,3 +24,8 @@ def test_multihead_attention_split_by_heads_matches_the_whole_module(per_rank, c
         assert differences.pop("split") == 1.0, f"rank {rank}: the module was not split"
         tolerance = 1e-12 if case == "lightning_demo_transformer" else 2e-5  # float64 / float32
         assert max(differences.values()) < tolerance, (rank, differences)
+
+
+def test_a_whole_child_whose_output_carries_a_gradient_stops_at_the_first_forward(per_rank):
+    for rank, results in enumerate(per_rank):
+        assert results["whole_child_with_gradient"] == {"refused": 1.0}, rank
