@@ -20,6 +20,7 @@ from lightning_nd.layout.structure import (
     get_submodule,
     is_conv1d,
     is_linear,
+    is_norm,
     parent_name,
     torch_class,
 )
@@ -247,3 +248,27 @@ def _feed_forward_plan(block: nn.Module) -> dict[str, str]:
         return {}
     return {child: "colwise" if module.out_features >= module.in_features else "rowwise" for child, module in linears}
 
+
+def norms_over_split_features(model: nn.Module, entries: Mapping[str, object]) -> dict[str, str]:
+    """Modules whose layers a plan splits that hold a norm over the split features, which each tp rank would normalize
+    on its own part (BitNet's ``attn_sub_norm`` over the concatenated heads, ``ffn_sub_norm`` over the MLP's inner
+    features): parent -> norm. A norm counts when its width is a colwise layer's output width and either not an input
+    width there or registered after the colwise layers (a pre-norm of the input comes before them)."""
+    found = {}
+    for parent in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
+        children = list(get_submodule(model, parent).named_children())
+        prefix = f"{parent}." if parent else ""
+        colwise = [index for index, (child, _) in enumerate(children) if is_colwise(entries.get(prefix + child))]
+        outputs = {_widths(children[index][1])[1] for index in colwise}
+        inputs = {_widths(children[index][1])[0] for index in colwise}
+        for index, (child, module) in enumerate(children):
+            width = {param.shape[0] for param in module.parameters(recurse=False) if param.ndim == 1}
+            if is_norm(module) and prefix + child not in entries and len(width) == 1 and width <= outputs and (
+                    not width <= inputs or index > max(colwise)):
+                found[parent] = prefix + child
+    return found
+
+
+def _widths(module: nn.Module) -> tuple[int, int]:
+    weight = cast(torch.Tensor, module.weight)
+    return (weight.shape[0], weight.shape[1]) if is_conv1d(module) else (weight.shape[1], weight.shape[0])

@@ -33,6 +33,7 @@ from lightning_nd.layout.tp_checks import (
     check_per_head_outputs,
     check_plan,
     check_three_equal_parts,
+    norms_over_split_features,
     is_colwise,
     unequal_parts,
     vocabulary_split_with_own_forward,
@@ -144,6 +145,16 @@ def resolve_tp_plan(
         entries = _drop_indivisible_vocabulary(model, entries, tp)
     check_partners(entries, source, paired=set(structural))
     check_per_head_outputs(model, entries, facts, source)
+    if over := norms_over_split_features(model, entries):
+        if kind in ("explicit", "declared"):
+            parent, norm = next(iter(over.items()))
+            raise ValueError(f"TP plan ({source}): `{norm}` normalizes the features `{parent or 'the model'}` splits"
+                             " over tp, so each rank would normalize its own part of them. HINT: pass"
+                             f" `NDParallel(tp_plan=...)` that leaves `{parent or 'that module'}` out (it then stays"
+                             " whole on every tp rank).")
+        log.warning("Left whole on every tp rank, a norm over the features a guessed split divides: %s",
+                    ", ".join(f"{parent} ({norm})" for parent, norm in over.items()))
+        entries = {name: style for name, style in entries.items() if parent_name(name) not in over}
     sources = {name: origin.get(name, kind) for name in entries}
     split_parents = {parent_name(name) for name, style in entries.items() if is_colwise(style)}
     split_parents -= {name for name, _ in find_blocks(model)} | {""}

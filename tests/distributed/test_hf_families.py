@@ -40,7 +40,6 @@ NOT_PLANNED: dict[str, tuple[str, str]] = {
     "trocr": ("failed", "its attention reshapes with the input's own width (`hidden_states.size()`), the full one"),
     "axk2": ("failed", "its declared plan splits the heads but not the query's latent path, whose `q_a_proj` reads the"
                        " attention's shared input"),
-    "bitnet": ("failed", "a norm over the attention's concatenated heads (`attn_sub_norm`), which tp splits"),
     "dory": ("failed", "a per-feature scale of all heads (`sqk`) applied to the rank's heads"),
     "doge": ("refused", "a per-head `dt_proj` (one output per kv head) that the plan does not split"),
     "neomme": ("refused", "its declared q_proj has no rowwise partner in its module"),

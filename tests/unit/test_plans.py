@@ -271,6 +271,20 @@ def test_a_fused_projection_of_unknown_order_is_left_whole_and_named():
     assert left_whole(model, entries) == ["0.attn.dense.weight", "0.attn.qkv.weight"]  # what the layout warns of
 
 
+def test_a_norm_over_split_features_leaves_a_guess_whole_and_refuses_a_given_plan():
+    """BitNet's shape: a norm over the MLP's inner features, after its colwise layers; each tp rank would normalize
+    its own part of them."""
+    model = build("llama")
+    for layer in model.layers:
+        layer.mlp.sub_norm = nn.RMSNorm(128)
+    guessed = _resolve(model).entries
+    assert not any(".mlp." in name for name in guessed) and guessed["layers.0.self_attn.q_proj"] == "colwise"
+    explicit = {f"layers.*.{name}": style for name, style in LLAMA_LAYER_PLAN.items()}
+    with pytest.raises(ValueError, match=r"`layers.0.mlp.sub_norm` normalizes the features `layers.0.mlp` splits.*"
+                                         r"HINT: .*leaves `layers.0.mlp` out"):
+        _resolve(model, explicit)
+
+
 def test_a_per_head_layer_not_split_with_the_heads_is_refused_while_planning():
     """Doge's shape: one value per key/value head (`dt_proj`), rowwise, beside the split q/k/v; without
     the attention in the plan the same model plans."""
