@@ -77,6 +77,13 @@ def is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
+def widths(module: nn.Module) -> tuple[int, int]:
+    """(input, output) features of a linear layer (``Conv1D`` stores its weight ``[in, out]``)."""
+    weight = module.weight
+    assert isinstance(weight, Tensor), f"{type(module).__name__} has no weight matrix"
+    return (weight.shape[0], weight.shape[1]) if is_conv1d(module) else (weight.shape[1], weight.shape[0])
+
+
 def linear_names(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if is_linear(module)]
 

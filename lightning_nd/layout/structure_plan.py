@@ -21,23 +21,16 @@ What the rules do not recognise stays whole on every tp rank, and `left_whole` n
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import cast
 
-from torch import Tensor, nn
+from torch import nn
 
-from lightning_nd.layout.structure import HEAD_ATTRS, find_blocks, is_conv1d, is_linear, parent_name
+from lightning_nd.layout.structure import HEAD_ATTRS, find_blocks, is_linear, parent_name, widths
 
 FUSED_HEAD_MAJOR = ("query_key_value",)
 """Names of a fused ``[q; k; v]`` laid out head by head (``[heads, 3, head_dim]``): a plain colwise split keeps
 each head's q, k and v together."""
 LARGE = 0.1
 """A matrix left whole is named when it holds at least this share of its block's parameters."""
-
-
-def widths(module: nn.Module) -> tuple[int, int]:
-    """(input, output) features of a linear layer."""
-    weight = cast(Tensor, module.weight)
-    return (weight.shape[0], weight.shape[1]) if is_conv1d(module) else (weight.shape[1], weight.shape[0])
 
 
 def structure_plan(model: nn.Module, planned: Mapping[str, object], skip: tuple[str, ...] = (),

@@ -23,6 +23,7 @@ from lightning_nd.layout.structure import (
     is_norm,
     parent_name,
     torch_class,
+    widths,
 )
 
 if TYPE_CHECKING:
@@ -226,7 +227,7 @@ def unequal_parts(module: nn.Module) -> tuple[int, int] | None:
     weight = getattr(module, "weight", None)
     if weight is None or weight.ndim != 2:
         return None
-    width, out = (weight.shape[0], weight.shape[1]) if is_conv1d(module) else (weight.shape[1], weight.shape[0])
+    width, out = widths(module)
     return None if out == 3 * width else (width, out)
 
 
@@ -259,8 +260,8 @@ def norms_over_split_features(model: nn.Module, entries: Mapping[str, object]) -
         children = list(get_submodule(model, parent).named_children())
         prefix = f"{parent}." if parent else ""
         colwise = [index for index, (child, _) in enumerate(children) if is_colwise(entries.get(prefix + child))]
-        outputs = {_widths(children[index][1])[1] for index in colwise}
-        inputs = {_widths(children[index][1])[0] for index in colwise}
+        outputs = {widths(children[index][1])[1] for index in colwise}
+        inputs = {widths(children[index][1])[0] for index in colwise}
         for index, (child, module) in enumerate(children):
             width = {param.shape[0] for param in module.parameters(recurse=False) if param.ndim == 1}
             if is_norm(module) and prefix + child not in entries and len(width) == 1 and width <= outputs and (
@@ -268,7 +269,3 @@ def norms_over_split_features(model: nn.Module, entries: Mapping[str, object]) -
                 found[parent] = prefix + child
     return found
 
-
-def _widths(module: nn.Module) -> tuple[int, int]:
-    weight = cast(torch.Tensor, module.weight)
-    return (weight.shape[0], weight.shape[1]) if is_conv1d(module) else (weight.shape[1], weight.shape[0])

@@ -11,8 +11,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from lightning_nd.layout.hf_styles import experts_modules
-from lightning_nd.layout.structure import find_blocks, get_submodule, is_linear, parent_name
-from lightning_nd.layout.structure_plan import widths as layer_widths
+from lightning_nd.layout.structure import find_blocks, get_submodule, is_linear, parent_name, widths
 from lightning_nd.layout.tp_checks import is_colwise
 
 log = logging.getLogger(__name__)
@@ -83,14 +82,14 @@ def gated_widths(model: nn.Module, entries: Mapping[str, object]) -> dict[str, o
     """A guessed feed-forward layer whose width is twice its rowwise partner's input is a fused ``[gate; up]``
     (Moshi's ``fc1``, split in halves by its forward): ``packed_colwise``, each half split on its own. Another
     width mismatch leaves the module's pair whole."""
-    rowwise_in = {parent_name(name): layer_widths(get_submodule(model, name))[0]
+    rowwise_in = {parent_name(name): widths(get_submodule(model, name))[0]
                   for name, style in entries.items() if style == "rowwise"}
     result, whole = dict(entries), set()
     for name, style in entries.items():
         parent = parent_name(name)
         if style != "colwise" or name.rsplit(".", 1)[-1] not in MLP_NAMES or parent not in rowwise_in:
             continue
-        out = layer_widths(get_submodule(model, name))[1]
+        out = widths(get_submodule(model, name))[1]
         if out == 2 * rowwise_in[parent]:
             result[name] = "packed_colwise"
         elif out != rowwise_in[parent]:

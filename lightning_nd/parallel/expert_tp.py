@@ -21,6 +21,8 @@ Pure torch: no Lightning, no planning.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -29,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from lightning_nd.parallel.forward_views import restore_parameters, swap_parameters
 from lightning_nd.runtime.profiling import comm_label
 
 GATE_UP_PLACEMENT = _StridedShard(1, split_factor=2)
@@ -123,14 +126,12 @@ class TransposedExpertsParallel(ParallelStyle):
 
 def _local_stacks(module: nn.Module, args: tuple, group: dist.ProcessGroup) -> tuple:
     """The module's forward runs on its local slices (their gradients go to the DTensors' shards)."""
-    whole = {name: module._parameters[name] for name in TRANSPOSED_PLACEMENTS}
-    setattr(module, "_dtensor_parameters", whole)
-    for name, param in whole.items():
-        module._parameters[name] = param.to_local() if isinstance(param, DTensor) else param
+    swap_parameters(module, {name: cast(DTensor, param).to_local() for name, param in module._parameters.items()
+                             if name in TRANSPOSED_PLACEMENTS and isinstance(param, DTensor)})
     first, *rest = args
     return (copy_to_tp(first, group), *rest)
 
 
 def _whole_output(module: nn.Module, output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    module._parameters.update(module.__dict__.pop("_dtensor_parameters"))
+    restore_parameters(module)
     return reduce_from_tp(output, group)

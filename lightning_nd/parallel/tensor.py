@@ -24,8 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_nd.layout.latent import rope_dim
-from lightning_nd.layout.structure import HEAD_ATTRS, get_submodule, is_linear, parent_name
-from lightning_nd.layout.structure_plan import widths
+from lightning_nd.layout.structure import HEAD_ATTRS, get_submodule, is_linear, parent_name, widths
 from lightning_nd.layout.tp_checks import PACKED_PARTS, head_counts, is_colwise
 from lightning_nd.parallel.tp_dropout import fork_rng_per_rank, has_dropout
 from lightning_nd.parallel.tp_styles import SEQUENCE_DIM, style_for
@@ -61,10 +60,9 @@ def apply_tp(
         if heads and name not in block_names:
             module.register_forward_pre_hook(_local_head_inputs(heads, tp_mesh), with_kwargs=True)
         _divide_head_counts(name, module, tp_mesh.size(), entries)
-        for child in _whole_children(name, module, entries) if name not in block_names else ():
+        for child_name, child in _whole_children(name, module, entries) if name not in block_names else ():
             child.register_forward_pre_hook(_local_inputs, with_kwargs=True)
-            full = f"{name}.{child_name(module, child)}" if name else child_name(module, child)
-            child.register_forward_hook(partial(_check_no_gradient, full))
+            child.register_forward_hook(partial(_check_no_gradient, child_name))
         # A module strictly inside a block (attention, MLP) shares its input once among all its
         # projections: one all-gather (SP) or none (replicated input), and in backward a single
         # reduction of the input gradient instead of one per projection (q, k, v: three). A block's
@@ -111,19 +109,16 @@ head_dim (the width before its rowwise layer) and a separate query projection ha
 one: CodeGen's ``embed_dim // mp_num`` is the width of a group of its fused rows, which must stay whole."""
 
 
-def _whole_children(name: str, module: nn.Module, entries: Mapping[str, object]) -> list[nn.Module]:
-    """Children of a split module that hold linear layers the plan leaves whole, none of their own in the plan
-    (DeepSeek-V3.2's sparse-attention indexer): they run whole on every tp rank, on local inputs."""
+def _whole_children(name: str, module: nn.Module, entries: Mapping[str, object]) -> list[tuple[str, nn.Module]]:
+    """Children of a split module (by full name) that hold linear layers the plan leaves whole, none of their own in
+    the plan (DeepSeek-V3.2's sparse-attention indexer): they run whole on every tp rank, on local inputs."""
     kept_whole = ("replicated_with_grad_allreduce", "down_projection", "replicate")  # styles that split nothing
     planned = lambda child: any((entry == child or entry.startswith(child + ".")) and style not in kept_whole  # noqa: E731
                                 for entry, style in entries.items())
-    return [child for child_name, child in module.named_children()
-            if not is_linear(child) and not planned(f"{name}.{child_name}" if name else child_name)
-            and any(is_linear(sub) for sub in child.modules())]
-
-
-def child_name(parent: nn.Module, child: nn.Module) -> str:
-    return next(name for name, module in parent.named_children() if module is child)
+    prefix = f"{name}." if name else ""
+    children = [(prefix + child_name, child) for child_name, child in module.named_children()]
+    return [(full, child) for full, child in children
+            if not is_linear(child) and not planned(full) and any(is_linear(sub) for sub in child.modules())]
 
 
 def _local_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

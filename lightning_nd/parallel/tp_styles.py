@@ -22,6 +22,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_nd.layout.structure import is_conv1d
 from lightning_nd.layout.tp_checks import PACKED_PARTS
 from lightning_nd.parallel.expert_tp import TransposedExpertsParallel, reduce_from_tp
+from lightning_nd.parallel.forward_views import restore_parameters, swap_parameters
 from lightning_nd.parallel.tp_attention import MultiheadAttentionParallel, packed_bias_slice
 
 SEQUENCE_DIM = 1
@@ -73,17 +74,15 @@ class FusedColwiseParallel(ColwiseParallel):
         )
         if self.parts > 1 and isinstance(getattr(module, "bias", None), DTensor):
             module.register_forward_pre_hook(partial(_use_packed_bias, self.parts, device_mesh))
-            module.register_forward_hook(_restore_parameters)
+            module.register_forward_hook(restore_parameters)
         return module
 
 
 def _use_packed_bias(parts: int, mesh: DeviceMesh, module: nn.Module, args: tuple) -> None:
     """Swap a fused layer's whole bias for the rank's slice of each part, laid out as its weight's output."""
-    bias = module._parameters["bias"]
-    setattr(module, "_dtensor_parameters", {"bias": bias})
-    local = packed_bias_slice(cast(DTensor, bias), parts, mesh)
-    strided = DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=parts)], run_check=False)
-    module._parameters["bias"] = cast(nn.Parameter, strided)  # a view for this forward, as `_use_local_parameters`
+    local = packed_bias_slice(cast(DTensor, module._parameters["bias"]), parts, mesh)
+    swap_parameters(module, {"bias": DTensor.from_local(local, mesh, [_StridedShard(0, split_factor=parts)],
+                                                        run_check=False)})
 
 
 class Conv1DRowwiseParallel(RowwiseParallel):
@@ -135,7 +134,7 @@ class ReplicatedPartialGrad(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute(module, device_mesh, lambda param: Replicate())
         module.register_forward_pre_hook(partial(_use_local_parameters, Partial()))
-        module.register_forward_hook(_restore_parameters)
+        module.register_forward_hook(restore_parameters)
         return module
 
 
@@ -147,20 +146,13 @@ class PerHeadParameters(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         _distribute(module, device_mesh, lambda param: Shard(0))
         module.register_forward_pre_hook(partial(_use_local_parameters, Shard(0)))
-        module.register_forward_hook(_restore_parameters)
+        module.register_forward_hook(restore_parameters)
         return module
 
 
 def _use_local_parameters(grad_placement, module: nn.Module, args: tuple) -> None:
-    dtensor_parameters = dict(module._parameters)
-    setattr(module, "_dtensor_parameters", dtensor_parameters)
-    for name, param in dtensor_parameters.items():
-        if isinstance(param, DTensor):
-            module._parameters[name] = param.to_local(grad_placements=[grad_placement])
-
-
-def _restore_parameters(module: nn.Module, args: tuple, output: object) -> None:
-    module._parameters.update(module.__dict__.pop("_dtensor_parameters"))
+    swap_parameters(module, {name: cast(DTensor, param).to_local(grad_placements=[grad_placement])
+                             for name, param in module._parameters.items() if isinstance(param, DTensor)})
 
 
 class ShardingSequenceParallel(SequenceParallel):
