@@ -19,8 +19,8 @@ from lightning_nd.layout.structure import (
     ModelFacts,
     get_submodule,
     is_conv1d,
-    is_linear,
     is_norm,
+    owns_parameters,
     parent_name,
     torch_class,
     widths,
@@ -33,7 +33,7 @@ SHARDED_OUTPUT = ("colwise", "packed_colwise", "packed_qkv")
 """Colwise styles whose output stays split (heads or features per rank): a rowwise layer must take it back."""
 PACKED_PARTS: dict[object, int] = {"packed_colwise": 2, "packed_qkv": 3}
 COLWISE_WEIGHT = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise", *PACKED_PARTS)
-ROWWISE_WEIGHT = ("rowwise", "rowwise_split_input", "embedding_rowwise")
+ROWWISE_WEIGHT = ("rowwise", "rowwise_split_input", "embedding_rowwise", "per_head_rowwise")
 
 
 def is_torch_style(value: object, name: str = "ParallelStyle") -> bool:
@@ -150,7 +150,7 @@ def check_partners(entries: Mapping[str, object], source: str, paired: Collectio
             by_parent.setdefault(parent, {"colwise": [], "rowwise": []})[side].append(name)
     for parent, sides in by_parent.items():
         for side, other in (("colwise", "rowwise"), ("rowwise", "colwise")):
-            if sides[side] and not sides[other]:
+            if sides[side] and not sides[other] and not _nested_partner(parent, other, by_parent):
                 raise ValueError(
                     f"TP plan ({source}): `{sides[side][0]}` is {side} but `{parent or 'the model'}` has no {other}"
                     f" layer to pair with it, so the next layer would get a tensor of the wrong width. HINT: add the"
@@ -159,30 +159,12 @@ def check_partners(entries: Mapping[str, object], source: str, paired: Collectio
                 )
 
 
-def check_per_head_outputs(model: nn.Module, entries: Mapping[str, object], facts: ModelFacts, source: str) -> None:
-    """A linear layer with one output per head (``out_features`` equal to a head count), next to layers that split
-    the heads, must be split with them: rowwise or unplanned it gives every tp rank the values of all heads while
-    the rank holds heads / tp of them (Doge's ``dt_proj``, one dynamic-mask weight per key/value head, added to
-    the local heads' scores)."""
-    config_counts = {fact: getattr(facts, fact) for fact in ("num_attention_heads", "num_key_value_heads")
-                     if getattr(facts, fact) is not None}
-    for parent in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
-        module = get_submodule(model, parent)
-        counts = {**config_counts, **head_counts(module)}
-        for child, layer in module.named_children():
-            name = f"{parent}.{child}" if parent else child
-            if not is_linear(layer) or is_colwise(entries.get(name)):
-                continue
-            width = cast(torch.Tensor, layer.weight).shape[1 if is_conv1d(layer) else 0]
-            fact = next((fact for fact, count in counts.items() if count == width), None)
-            if fact is not None:
-                raise ValueError(
-                    f"TP plan ({source}): `{name}` has one output per head (`out_features={width}` = `{fact}`), but"
-                    f" `{parent}` splits its heads over tp and `{name}` is {entries.get(name) or 'not in the plan'}:"
-                    f" every tp rank would get the values of all {width} heads, which no longer match its local"
-                    f" heads. HINT: pass `NDParallel(tp_plan=...)` that leaves `{parent}` out (e.g. the MLP layers"
-                    " only: unplanned modules stay whole on every tp rank)."
-                )
+def _nested_partner(parent: str, side: str, by_parent: Mapping[str, Mapping[str, list[str]]]) -> bool:
+    """A partner one module deeper or higher inside the same module: NeoMME's ``o_proj`` sits in the attention's
+    ``output_projection`` (beside a colwise gate of its own), its q/k/v in the attention."""
+    def nested(a: str, b: str) -> bool:
+        return bool(a) and b.startswith(a + ".")
+    return any(names[side] and (nested(parent, other) or nested(other, parent)) for other, names in by_parent.items())
 
 
 def vocabulary_split_with_own_forward(model: nn.Module, entries: Mapping[str, object]) -> list[str]:
@@ -250,22 +232,33 @@ def _feed_forward_plan(block: nn.Module) -> dict[str, str]:
     return {child: "colwise" if module.out_features >= module.in_features else "rowwise" for child, module in linears}
 
 
+HEAD_DIM_ATTRS = ("head_dim", "head_size", "attention_head_size", "kv_channels")
+"""Attributes an attention module keeps its per-head width in."""
+
+
 def norms_over_split_features(model: nn.Module, entries: Mapping[str, object]) -> dict[str, str]:
     """Modules whose layers a plan splits that hold a norm over the split features, which each tp rank would normalize
     on its own part (BitNet's ``attn_sub_norm`` over the concatenated heads, ``ffn_sub_norm`` over the MLP's inner
     features): parent -> norm. A norm counts when its width is a colwise layer's output width and either not an input
-    width there or registered after the colwise layers (a pre-norm of the input comes before them)."""
+    width there or registered after the colwise layers (a pre-norm of the input comes before them). A norm without
+    parameters, whose width nothing shows, counts when it is registered after the colwise layers of a module without
+    heads that widens its input (Dory's ``ffn_sub_norm``, an L2 norm over the MLP's inner features; a weightless
+    norm in an attention module normalizes each head's query or key)."""
     found = {}
     for parent in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
-        children = list(get_submodule(model, parent).named_children())
+        owner = get_submodule(model, parent)
+        children = list(owner.named_children())
         prefix = f"{parent}." if parent else ""
         colwise = [index for index, (child, _) in enumerate(children) if is_colwise(entries.get(prefix + child))]
         outputs = {widths(children[index][1])[1] for index in colwise}
         inputs = {widths(children[index][1])[0] for index in colwise}
         for index, (child, module) in enumerate(children):
             width = {param.shape[0] for param in module.parameters(recurse=False) if param.ndim == 1}
-            if is_norm(module) and prefix + child not in entries and len(width) == 1 and width <= outputs and (
-                    not width <= inputs or index > max(colwise)):
+            if not is_norm(module) or prefix + child in entries:
+                continue
+            weightless = (not owns_parameters(module) and index > max(colwise) and not outputs & inputs
+                          and not head_counts(owner) and not any(hasattr(owner, attr) for attr in HEAD_DIM_ATTRS))
+            if weightless or len(width) == 1 and width <= outputs and (not width <= inputs or index > max(colwise)):
                 found[parent] = prefix + child
     return found
 

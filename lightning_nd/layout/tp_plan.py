@@ -18,6 +18,7 @@ from torch import nn
 from lightning_nd.layout.declared import declared_plan, expand
 from lightning_nd.layout.hf_styles import experts_modules, hf_meaning
 from lightning_nd.layout.latent import colwise_inputs, down_projections, feeds_colwise
+from lightning_nd.layout.per_feature import per_feature_owners, per_head_outputs
 from lightning_nd.layout.structure import (
     ModelFacts,
     find_blocks,
@@ -30,11 +31,10 @@ from lightning_nd.layout.structure_plan import structure_plan
 from lightning_nd.layout.tp_checks import (
     check_fused_attention,
     check_partners,
-    check_per_head_outputs,
     check_plan,
     check_three_equal_parts,
-    norms_over_split_features,
     is_colwise,
+    norms_over_split_features,
     unequal_parts,
     vocabulary_split_with_own_forward,
 )
@@ -64,6 +64,7 @@ STYLES = (
     "mla_kv_a_proj",
     "down_projection",
     "per_head_params",
+    "per_head_rowwise",
     "multihead_attention",
     "transposed_experts",
     "replicate",
@@ -144,10 +145,14 @@ def resolve_tp_plan(
     if kind != "explicit":
         entries = _drop_indivisible_vocabulary(model, entries, tp)
     check_partners(entries, source, paired=set(structural))
-    check_per_head_outputs(model, entries, facts, source)
+    restyled = per_head_outputs(model, entries, facts, source, restyle=kind != "explicit")
+    entries = {**entries, **restyled}
+    origin.update(dict.fromkeys(restyled, "per_head_output"))
     if over := norms_over_split_features(model, entries):
-        if kind in ("explicit", "declared"):
-            parent, norm = next(iter(over.items()))
+        named = {parent: norm for parent, norm in over.items() if any(
+            parent_name(name) == parent and origin.get(name) in ("explicit", "declared") for name in entries)}
+        if named:
+            parent, norm = next(iter(named.items()))
             raise ValueError(f"TP plan ({source}): `{norm}` normalizes the features `{parent or 'the model'}` splits"
                              " over tp, so each rank would normalize its own part of them. HINT: pass"
                              f" `NDParallel(tp_plan=...)` that leaves `{parent or 'that module'}` out (it then stays"
@@ -160,10 +165,14 @@ def resolve_tp_plan(
     split_parents -= {name for name, _ in find_blocks(model)} | {""}
     widths = {parent: colwise_inputs(model, entries, parent) for parent in sorted(split_parents)}
     down = down_projections(model, entries, widths)
-    partial = _partial_gradients(model, entries, widths)
+    heads = {count for count in (facts.num_attention_heads, facts.num_key_value_heads) if count is not None}
+    per_feature = per_feature_owners(model, entries, sorted(split_parents), heads)
+    partial = [name for name in _partial_gradients(model, entries, widths) if name not in per_feature]
+    entries.update(dict.fromkeys(per_feature, "per_head_params"))
     entries.update(dict.fromkeys(partial, "replicated_with_grad_allreduce"))
     entries.update(dict.fromkeys(down, "down_projection"))
     sources.update(dict.fromkeys(partial, "partial_gradient"))
+    sources.update(dict.fromkeys(per_feature, "per_feature"))
     sources.update(dict.fromkeys(down, "down_projection"))
     if sequence_parallel:
         norms = [name for name in _residual_norms(model) if name not in entries]

@@ -101,6 +101,7 @@ def compare() -> dict[str, dict[str, float]]:
         results[name] = differences
     results["lightning_demo_transformer"] = _demo_transformer(mesh)
     results["whole_child_with_gradient"] = _whole_child_with_gradient(mesh)
+    results["per_feature_scales"] = _per_feature_scales(mesh)
     dist.destroy_process_group()
     return results
 
@@ -157,3 +158,49 @@ def _whole_child_with_gradient(mesh) -> dict[str, float]:
         return {"refused": float("`gate` runs whole on every tp rank" in str(error) and "HINT" in str(error))}
     return {"refused": 0.0}
 
+
+
+class _ScaledMLP(nn.Module):
+    """nGPT's MLP (Dory's): each inner feature scaled by a learned vector the module owns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(WIDTH, 2 * WIDTH)
+        self.down_proj = nn.Linear(2 * WIDTH, WIDTH)
+        self.suv_gate, self.suv_up = nn.Parameter(torch.rand(2 * WIDTH)), nn.Parameter(torch.rand(2 * WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x) * self.suv_gate) * (self.up_proj(x) * self.suv_up))
+
+
+class _ScaledBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleDict({"mlp": _ScaledMLP()}) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer["mlp"](x)
+        return x
+
+
+def _per_feature_scales(mesh) -> dict[str, float]:
+    """The MLP's own per-feature vectors, planned by no plan of ours, split with its features (``per_head_params``)
+    against the model whole in float64: largest differences of output and gradients."""
+    from lightning_nd import ParallelConfig, ParallelDims, plan_layout
+    from lightning_nd.parallel.tensor import apply_tp
+
+    torch.manual_seed(0)
+    model = _ScaledBlocks().double()
+    whole = copy.deepcopy(model)
+    x = torch.randn(BATCH, LENGTH, WIDTH, dtype=torch.float64)
+    whole(x).square().mean().backward()
+    layout = plan_layout(model, ParallelDims(tp=2, world_size=2), ParallelConfig())
+    apply_tp(model, mesh, {entry.module: entry.style for entry in layout.tp}, sequence_parallel=False,
+             loss_parallel=False, block_names=list(layout.blocks))
+    output = model(x)
+    output.square().mean().backward()
+    reference = _grads(whole)
+    return {"output": (output - whole(x)).abs().max().item(),
+            "param_grads": max((grad - reference[name]).abs().max().item() for name, grad in _grads(model).items()),
+            "split": float({entry.module: entry.style for entry in layout.tp}.get("layers.0.mlp") == "per_head_params")}

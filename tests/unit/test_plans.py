@@ -271,12 +271,21 @@ def test_a_fused_projection_of_unknown_order_is_left_whole_and_named():
     assert left_whole(model, entries) == ["0.attn.dense.weight", "0.attn.qkv.weight"]  # what the layout warns of
 
 
-def test_a_norm_over_split_features_leaves_a_guess_whole_and_refuses_a_given_plan():
-    """BitNet's shape: a norm over the MLP's inner features, after its colwise layers; each tp rank would normalize
-    its own part of them."""
+class _L2Norm(nn.Module):
+    """Dory's weightless norm: nothing shows its width."""
+
+    def forward(self, x):
+        return nn.functional.normalize(x, dim=-1)
+
+
+@pytest.mark.parametrize("norm", [lambda: nn.RMSNorm(128), _L2Norm], ids=["bitnet_rmsnorm", "dory_l2norm"])
+def test_a_norm_over_split_features_leaves_a_guess_whole_and_refuses_a_given_plan(norm):
+    """BitNet's and Dory's shapes: a norm over the MLP's inner features, after its colwise layers; each tp rank would
+    normalize its own part of them. A weightless norm in the attention (each head's query) leaves it split."""
     model = build("llama")
     for layer in model.layers:
-        layer.mlp.sub_norm = nn.RMSNorm(128)
+        layer.mlp.sub_norm = norm()
+        layer.self_attn.q_norm = _L2Norm()
     guessed = _resolve(model).entries
     assert not any(".mlp." in name for name in guessed) and guessed["layers.0.self_attn.q_proj"] == "colwise"
     explicit = {f"layers.*.{name}": style for name, style in LLAMA_LAYER_PLAN.items()}
@@ -286,18 +295,38 @@ def test_a_norm_over_split_features_leaves_a_guess_whole_and_refuses_a_given_pla
 
 
 def test_a_per_head_layer_not_split_with_the_heads_is_refused_while_planning():
-    """Doge's shape: one value per key/value head (`dt_proj`), rowwise, beside the split q/k/v; without
-    the attention in the plan the same model plans."""
+    """Doge's shape: one value per key/value head (`dt_proj`), rowwise, beside the split q/k/v; its input width (the
+    hidden size, which is also q_proj's output width here) does not say whether it reads the module's input or the
+    split heads. Without the attention in the plan the same model plans."""
     model = build("llama")
     for layer in model.layers:
         layer.self_attn.dt_proj = nn.Linear(64, 4)  # num_key_value_heads outputs
     explicit = {f"layers.*.{name}": style for name, style in LLAMA_LAYER_PLAN.items()}
     with pytest.raises(ValueError, match=r"`layers.0.self_attn.dt_proj` has one output per head \(`out_features=4` ="
-                                         r" `num_key_value_heads`\).* is rowwise.*HINT: .*leaves `layers.0.self_attn`"):
+                                         r" `num_key_value_heads`\).* is rowwise.*HINT: pass .*leave"
+                                         r" `layers.0.self_attn`"):
         _resolve(model, {**explicit, "layers.*.self_attn.dt_proj": "rowwise"})
+    with pytest.raises(ValueError, match=r"`layers.0.self_attn.dt_proj` has one output per head"):
+        _resolve(model)  # guessed: still ambiguous
     mlp = {pattern: style for pattern, style in explicit.items() if ".mlp." in pattern}
     assert set(_resolve(model, mlp).entries) == {f"layers.{i}.mlp.{name}" for i in range(2)
                                                  for name in ("gate_proj", "up_proj", "down_proj")}
+
+
+def test_a_per_head_layer_of_a_guessed_plan_is_split_by_its_outputs():
+    """Doge's `dt_proj` reads the values (key/value heads x head_dim = 32 features, split over tp): rowwise, its summed
+    outputs cut to the rank's heads. Values at tp=2 are checked on real ranks for Doge by
+    tests/distributed/test_hf_families.py; an explicit plan is refused, naming the style to use."""
+    style = "per_head_rowwise"
+    model = build("llama")
+    for layer in model.layers:
+        layer.self_attn.dt_proj = nn.Linear(32, 4)
+    plan = _resolve(model)
+    assert plan.entries["layers.0.self_attn.dt_proj"] == style
+    assert plan.sources["layers.0.self_attn.dt_proj"] == "per_head_output"
+    explicit = {f"layers.*.{name}": style for name, style in LLAMA_LAYER_PLAN.items()}
+    with pytest.raises(ValueError, match=rf"HINT: name `layers.0.self_attn.dt_proj` '{style}' in `NDParallel"):
+        _resolve(model, explicit)
 
 
 class _NormedEmbedding(nn.Embedding):
