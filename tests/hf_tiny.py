@@ -18,7 +18,8 @@ TINY = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "nu
         "attention_dropout": 0.0, "hidden_dropout": 0.0,
         # multi-head latent attention (DeepSeek-V2 and its kin): per-head q/k width 8 + 8 = head_dim, low-rank q and kv
         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "kv_lora_rank": 32, "q_lora_rank": 48,
-        "n_group": 1, "topk_group": 1}
+        "n_group": 1, "topk_group": 1,
+        "keep_window_size": 4}  # Doge masks keys dynamically (its per-head `dt_proj`) only beyond this many
 
 
 def tiny_model(model_type: str) -> torch.nn.Module:

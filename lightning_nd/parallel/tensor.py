@@ -14,18 +14,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import partial
-from typing import TypeGuard, cast
+from typing import cast
 
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single, wait_tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_nd.layout.latent import rope_dim
-from lightning_nd.layout.structure import HEAD_ATTRS, get_submodule, is_linear, parent_name, widths
+from lightning_nd.layout.per_feature import split_output_widths
+from lightning_nd.layout.structure import HEAD_ATTRS, get_submodule, is_linear, is_norm, parent_name, widths
 from lightning_nd.layout.tp_checks import PACKED_PARTS, head_counts, is_colwise
+from lightning_nd.parallel.head_inputs import is_plain_float, local_head_inputs
 from lightning_nd.parallel.tp_dropout import fork_rng_per_rank, has_dropout
 from lightning_nd.parallel.tp_styles import SEQUENCE_DIM, style_for
 
@@ -54,11 +56,16 @@ def apply_tp(
         )
         parallelize_module(get_submodule(model, name), tp_mesh, parallel_style)
     tp_rank = tp_mesh.get_local_rank()
-    for name in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
+    split_parents = sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)})
+    for name in split_parents:
         module = get_submodule(model, name)
+        # Inside another split module (NeoMME's gated output projection in its attention), its first input is the
+        # outer module's local heads: neither whole nor shared with the outer module's projections.
+        nested = any(name.startswith(outer + ".") for outer in split_parents if outer and outer not in block_names)
         heads = next((value for attr, value in head_counts(module).items() if attr in HEAD_ATTRS), None)
-        if heads and name not in block_names:
-            module.register_forward_pre_hook(_local_head_inputs(heads, tp_mesh), with_kwargs=True)
+        features = split_output_widths(model, entries, name) - _input_widths(model, entries, name)
+        if (heads or features) and name not in block_names:
+            module.register_forward_pre_hook(local_head_inputs(heads or 0, features, tp_mesh), with_kwargs=True)
         _divide_head_counts(name, module, tp_mesh.size(), entries)
         for child_name, child in _whole_children(name, module, entries) if name not in block_names else ():
             child.register_forward_pre_hook(_local_inputs, with_kwargs=True)
@@ -67,7 +74,7 @@ def apply_tp(
         # projections: one all-gather (SP) or none (replicated input), and in backward a single
         # reduction of the input gradient instead of one per projection (q, k, v: three). A block's
         # own projections handle their input themselves, so the residual between blocks stays sharded.
-        if name not in block_names:
+        if name not in block_names and not nested:
             hook = _gather_sequence if sequence_parallel else _replicate_first_input(tp_mesh)
             module.register_forward_pre_hook(hook, with_kwargs=True)
             # Its activations are split by heads or features: each tp rank draws its own dropout masks.
@@ -91,7 +98,19 @@ def _mark_sequence_parallel_region(
     """
     enter = _enter_sequence_parallel(tp_mesh)
     for name in block_names:
-        get_submodule(model, name).register_forward_pre_hook(enter, with_kwargs=True)
+        block = get_submodule(model, name)
+        block.register_forward_pre_hook(enter, with_kwargs=True)
+        # A block's own parameters meet the sequence-sharded residual (Doge's `input_residual * residual`): whole
+        # DTensors on every tp rank, whose gradients (each rank's sequence shard) DTensor sums over tp.
+        for param_name, param in list(block.named_parameters(recurse=False)):
+            block.register_parameter(param_name, nn.Parameter(
+                distribute_tensor(param, tp_mesh, [Replicate()]), requires_grad=param.requires_grad))
+        for child_name, child in block.named_children():  # whole on every tp rank: the full sequence in and out
+            full = f"{name}.{child_name}"
+            planned = any(entry == full or entry.startswith(full + ".") for entry in entries)
+            if not planned and not is_norm(child) and any(True for _ in child.parameters()):
+                child.register_forward_pre_hook(_gather_sequence_whole, with_kwargs=True)
+                child.register_forward_hook(partial(_shard_sequence, tp_mesh))
     if any(style == "colwise_gather_output" for style in entries.values()):
         return
     outside = [
@@ -136,38 +155,6 @@ def _check_no_gradient(name: str, module: nn.Module, args: tuple, output: object
             " output carries a gradient, which each tp rank would only have for its own heads. HINT: pass"
             f" `NDParallel(tp_plan=...)` that leaves `{parent_name(name)}` out (it then stays whole on every tp"
             " rank), or one that splits `{name}` too.")
-
-
-def _local_head_inputs(heads: int, tp_mesh: DeviceMesh):
-    """Pre-hook of a module split by heads: per-head tensors computed outside it (Bloom's ALiBi bias,
-    ``[batch * heads, 1, keys]``; a ``[batch, heads, queries, keys]`` bias) are cut to the rank's heads. Only
-    floating tensors of 3 or more dims after the first argument, whose first dim is batch x heads or whose second
-    (of 4) is the head count. A learned one (CPM-Ant's position bias) gets a gradient for the rank's heads only,
-    which is summed over tp."""
-    local, rank = heads // tp_mesh.size(), tp_mesh.get_local_rank()
-
-    def cut(batch: int, value: object) -> object:
-        if not _is_plain_float(value) or value.dim() < 3:
-            return value
-        if value.requires_grad and (value.shape[0] == batch * heads or value.shape[:2] == (batch, heads)):
-            whole = DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False)
-            value = whole.to_local(grad_placements=[Partial()])
-        if value.shape[0] == batch * heads:
-            per_head = value.reshape(batch, heads, *value.shape[1:])[:, rank * local:(rank + 1) * local]
-            return per_head.reshape(batch * local, *value.shape[1:])
-        if value.dim() == 4 and value.shape[:2] == (batch, heads):
-            return value[:, rank * local:(rank + 1) * local]
-        return value
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        first = args[0] if args else next(iter(kwargs.values()), None)
-        if not isinstance(first, torch.Tensor) or first.dim() < 2:
-            return args, kwargs
-        batch = first.shape[0]
-        return ((args[0], *(cut(batch, a) for a in args[1:])) if args else args,
-                {key: value if value is first else cut(batch, value) for key, value in kwargs.items()})
-
-    return hook
 
 
 def _divide_head_counts(name: str, module: nn.Module, tp: int, entries: Mapping[str, object]) -> None:
@@ -223,8 +210,9 @@ def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     return tuple(_to_replicate(a) for a in args), {k: _to_replicate(v) for k, v in kwargs.items()}
 
 
-def _is_plain_float(value: object) -> TypeGuard[torch.Tensor]:
-    return isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.is_floating_point()
+def _input_widths(model: nn.Module, entries: Mapping[str, object], parent: str) -> set[int]:
+    return {widths(get_submodule(model, name))[0] for name, style in entries.items()
+            if parent_name(name) == parent and is_colwise(style)}
 
 
 def _map_first(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
@@ -241,7 +229,7 @@ def _replicate_first_input(tp_mesh: DeviceMesh):
     """Pre-hook: the module's (replicated) hidden-state input becomes one Replicate DTensor (no comm)."""
 
     def to_replicate(value: object) -> object:
-        if _is_plain_float(value):
+        if is_plain_float(value):
             return DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False)
         return value
 
@@ -252,12 +240,26 @@ def _enter_sequence_parallel(tp_mesh: DeviceMesh):
     """Pre-hook for every block: a replicated residual input becomes sequence-sharded (a local slice, no comm)."""
 
     def to_shard(value: object) -> object:
-        if _is_plain_float(value):
+        if is_plain_float(value):
             full = DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False)
             return full.redistribute(placements=[Shard(SEQUENCE_DIM)])
         return value
 
     return lambda module, args, kwargs: _map_first(args, kwargs, to_shard)
+
+
+def _gather_sequence_whole(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Pre-hook of a whole module inside a block under SP: the full sequence, as a plain tensor for its own layers."""
+    args, kwargs = _gather_sequence(module, args, kwargs)
+    plain = lambda value: value.to_local() if isinstance(value, DTensor) else value  # noqa: E731
+    return tuple(plain(a) for a in args), {k: plain(v) for k, v in kwargs.items()}
+
+
+def _shard_sequence(tp_mesh: DeviceMesh, module: nn.Module, args: tuple, output: object) -> object:
+    """Post-hook of a whole module inside a block under SP: its full output becomes the rank's sequence shard."""
+    shard = lambda value: DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False).redistribute(  # noqa: E731
+        placements=[Shard(SEQUENCE_DIM)]) if is_plain_float(value) else value
+    return (shard(output[0]), *output[1:]) if isinstance(output, tuple) else shard(output)
 
 
 def _leave_sequence_parallel(module: nn.Module, args: tuple, output: object) -> object:

@@ -110,6 +110,21 @@ class Conv1DRowwiseParallel(RowwiseParallel):
         )
 
 
+class PerHeadRowwiseParallel(Conv1DRowwiseParallel):
+    """A layer with one output per head that reads the split heads' features (Doge's ``dt_proj``: one dynamic-mask
+    weight per key/value head, from every head's values): rowwise, its summed output cut to the rank's heads. Each
+    rank's gradient covers its heads' outputs only, so it is declared a part, summed over tp."""
+
+    def __init__(self) -> None:
+        super().__init__(output_layouts=Replicate(), use_local_output=False)
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        whole = outputs.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        width, rank = whole.shape[-1] // device_mesh.size(), device_mesh.get_local_rank()
+        return whole[..., rank * width:(rank + 1) * width]
+
+
 class EmbeddingRowwiseParallel(RowwiseParallel):
     """torch's vocabulary split of an embedding, its summed lookup returned as a tensor of its own (one copy of the
     embeddings per forward): DTensor's ``to_local`` gives a view made inside an autograd Function, which a model's
@@ -227,6 +242,8 @@ def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_sha
         return FusedColwiseParallel(input_layouts=colwise_input, output_layouts=Replicate())
     if name == "rowwise":
         return Conv1DRowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
+    if name == "per_head_rowwise":
+        return PerHeadRowwiseParallel()
     if name == "rowwise_split_input":
         return Conv1DRowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
                                      use_local_output=not sequence_parallel)

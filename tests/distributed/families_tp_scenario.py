@@ -48,6 +48,10 @@ def check_family(model_type: str, mesh, sequence_parallel: bool = False) -> tupl
         # float64: a wrong split shows as an error of 1e-3 or more, float32's rounding (1e-4 here) would blur it;
         # eval: no dropout, whose masks the two runs would draw differently
         model = tiny_model(model_type).double().eval()
+        with torch.no_grad():  # zero-initialised gates and scales (Doge's `A`, NeoMME's `alpha`) would hide the
+            for param in model.parameters():  # gradients of what they gate
+                if not param.count_nonzero():
+                    param.normal_(0.0, 0.1)
         reference = copy.deepcopy(model)
         ids = torch.randint(3, VOCAB, (BATCH, SEQ))
         logits, loss = _loss(reference, ids)

@@ -27,9 +27,11 @@ def families() -> list[str]:
 
 
 FAMILIES = families()
-SEQUENCE_PARALLEL = ("llama", "qwen3", "deepseek_v3", "minicpm3", "granite_swa")
+SEQUENCE_PARALLEL = ("llama", "qwen3", "deepseek_v3", "minicpm3", "granite_swa", "doge", "dory", "gpt_bigcode",
+                     "neomme")
 """Also run with sequence parallelism (keyed ``name+sp``): dense, per-head norms, MLA with and without a q latent,
-attention sinks."""
+attention sinks, parameters of a block's own on the residual (Doge), attention or MLP modules left whole (Dory,
+GPT-BigCode's multi-query attention), a split module inside a split module fed per-feature tensors (NeoMME)."""
 
 NO_PLAN = ("refused", "no attention heads and no feed-forward pair to split: a state-space or RWKV mixer (Mamba,"
            " RWKV) or JetMoE's mixture of attention heads, which no style splits")
@@ -38,11 +40,8 @@ NOT_PLANNED: dict[str, tuple[str, str]] = {
     "big_bird": ("failed", "its forward replaces its attention module for short sequences (block sparse -> full),"
                            " dropping the split one"),
     "trocr": ("failed", "its attention reshapes with the input's own width (`hidden_states.size()`), the full one"),
-    "axk2": ("failed", "its declared plan splits the heads but not the query's latent path, whose `q_a_proj` reads the"
-                       " attention's shared input"),
-    "dory": ("failed", "a per-feature scale of all heads (`sqk`) applied to the rank's heads"),
-    "doge": ("refused", "a per-head `dt_proj` (one output per kv head) that the plan does not split"),
-    "neomme": ("refused", "its declared q_proj has no rowwise partner in its module"),
+    "axk2": ("failed", "its query latent reaches the colwise `q_gate_proj` concatenated with its own norm"
+                       " (`cat([q_a_layernorm(q), q])`), a width no style reads as a down projection"),
 }
 """family -> (outcome, reason): what does not train under tp=2 today, and why."""
 
