@@ -109,8 +109,7 @@ def _mark_sequence_parallel_region(
             full = f"{name}.{child_name}"
             planned = any(entry == full or entry.startswith(full + ".") for entry in entries)
             if not planned and not is_norm(child) and any(True for _ in child.parameters()):
-                child.register_forward_pre_hook(_gather_sequence_whole, with_kwargs=True)
-                child.register_forward_hook(partial(_shard_sequence, tp_mesh))
+                _run_whole_under_sp(child, tp_mesh)
     if any(style == "colwise_gather_output" for style in entries.values()):
         return
     outside = [
@@ -248,18 +247,25 @@ def _enter_sequence_parallel(tp_mesh: DeviceMesh):
     return lambda module, args, kwargs: _map_first(args, kwargs, to_shard)
 
 
-def _gather_sequence_whole(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Pre-hook of a whole module inside a block under SP: the full sequence, as a plain tensor for its own layers."""
-    args, kwargs = _gather_sequence(module, args, kwargs)
-    plain = lambda value: value.to_local() if isinstance(value, DTensor) else value  # noqa: E731
-    return tuple(plain(a) for a in args), {k: plain(v) for k, v in kwargs.items()}
+def _run_whole_under_sp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A whole module inside a block under SP gets the full sequence as a plain tensor for its own layers, and hands
+    back its output's sequence shard; only when it was given a sequence shard (a module fed positions or ids, whose
+    output is not on the sequence, is left alone)."""
+    gathered = [False]
 
+    def gather(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        gathered[0] = any(isinstance(value, DTensor) for value in (*args, *kwargs.values()))
+        args, kwargs = _gather_sequence(module, args, kwargs)
+        plain = lambda value: value.to_local() if isinstance(value, DTensor) else value  # noqa: E731
+        return tuple(plain(a) for a in args), {k: plain(v) for k, v in kwargs.items()}
 
-def _shard_sequence(tp_mesh: DeviceMesh, module: nn.Module, args: tuple, output: object) -> object:
-    """Post-hook of a whole module inside a block under SP: its full output becomes the rank's sequence shard."""
-    shard = lambda value: DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False).redistribute(  # noqa: E731
-        placements=[Shard(SEQUENCE_DIM)]) if is_plain_float(value) else value
-    return (shard(output[0]), *output[1:]) if isinstance(output, tuple) else shard(output)
+    def shard(module: nn.Module, args: tuple, output: object) -> object:
+        to_shard = lambda value: DTensor.from_local(value, tp_mesh, [Replicate()], run_check=False).redistribute(  # noqa: E731
+            placements=[Shard(SEQUENCE_DIM)]) if gathered[0] and is_plain_float(value) else value
+        return (to_shard(output[0]), *output[1:]) if isinstance(output, tuple) else to_shard(output)
+
+    module.register_forward_pre_hook(gather, with_kwargs=True)
+    module.register_forward_hook(shard)
 
 
 def _leave_sequence_parallel(module: nn.Module, args: tuple, output: object) -> object:
