@@ -19,6 +19,7 @@ from lightning_nd.layout.structure import (
     ModelFacts,
     get_submodule,
     is_conv1d,
+    is_linear,
     is_norm,
     owns_parameters,
     parent_name,
@@ -33,7 +34,7 @@ SHARDED_OUTPUT = ("colwise", "packed_colwise", "packed_qkv")
 """Colwise styles whose output stays split (heads or features per rank): a rowwise layer must take it back."""
 PACKED_PARTS: dict[object, int] = {"packed_colwise": 2, "packed_qkv": 3}
 COLWISE_WEIGHT = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise", *PACKED_PARTS)
-ROWWISE_WEIGHT = ("rowwise", "rowwise_split_input", "embedding_rowwise", "per_head_rowwise")
+ROWWISE_WEIGHT = ("rowwise", "rowwise_split_input", "embedding_rowwise", "per_head_rowwise", "rowwise_shared_output")
 
 
 def is_torch_style(value: object, name: str = "ParallelStyle") -> bool:
@@ -115,7 +116,7 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
     split on its own, a ``_StridedShard``); None when it stays whole on every tp rank."""
     # A colwise style object may split a fused weight part by part (`FusedColwiseParallel.parts`).
     parts = PACKED_PARTS.get(style, getattr(style, "parts", 1) if is_torch_style(style, "ColwiseParallel") else 1)
-    if style == "per_head_params":  # an attention's own per-head parameters (sinks), split with its heads
+    if style in ("per_head_params", "channel_mixer", "channel_params"):  # with the heads, features or channels
         return 0, 1
     if style == "multihead_attention":  # `parallel/tp_attention.py`: by heads; the packed bias whole
         return MHA_SPLITS.get(param_name)
@@ -241,14 +242,17 @@ def norms_over_split_features(model: nn.Module, entries: Mapping[str, object]) -
     on its own part (BitNet's ``attn_sub_norm`` over the concatenated heads, ``ffn_sub_norm`` over the MLP's inner
     features): parent -> norm. A norm counts when its width is a colwise layer's output width and either not an input
     width there or registered after the colwise layers (a pre-norm of the input comes before them). A norm without
-    parameters, whose width nothing shows, counts when it is registered after the colwise layers of a module without
-    heads that widens its input (Dory's ``ffn_sub_norm``, an L2 norm over the MLP's inner features; a weightless
+    parameters, whose width nothing shows, counts when it is registered after the colwise layers of an MLP (no
+    heads, widening its input, no linear layers but its split ones) (Dory's ``ffn_sub_norm``, an L2 norm over the MLP's inner features; a weightless
     norm in an attention module normalizes each head's query or key)."""
     found = {}
     for parent in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)}):
         owner = get_submodule(model, parent)
         children = list(owner.named_children())
         prefix = f"{parent}." if parent else ""
+        # an MLP: linear layers only its colwise ones and the rowwise ones reading their outputs
+        mlp = all(is_colwise(entries.get(prefix + child)) or entries.get(prefix + child) == "rowwise"
+                  for child, layer in children if is_linear(layer))
         colwise = [index for index, (child, _) in enumerate(children) if is_colwise(entries.get(prefix + child))]
         outputs = {widths(children[index][1])[1] for index in colwise}
         inputs = {widths(children[index][1])[0] for index in colwise}
@@ -256,7 +260,7 @@ def norms_over_split_features(model: nn.Module, entries: Mapping[str, object]) -
             width = {param.shape[0] for param in module.parameters(recurse=False) if param.ndim == 1}
             if not is_norm(module) or prefix + child in entries:
                 continue
-            weightless = (not owns_parameters(module) and index > max(colwise) and not outputs & inputs
+            weightless = (not owns_parameters(module) and index > max(colwise) and not outputs & inputs and mlp
                           and not head_counts(owner) and not any(hasattr(owner, attr) for attr in HEAD_DIM_ATTRS))
             if weightless or len(width) == 1 and width <= outputs and (not width <= inputs or index > max(colwise)):
                 found[parent] = prefix + child

@@ -27,6 +27,7 @@ from lightning_nd.layout.structure import (
     is_norm,
     parent_name,
 )
+from lightning_nd.layout.ssm_plan import selective_scan_plan
 from lightning_nd.layout.structure_plan import structure_plan
 from lightning_nd.layout.tp_checks import (
     check_fused_attention,
@@ -65,12 +66,15 @@ STYLES = (
     "down_projection",
     "per_head_params",
     "per_head_rowwise",
+    "rowwise_shared_output",
+    "channel_mixer",
+    "channel_params",
     "multihead_attention",
     "transposed_experts",
     "replicate",
 )
 SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_qkv", "colwise_rep", "rowwise_split_input",
-                   "multihead_attention", "transposed_experts")
+                   "multihead_attention", "transposed_experts", "channel_mixer")
 @dataclass
 class TPPlan:
     """A resolved plan: concrete module name -> style name (or `ParallelStyle`), plus where it came from."""
@@ -129,9 +133,12 @@ def resolve_tp_plan(
                    if style != "packed_qkv" or not unequal_parts(get_submodule(model, name))}
         entries = gated_widths(model, paired(guessed))
     structural: dict[str, object] = {}
+    mixers: dict[str, str] = {}
     if kind != "explicit":  # what names leave out, from the blocks' structure (a declared plan: feed-forward only)
         structural = dict(structure_plan(model, entries, tuple(experts_modules(model)), attention=kind == "pattern",
                                          hidden=facts.hidden_size))
+        mixers = selective_scan_plan(model, {**entries, **structural})
+        structural.update(mixers)
         entries = {**entries, **structural}
         origin.update(dict.fromkeys(structural, "structure"))
         if structural and kind == "pattern" and not completion:
@@ -159,7 +166,7 @@ def resolve_tp_plan(
                              " whole on every tp rank).")
         log.warning("Left whole on every tp rank, a norm over the features a guessed split divides: %s",
                     ", ".join(f"{parent} ({norm})" for parent, norm in over.items()))
-        entries = {name: style for name, style in entries.items() if parent_name(name) not in over}
+        entries = {name: style for name, style in entries.items() if parent_name(name) not in over and name not in over}
     sources = {name: origin.get(name, kind) for name in entries}
     split_parents = {parent_name(name) for name, style in entries.items() if is_colwise(style)}
     split_parents -= {name for name, _ in find_blocks(model)} | {""}
@@ -181,9 +188,10 @@ def resolve_tp_plan(
     else:
         entries = {name: style for name, style in entries.items() if style != "sequence_parallel"}
     check_plan(model, entries, tp, facts)
-    if sequence_parallel and kind == "pattern" and structural:
+    # a state-space mixer's layers are read from its own shape, not from the block's: SP follows the block's norms
+    if sequence_parallel and kind == "pattern" and (guessed := [name for name in structural if name not in mixers]):
         raise ValueError(f"`NDParallel(sequence_parallel=True)` with a plan inferred from the blocks' structure"
-                         f" (`{next(iter(structural))}`, ...): the structure does not show where the model adds its"
+                         f" (`{guessed[0]}`, ...): the structure does not show where the model adds its"
                          " residual stream or normalizes it (BERT's post-norms sit inside its attention and MLP"
                          " modules), which the sequence split must follow. HINT: sequence_parallel=False, or pass"
                          " `NDParallel(tp_plan=...)` naming every split layer and residual norm.")
@@ -192,6 +200,10 @@ def resolve_tp_plan(
                          " split over tp on tokens every tp rank holds whole; with the sequence split the block's"
                          " router would see a shard. HINT: sequence_parallel=False for this model.")
     return TPPlan(entries, source, {name: sources[name] for name in entries})
+
+
+OWNERS = ("per_head_params", "channel_mixer")
+"""Styles on a module that split its own parameters only, not its children's."""
 
 
 def _partial_gradients(model: nn.Module, entries: Mapping[str, object], widths: Mapping[str, set[int]]) -> list[str]:
@@ -206,7 +218,7 @@ def _partial_gradients(model: nn.Module, entries: Mapping[str, object], widths: 
         for child, module in get_submodule(model, parent).named_modules():
             name = f"{parent}.{child}"
             if (child and name not in entries and not is_linear(module) and not isinstance(module, nn.Embedding)
-                    and not any(name.startswith(entry + ".") for entry in entries)
+                    and not any(name.startswith(entry + ".") for entry, style in entries.items() if style not in OWNERS)
                     and any(True for _ in module.parameters(recurse=False))
                     and not (parent_name(name) == parent and feeds_colwise(module, inputs))):
                 found.append(name)

@@ -27,6 +27,7 @@ from lightning_nd.layout.latent import rope_dim
 from lightning_nd.layout.per_feature import split_output_widths
 from lightning_nd.layout.structure import HEAD_ATTRS, get_submodule, is_linear, is_norm, parent_name, widths
 from lightning_nd.layout.tp_checks import PACKED_PARTS, head_counts, is_colwise
+from lightning_nd.parallel.tp_channels import ChannelMixer
 from lightning_nd.parallel.head_inputs import is_plain_float, local_head_inputs
 from lightning_nd.parallel.tp_dropout import fork_rng_per_rank, has_dropout
 from lightning_nd.parallel.tp_styles import SEQUENCE_DIM, style_for
@@ -46,12 +47,14 @@ def apply_tp(
     ``block_names`` are the repeated blocks; with sequence parallelism they bound the sharded region.
     """
     for name, style in entries.items():
-        if style == "replicate":  # the Hugging Face meaning: every rank keeps the full parameters
+        if style in ("replicate", "channel_params"):  # every rank keeps the full parameters / split by the mixer
             continue
         shared = parent_name(name) not in block_names
         rope = (rope_dim(model, name) or 0) if style == "mla_kv_a_proj" else 0
         parallel_style = (
             style if isinstance(style, ParallelStyle)
+            else ChannelMixer([child for child, _ in get_submodule(model, name).named_children()
+                               if entries.get(f"{name}.{child}") == "channel_params"]) if style == "channel_mixer"
             else style_for(cast(str, style), sequence_parallel, loss_parallel, shared, rope)
         )
         parallelize_module(get_submodule(model, name), tp_mesh, parallel_style)

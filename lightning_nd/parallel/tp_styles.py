@@ -110,17 +110,26 @@ class Conv1DRowwiseParallel(RowwiseParallel):
         )
 
 
-class PerHeadRowwiseParallel(Conv1DRowwiseParallel):
-    """A layer with one output per head that reads the split heads' features (Doge's ``dt_proj``: one dynamic-mask
-    weight per key/value head, from every head's values): rowwise, its summed output cut to the rank's heads. Each
-    rank's gradient covers its heads' outputs only, so it is declared a part, summed over tp."""
+class RowwiseSharedOutput(Conv1DRowwiseParallel):
+    """A rowwise layer inside a split module whose summed output every rank uses on its own heads or channels (a
+    state-space mixer's ``x_proj``): each rank's gradient of that output covers its own use only, so it is declared
+    a part, summed over tp."""
 
     def __init__(self) -> None:
         super().__init__(output_layouts=Replicate(), use_local_output=False)
 
     @staticmethod
     def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        whole = outputs.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        return outputs.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+
+
+class PerHeadRowwiseParallel(RowwiseSharedOutput):
+    """A layer with one output per head that reads the split heads' features (Doge's ``dt_proj``: one dynamic-mask
+    weight per key/value head, from every head's values): `RowwiseSharedOutput`, cut to the rank's heads."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        whole = RowwiseSharedOutput._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
         width, rank = whole.shape[-1] // device_mesh.size(), device_mesh.get_local_rank()
         return whole[..., rank * width:(rank + 1) * width]
 
@@ -244,6 +253,8 @@ def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_sha
         return Conv1DRowwiseParallel(output_layouts=residual, use_local_output=not sequence_parallel)
     if name == "per_head_rowwise":
         return PerHeadRowwiseParallel()
+    if name == "rowwise_shared_output":
+        return RowwiseSharedOutput()
     if name == "rowwise_split_input":
         return Conv1DRowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
                                      use_local_output=not sequence_parallel)

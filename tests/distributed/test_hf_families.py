@@ -28,15 +28,16 @@ def families() -> list[str]:
 
 FAMILIES = families()
 SEQUENCE_PARALLEL = ("llama", "qwen3", "deepseek_v3", "minicpm3", "granite_swa", "doge", "dory", "gpt_bigcode",
-                     "neomme")
+                     "neomme", "mamba")
 """Also run with sequence parallelism (keyed ``name+sp``): dense, per-head norms, MLA with and without a q latent,
 attention sinks, parameters of a block's own on the residual (Doge), attention or MLP modules left whole (Dory,
-GPT-BigCode's multi-query attention), a split module inside a split module fed per-feature tensors (NeoMME)."""
+GPT-BigCode's multi-query attention), a split module inside a split module fed per-feature tensors (NeoMME), a
+state-space mixer split by channels (Mamba)."""
 
-NO_PLAN = ("refused", "no attention heads and no feed-forward pair to split: a state-space or RWKV mixer (Mamba,"
-           " RWKV) or JetMoE's mixture of attention heads, which no style splits")
+NO_PLAN = ("refused", "no attention heads and no feed-forward pair to split: RWKV's time and channel mixing, or"
+           " JetMoE's mixture of attention heads, which no style splits")
 NOT_PLANNED: dict[str, tuple[str, str]] = {
-    **dict.fromkeys(["falcon_mamba", "jetmoe", "mamba", "rwkv"], NO_PLAN),
+    **dict.fromkeys(["jetmoe", "rwkv"], NO_PLAN),
     "big_bird": ("failed", "its forward replaces its attention module for short sequences (block sparse -> full),"
                            " dropping the split one"),
     "trocr": ("failed", "its attention reshapes with the input's own width (`hidden_states.size()`), the full one"),

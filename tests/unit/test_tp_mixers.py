@@ -1,0 +1,50 @@
+"""Selective state-space mixers split by channels under tp (`lightning_nd.layout.ssm_plan`): Mamba's and
+Falcon-Mamba's mixers are recognised by their shapes, Mamba-2's (one projection of unequal parts) are not, and a
+mixer with a layer of another shape stays whole. Values under tp are checked on real ranks for Mamba, Falcon-Mamba
+(with and without SP) and Jamba by tests/distributed/test_hf_families.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_nd.layout.ssm_plan import selective_scan_plan
+from lightning_nd.layout.structure import read_model_facts
+from lightning_nd.layout.tp_checks import tp_split
+from lightning_nd.layout.tp_plan import resolve_tp_plan
+
+transformers = pytest.importorskip("transformers")
+
+MIXER = {"": "channel_mixer", "conv1d": "channel_params", "in_proj": "packed_colwise", "x_proj": "rowwise_shared_output",
+         "dt_proj": "channel_params", "out_proj": "rowwise"}
+
+
+def _mamba(model_type: str) -> nn.Module:
+    from tests.hf_tiny import tiny_model
+
+    with torch.device("meta"):
+        return tiny_model(model_type)
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba"])
+def test_a_mamba_mixer_is_split_by_channels(model_type):
+    model = _mamba(model_type)
+    plan = resolve_tp_plan(model, None, tp=2, facts=read_model_facts(model), sequence_parallel=True)
+    prefix = "backbone.layers.0.mixer"
+    mixer = {name.removeprefix(prefix).lstrip("."): style for name, style in plan.entries.items()
+             if name == prefix or name.startswith(prefix + ".")}
+    assert mixer == MIXER
+    owner = model.get_submodule(prefix)
+    assert tp_split(owner, "A_log", "channel_mixer") == (0, 1) and tp_split(owner.conv1d, "weight", "channel_params")
+
+
+def test_mamba2_and_a_mixer_of_another_shape_stay_whole():
+    config = transformers.Mamba2Config(vocab_size=128, hidden_size=64, expand=2, num_heads=8, head_dim=16, state_size=8,
+                                       n_groups=1, num_hidden_layers=1)
+    with torch.device("meta"):
+        assert selective_scan_plan(transformers.Mamba2ForCausalLM(config), {}) == {}
+    model = _mamba("mamba")
+    for layer in model.backbone.layers:
+        layer.mixer.extra = nn.Linear(64, 64)
+    assert selective_scan_plan(model, {}) == {}
