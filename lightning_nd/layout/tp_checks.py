@@ -118,6 +118,9 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
     parts = PACKED_PARTS.get(style, getattr(style, "parts", 1) if is_torch_style(style, "ColwiseParallel") else 1)
     if style in ("per_head_params", "channel_mixer", "channel_params"):  # with the heads, features or channels
         return 0, 1
+    if style == "per_channel_vectors":  # RWKV's per-channel vectors; its input-mixing weights whole
+        param = getattr(module, param_name, None)
+        return (0, 1) if isinstance(param, torch.Tensor) and param.ndim == 1 else None
     if style == "multihead_attention":  # `parallel/tp_attention.py`: by heads; the packed bias whole
         return MHA_SPLITS.get(param_name)
     if style == "transposed_experts":  # Llama 4's [E, H, 2I] / [E, I, H]: each expert's intermediate features

@@ -69,6 +69,7 @@ STYLES = (
     "rowwise_shared_output",
     "channel_mixer",
     "channel_params",
+    "per_channel_vectors",
     "multihead_attention",
     "transposed_experts",
     "replicate",
@@ -202,7 +203,7 @@ def resolve_tp_plan(
     return TPPlan(entries, source, {name: sources[name] for name in entries})
 
 
-OWNERS = ("per_head_params", "channel_mixer")
+OWNERS = ("per_head_params", "channel_mixer", "per_channel_vectors")
 """Styles on a module that split its own parameters only, not its children's."""
 
 

@@ -46,20 +46,24 @@ def apply_tp(
 
     ``block_names`` are the repeated blocks; with sequence parallelism they bound the sharded region.
     """
+    split_parents = sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)})
+    # RWKV mixes its input with whole weights before any projection: a plain full input and output (under SP too),
+    # each projection reducing its own input gradient
+    plain = {name for name in split_parents if name not in block_names and _works_on_its_input(model, entries, name)}
     for name, style in entries.items():
         if style in ("replicate", "channel_params"):  # every rank keeps the full parameters / split by the mixer
             continue
         shared = parent_name(name) not in block_names
+        sp = sequence_parallel and parent_name(name) not in plain
         rope = (rope_dim(model, name) or 0) if style == "mla_kv_a_proj" else 0
         parallel_style = (
             style if isinstance(style, ParallelStyle)
             else ChannelMixer([child for child, _ in get_submodule(model, name).named_children()
                                if entries.get(f"{name}.{child}") == "channel_params"]) if style == "channel_mixer"
-            else style_for(cast(str, style), sequence_parallel, loss_parallel, shared, rope)
+            else style_for(cast(str, style), sp, loss_parallel, shared, rope)
         )
         parallelize_module(get_submodule(model, name), tp_mesh, parallel_style)
     tp_rank = tp_mesh.get_local_rank()
-    split_parents = sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)})
     for name in split_parents:
         module = get_submodule(model, name)
         # Inside another split module (NeoMME's gated output projection in its attention), its first input is the
@@ -77,9 +81,12 @@ def apply_tp(
         # projections: one all-gather (SP) or none (replicated input), and in backward a single
         # reduction of the input gradient instead of one per projection (q, k, v: three). A block's
         # own projections handle their input themselves, so the residual between blocks stays sharded.
-        if name not in block_names and not nested:
+        if name in plain and sequence_parallel:
+            _run_whole_under_sp(module, tp_mesh)
+        elif name not in block_names and not nested and name not in plain:
             hook = _gather_sequence if sequence_parallel else _replicate_first_input(tp_mesh)
             module.register_forward_pre_hook(hook, with_kwargs=True)
+        if name not in block_names and not nested:
             # Its activations are split by heads or features: each tp rank draws its own dropout masks.
             if has_dropout(module):
                 fork_rng_per_rank(module, tp_rank)
@@ -212,6 +219,13 @@ def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     return tuple(_to_replicate(a) for a in args), {k: _to_replicate(v) for k, v in kwargs.items()}
 
 
+def _works_on_its_input(model: nn.Module, entries: Mapping[str, object], name: str) -> bool:
+    """The module has weights of its input's width that are not vectors (RWKV's ``[1, 1, H]`` time-mix weights)."""
+    inputs = _input_widths(model, entries, name)
+    return any(param.ndim > 1 and param.shape[-1] in inputs and param.numel() == param.shape[-1]
+               for param in get_submodule(model, name).parameters(recurse=False))
+
+
 def _input_widths(model: nn.Module, entries: Mapping[str, object], parent: str) -> set[int]:
     return {widths(get_submodule(model, name))[0] for name, style in entries.items()
             if parent_name(name) == parent and is_colwise(style)}
@@ -251,8 +265,8 @@ def _enter_sequence_parallel(tp_mesh: DeviceMesh):
 
 
 def _run_whole_under_sp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """A whole module inside a block under SP gets the full sequence as a plain tensor for its own layers, and hands
-    back its output's sequence shard; only when it was given a sequence shard (a module fed positions or ids, whose
+    """A whole module inside a block under SP (or one split module that works on its plain input, RWKV's) gets the
+    full sequence as a plain tensor for its own layers, and hands back its output's sequence shard; only when it was given a sequence shard (a module fed positions or ids, whose
     output is not on the sequence, is left alone)."""
     gathered = [False]
 

@@ -167,8 +167,15 @@ class PerHeadParameters(ParallelStyle):
     entry per head (attention sinks, Beam's ``gate_bias``) are split on their first dim, as its colwise projections
     split the heads, and its forward runs on the local shards: each rank's gradient is its heads' part."""
 
+    def __init__(self, vectors_only: bool = False) -> None:
+        super().__init__()
+        self.vectors_only = vectors_only  # `per_channel_vectors`: RWKV's [1, 1, H] input-mixing weights stay whole
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        _distribute(module, device_mesh, lambda param: Shard(0))
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.ndim == 1 or not self.vectors_only:
+                module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [Shard(0)]),
+                                                             requires_grad=param.requires_grad))
         module.register_forward_pre_hook(partial(_use_local_parameters, Shard(0)))
         module.register_forward_hook(restore_parameters)
         return module
@@ -272,8 +279,8 @@ def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_sha
         return ShardingSequenceParallel(sequence_dim=SEQUENCE_DIM)
     if name == "replicated_with_grad_allreduce":
         return ReplicatedPartialGrad()
-    if name == "per_head_params":
-        return PerHeadParameters()
+    if name in ("per_head_params", "per_channel_vectors"):
+        return PerHeadParameters(vectors_only=name == "per_channel_vectors")
     if name == "down_projection":
         return WholeOnSharedInput()
     if name == "mla_kv_a_proj":

@@ -28,21 +28,18 @@ def families() -> list[str]:
 
 FAMILIES = families()
 SEQUENCE_PARALLEL = ("llama", "qwen3", "deepseek_v3", "minicpm3", "granite_swa", "doge", "dory", "gpt_bigcode",
-                     "neomme", "mamba")
+                     "neomme", "mamba", "rwkv")
 """Also run with sequence parallelism (keyed ``name+sp``): dense, per-head norms, MLA with and without a q latent,
 attention sinks, parameters of a block's own on the residual (Doge), attention or MLP modules left whole (Dory,
 GPT-BigCode's multi-query attention), a split module inside a split module fed per-feature tensors (NeoMME), a
-state-space mixer split by channels (Mamba)."""
+state-space mixer split by channels (Mamba), RWKV's mixers taking a plain input."""
 
-NO_PLAN = ("refused", "no attention heads and no feed-forward pair to split: RWKV's time and channel mixing, or"
-           " JetMoE's mixture of attention heads, which no style splits")
 NOT_PLANNED: dict[str, tuple[str, str]] = {
-    **dict.fromkeys(["jetmoe", "rwkv"], NO_PLAN),
+    "jetmoe": ("refused", "its mixture of attention heads (experts of q and o projections chosen per token, one shared"
+                          " k/v), which no style splits"),
     "big_bird": ("failed", "its forward replaces its attention module for short sequences (block sparse -> full),"
                            " dropping the split one"),
     "trocr": ("failed", "its attention reshapes with the input's own width (`hidden_states.size()`), the full one"),
-    "axk2": ("failed", "its query latent reaches the colwise `q_gate_proj` concatenated with its own norm"
-                       " (`cat([q_a_layernorm(q), q])`), a width no style reads as a down projection"),
 }
 """family -> (outcome, reason): what does not train under tp=2 today, and why."""
 

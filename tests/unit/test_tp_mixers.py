@@ -1,7 +1,7 @@
-"""Selective state-space mixers split by channels under tp (`lightning_nd.layout.ssm_plan`): Mamba's and
-Falcon-Mamba's mixers are recognised by their shapes, Mamba-2's (one projection of unequal parts) are not, and a
-mixer with a layer of another shape stays whole. Values under tp are checked on real ranks for Mamba, Falcon-Mamba
-(with and without SP) and Jamba by tests/distributed/test_hf_families.py."""
+"""Recurrent mixers split by channels under tp (`lightning_nd.layout.ssm_plan`): Mamba's, Falcon-Mamba's and RWKV's
+mixers are recognised by their shapes, Mamba-2's (one projection of unequal parts) are not, and a mixer with a layer
+of another shape stays whole. Values under tp are checked on real ranks for Mamba, Falcon-Mamba, RWKV (Mamba and
+RWKV also with SP) and Jamba by tests/distributed/test_hf_families.py."""
 
 from __future__ import annotations
 
@@ -37,6 +37,19 @@ def test_a_mamba_mixer_is_split_by_channels(model_type):
     assert mixer == MIXER
     owner = model.get_submodule(prefix)
     assert tp_split(owner, "A_log", "channel_mixer") == (0, 1) and tp_split(owner.conv1d, "weight", "channel_params")
+
+
+def test_rwkv_time_and_channel_mixing_are_split_by_channels():
+    model = _mamba("rwkv")
+    plan = resolve_tp_plan(model, None, tp=2, facts=read_model_facts(model), sequence_parallel=False)
+    block = {name.removeprefix("rwkv.blocks.0."): style for name, style in plan.entries.items()
+             if name.startswith("rwkv.blocks.0.")}
+    assert block == {"attention": "per_channel_vectors", "attention.key": "colwise", "attention.value": "colwise",
+                     "attention.receptance": "colwise", "attention.output": "rowwise", "feed_forward.key": "colwise",
+                     "feed_forward.value": "rowwise"}
+    attention = model.rwkv.blocks[0].attention
+    assert tp_split(attention, "time_decay", "per_channel_vectors") == (0, 1)
+    assert tp_split(attention, "time_mix_key", "per_channel_vectors") is None  # [1, 1, H], mixing the input: whole
 
 
 def test_mamba2_and_a_mixer_of_another_shape_stay_whole():
