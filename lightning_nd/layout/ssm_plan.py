@@ -24,7 +24,7 @@ from typing import cast
 
 from torch import nn
 
-from lightning_nd.layout.structure import is_linear, is_norm, widths
+from lightning_nd.layout.structure import is_linear, is_norm, owns_parameters, widths
 
 
 def selective_scan_plan(model: nn.Module, planned: Mapping[str, object]) -> dict[str, str]:
@@ -63,7 +63,7 @@ def _mixer_styles(module: nn.Module) -> dict[str, str] | None:
             styles[child] = "channel_params"
         else:
             return None
-    others = [layer for child, layer in children.items() if child not in styles and any(True for _ in layer.parameters())]
+    others = [layer for child, layer in children.items() if child not in styles and owns_parameters(layer)]
     if any(not is_norm(layer) for layer in others):
         return None
     if any(param.shape[0] != inner for param in module.parameters(recurse=False)):
@@ -105,7 +105,7 @@ def _channel_mix_styles(module: nn.Module) -> dict[str, str] | None:
 
 
 def _other_children(module: nn.Module, linears: Mapping[str, object]) -> bool:
-    return any(any(True for _ in layer.parameters()) for child, layer in module.named_children() if child not in linears)
+    return any(owns_parameters(layer) for child, layer in module.named_children() if child not in linears)
 
 
 def _input_weights(module: nn.Module, hidden: int) -> bool:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_nd.layout.declared import declared_plan, expand
+from lightning_nd.layout.forward_source import replaced_in_forward, reshapes_with_input_width
 from lightning_nd.layout.hf_styles import experts_modules, hf_meaning
 from lightning_nd.layout.latent import colwise_inputs, down_projections, feeds_colwise
 from lightning_nd.layout.per_feature import per_feature_owners, per_head_outputs
@@ -34,6 +35,7 @@ from lightning_nd.layout.tp_checks import (
     check_partners,
     check_plan,
     check_three_equal_parts,
+    head_counts,
     is_colwise,
     norms_over_split_features,
     unequal_parts,
@@ -156,18 +158,21 @@ def resolve_tp_plan(
     restyled = per_head_outputs(model, entries, facts, source, restyle=kind != "explicit")
     entries = {**entries, **restyled}
     origin.update(dict.fromkeys(restyled, "per_head_output"))
-    if over := norms_over_split_features(model, entries):
-        named = {parent: norm for parent, norm in over.items() if any(
-            parent_name(name) == parent and origin.get(name) in ("explicit", "declared") for name in entries)}
-        if named:
-            parent, norm = next(iter(named.items()))
-            raise ValueError(f"TP plan ({source}): `{norm}` normalizes the features `{parent or 'the model'}` splits"
-                             " over tp, so each rank would normalize its own part of them. HINT: pass"
-                             f" `NDParallel(tp_plan=...)` that leaves `{parent or 'that module'}` out (it then stays"
-                             " whole on every tp rank).")
-        log.warning("Left whole on every tp rank, a norm over the features a guessed split divides: %s",
-                    ", ".join(f"{parent} ({norm})" for parent, norm in over.items()))
-        entries = {name: style for name, style in entries.items() if parent_name(name) not in over and name not in over}
+    over = {parent: (f"`{norm}` normalizes the features `{parent or 'the model'}` splits over tp, so each rank would"
+                     " normalize its own part of them") for parent, norm in norms_over_split_features(model, entries).items()}
+    blocks = {name for name, _ in find_blocks(model)}
+    for parent in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)} - blocks):
+        module = get_submodule(model, parent)
+        if head_counts(module) and (line := reshapes_with_input_width(module)):  # split by heads
+            over[parent] = (f"`{parent}` takes its width from its input (`{line}`) and reshapes its split output with"
+                            " it, which has the width / tp")
+    entries = _leave_whole(entries, origin, over, source)
+    if swapping := replaced_in_forward(model, entries):
+        raise ValueError(f"TP plan ({source}): `{swapping}` replaces its attention module in its forward"
+                         " (`set_attention_type`: block-sparse attention falls back to full attention for sequences"
+                         " shorter than its blocks), building an unsplit module around the split projections."
+                         " HINT: call `set_attention_type('original_full')` on the base model (BigBird's"
+                         " `model.bert`) before fit, or build it with `attention_type='original_full'`.")
     sources = {name: origin.get(name, kind) for name in entries}
     split_parents = {parent_name(name) for name, style in entries.items() if is_colwise(style)}
     split_parents -= {name for name, _ in find_blocks(model)} | {""}
@@ -201,6 +206,20 @@ def resolve_tp_plan(
                          " split over tp on tokens every tp rank holds whole; with the sequence split the block's"
                          " router would see a shard. HINT: sequence_parallel=False for this model.")
     return TPPlan(entries, source, {name: sources[name] for name in entries})
+
+
+def _leave_whole(entries: dict[str, object], origin: Mapping[str, str], over: Mapping[str, str],
+                 source: str) -> dict[str, object]:
+    """Modules whose split the model shows to be wrong (``over``: module -> why): refused when an explicit or declared
+    entry splits them, else left whole on every tp rank with a warning."""
+    for parent, why in over.items():
+        if any(parent_name(name) == parent and origin.get(name) in ("explicit", "declared") for name in entries):
+            raise ValueError(f"TP plan ({source}): {why}. HINT: pass `NDParallel(tp_plan=...)` that leaves"
+                             f" `{parent or 'that module'}` out (it then stays whole on every tp rank).")
+    if over:
+        log.warning("Left whole on every tp rank, modules a guessed split would get wrong: %s",
+                    "; ".join(f"{parent}: {why}" for parent, why in over.items()))
+    return {name: style for name, style in entries.items() if parent_name(name) not in over and name not in over}
 
 
 OWNERS = ("per_head_params", "channel_mixer", "per_channel_vectors")

@@ -37,9 +37,9 @@ state-space mixer split by channels (Mamba), RWKV's mixers taking a plain input.
 NOT_PLANNED: dict[str, tuple[str, str]] = {
     "jetmoe": ("refused", "its mixture of attention heads (experts of q and o projections chosen per token, one shared"
                           " k/v), which no style splits"),
-    "big_bird": ("failed", "its forward replaces its attention module for short sequences (block sparse -> full),"
-                           " dropping the split one"),
-    "trocr": ("failed", "its attention reshapes with the input's own width (`hidden_states.size()`), the full one"),
+    "big_bird": ("refused", "transformers' block-sparse attention replaces its attention module in forward for"
+                            " sequences shorter than its blocks; refused naming `set_attention_type('original_full')`,"
+                            " with which it plans (tests/unit/test_tp_forward_source.py)"),
 }
 """family -> (outcome, reason): what does not train under tp=2 today, and why."""
 

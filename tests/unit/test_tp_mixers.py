@@ -16,8 +16,8 @@ from lightning_nd.layout.tp_plan import resolve_tp_plan
 
 transformers = pytest.importorskip("transformers")
 
-MIXER = {"": "channel_mixer", "conv1d": "channel_params", "in_proj": "packed_colwise", "x_proj": "rowwise_shared_output",
-         "dt_proj": "channel_params", "out_proj": "rowwise"}
+MIXER = {"": "channel_mixer", "conv1d": "channel_params", "in_proj": "packed_colwise",
+         "x_proj": "rowwise_shared_output", "dt_proj": "channel_params", "out_proj": "rowwise"}
 
 
 def _mamba(model_type: str) -> nn.Module:

@@ -1,0 +1,72 @@
+"""What a module's own ``forward`` source shows that its parameters do not: a head split it would break.
+
+TrOCR's attention (a module split by heads: the caller asks only of those) reads its width from its input
+(``bsz, tgt_len, embed_dim = hidden_states.size()``) and reshapes its heads' output with it
+(``attn_output.reshape(bsz, tgt_len, embed_dim)``): split by heads over tp, the output has ``embed_dim / tp``
+features and the reshape fails. The source is read with `ast`; a module whose source cannot
+be read (built-in, compiled) shows nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from collections.abc import Iterable
+from functools import cache
+
+from torch import nn
+
+
+def reshapes_with_input_width(module: nn.Module) -> str | None:
+    """The source line of ``module``'s forward that unpacks its first argument's size into a width it later reshapes
+    or views another tensor with; None when there is none or the source cannot be read."""
+    return _width_reshape(type(module))
+
+
+@cache
+def _width_reshape(cls: type) -> str | None:
+    try:
+        source = textwrap.dedent(inspect.getsource(cls.forward))
+    except (OSError, TypeError):
+        return None
+    function = ast.parse(source).body[0]
+    if not isinstance(function, ast.FunctionDef) or len(function.args.args) < 2:
+        return None
+    first = function.args.args[1].arg
+    widths = {}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and _size_of(node.value, first) and isinstance(node.targets[0], ast.Tuple):
+            names = node.targets[0].elts
+            if len(names) >= 2 and isinstance(names[-1], ast.Name) and names[-1].id != "_":
+                widths[names[-1].id] = ast.get_source_segment(source, node)
+    for node in ast.walk(function):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("reshape", "view")
+                and not (isinstance(node.func.value, ast.Name) and node.func.value.id == first)  # its input: whole
+                and (used := [arg.id for arg in node.args if isinstance(arg, ast.Name) and arg.id in widths])):
+            return widths[used[0]]
+    return None
+
+
+def _size_of(value: ast.expr, name: str) -> bool:
+    """``name.size()`` or ``name.shape``."""
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == "size":
+        target = value.func.value
+    elif isinstance(value, ast.Attribute) and value.attr == "shape":
+        target = value.value
+    else:
+        return False
+    return isinstance(target, ast.Name) and target.id == name
+
+
+def replaced_in_forward(model: nn.Module, entries: Iterable[str]) -> str | None:
+    """A module holding planned layers that swaps its attention child for a new one in its forward: BigBird's
+    ``set_attention_type`` (block-sparse -> full attention for sequences shorter than its blocks) builds an unsplit
+    module around the split projections. The name of the innermost such module, while the model is in the mode
+    that swaps (``attention_type == "block_sparse"``)."""
+    planned = list(entries)
+    swapping = [name for name, module in model.named_modules() if hasattr(module, "set_attention_type")
+                and getattr(module, "attention_type", None) == "block_sparse"
+                and name and any(entry.startswith(name + ".") for entry in planned)]
+    return swapping[-1] if swapping else None  # the innermost: the attention module itself
