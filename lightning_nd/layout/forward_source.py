@@ -13,7 +13,6 @@ import ast
 import inspect
 import textwrap
 from collections.abc import Iterable
-from functools import cache
 
 from torch import nn
 
@@ -21,13 +20,19 @@ from torch import nn
 def reshapes_with_input_width(module: nn.Module) -> str | None:
     """The source line of ``module``'s forward that unpacks its first argument's size into a width it later reshapes
     or views another tensor with; None when there is none or the source cannot be read."""
-    return _width_reshape(type(module))
+    cls = type(module)
+    if cls not in _SEEN:
+        _SEEN[cls] = _width_reshape(cls)
+    return _SEEN[cls]
 
 
-@cache
+_SEEN: dict[type, str | None] = {}
+"""Each module class's answer: its source is parsed once."""
+
+
 def _width_reshape(cls: type) -> str | None:
     try:
-        source = textwrap.dedent(inspect.getsource(cls.forward))
+        source = textwrap.dedent(inspect.getsource(getattr(cls, "forward")))
     except (OSError, TypeError):
         return None
     function = ast.parse(source).body[0]

@@ -35,17 +35,20 @@ def rope_dim(model: nn.Module, name: str) -> int | None:
 
 def colwise_inputs(model: nn.Module, entries: Mapping[str, object], parent: str) -> set[int]:
     """The input widths of the colwise layers directly below ``parent``, and half of one where an unplanned linear
-    sibling writes that half: a latent read concatenated with its own norm (AXK2's ``q_gate_proj`` reads
-    ``cat([q_a_layernorm(q), q])`` of ``q = q_a_proj(x)``)."""
+    sibling writes that half and a norm sibling has it: a latent read concatenated with its own norm (AXK2's
+    ``q_gate_proj`` reads ``cat([q_a_layernorm(q), q])`` of ``q = q_a_proj(x)``)."""
     widths = set()
     for name, style in entries.items():
         if parent_name(name) == parent and is_colwise(style):
             width = getattr(get_submodule(model, name), "in_features", None)
             if isinstance(width, int):
                 widths.add(width)
-    written = {getattr(layer, "out_features", None) for child, layer in get_submodule(model, parent).named_children()
+    children = dict(get_submodule(model, parent).named_children())
+    written = {getattr(layer, "out_features", None) for child, layer in children.items()
                if is_linear(layer) and (f"{parent}.{child}" if parent else child) not in entries}
-    return widths | {width // 2 for width in widths if width % 2 == 0 and width // 2 in written}
+    normed = {param.shape[-1] for layer in children.values() if is_norm(layer)
+              for param in layer.parameters(recurse=False) if param.ndim == 1}
+    return widths | {width // 2 for width in widths if width % 2 == 0 and width // 2 in written & normed}
 
 
 def feeds_colwise(module: nn.Module, widths: set[int]) -> bool:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lightning_nd.layout.dims import divisors
+from lightning_nd.layout.stacked_plan import STACKED_STYLES
 from lightning_nd.layout.structure import (
     HEAD_ATTRS,
     KV_HEAD_ATTRS,
@@ -103,6 +104,8 @@ SIZE_NAMES = {"Embedding": ("num_embeddings", "embedding_dim"), "Conv1D": ("nx",
 def _sharded_size(module: nn.Module, style: object) -> tuple[int | None, str]:
     split = tp_split(module, "weight", style)
     weight = getattr(module, "weight", None)
+    if style in STACKED_STYLES and split is not None and isinstance(weight, torch.Tensor):
+        return weight.shape[split[0]] // split[1], f"experts' {'outputs' if split[0] == 1 else 'inputs'}"
     if split is None or weight is None or weight.ndim != 2:
         return None, ""
     dim, parts = split
@@ -118,6 +121,8 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
     parts = PACKED_PARTS.get(style, getattr(style, "parts", 1) if is_torch_style(style, "ColwiseParallel") else 1)
     if style in ("per_head_params", "channel_mixer", "channel_params"):  # with the heads, features or channels
         return 0, 1
+    if style in STACKED_STYLES:  # experts stored as one [E, out, in] weight
+        return STACKED_STYLES[style] if param_name == "weight" else None
     if style == "per_channel_vectors":  # RWKV's per-channel vectors; its input-mixing weights whole
         param = getattr(module, param_name, None)
         return (0, 1) if isinstance(param, torch.Tensor) and param.ndim == 1 else None

@@ -12,11 +12,10 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from lightning_nd.layout.declared import declared_plan, expand
-from lightning_nd.layout.forward_source import replaced_in_forward, reshapes_with_input_width
+from lightning_nd.layout.forward_source import replaced_in_forward
 from lightning_nd.layout.hf_styles import experts_modules, hf_meaning
 from lightning_nd.layout.latent import colwise_inputs, down_projections, feeds_colwise
 from lightning_nd.layout.per_feature import per_feature_owners, per_head_outputs
@@ -29,17 +28,15 @@ from lightning_nd.layout.structure import (
     parent_name,
 )
 from lightning_nd.layout.ssm_plan import selective_scan_plan
+from lightning_nd.layout.stacked_plan import STACKED_STYLES, stacked_experts_plan
 from lightning_nd.layout.structure_plan import structure_plan
 from lightning_nd.layout.tp_checks import (
     check_fused_attention,
     check_partners,
     check_plan,
     check_three_equal_parts,
-    head_counts,
     is_colwise,
-    norms_over_split_features,
     unequal_parts,
-    vocabulary_split_with_own_forward,
 )
 from lightning_nd.layout.tp_patterns import (
     NAME_PATTERNS,
@@ -49,6 +46,13 @@ from lightning_nd.layout.tp_patterns import (
     pattern_plan,
 )
 from lightning_nd.layout.tp_suggest import no_plan_message
+from lightning_nd.layout.tp_whole import (
+    drop_extended_embeddings,
+    drop_indivisible_vocabulary,
+    drop_tied,
+    leave_whole,
+    wrong_splits,
+)
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +76,13 @@ STYLES = (
     "channel_mixer",
     "channel_params",
     "per_channel_vectors",
+    *STACKED_STYLES,
     "multihead_attention",
     "transposed_experts",
     "replicate",
 )
 SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_qkv", "colwise_rep", "rowwise_split_input",
-                   "multihead_attention", "transposed_experts", "channel_mixer")
+                   "multihead_attention", "transposed_experts", "channel_mixer", *STACKED_STYLES)
 @dataclass
 class TPPlan:
     """A resolved plan: concrete module name -> style name (or `ParallelStyle`), plus where it came from."""
@@ -140,7 +145,8 @@ def resolve_tp_plan(
     if kind != "explicit":  # what names leave out, from the blocks' structure (a declared plan: feed-forward only)
         structural = dict(structure_plan(model, entries, tuple(experts_modules(model)), attention=kind == "pattern",
                                          hidden=facts.hidden_size))
-        mixers = selective_scan_plan(model, {**entries, **structural})
+        mixers = {**selective_scan_plan(model, {**entries, **structural}),
+                  **stacked_experts_plan(model, {**entries, **structural})}
         structural.update(mixers)
         entries = {**entries, **structural}
         origin.update(dict.fromkeys(structural, "structure"))
@@ -151,22 +157,15 @@ def resolve_tp_plan(
     if not splits_experts and not any(not isinstance(style, str) or style in SHARDING_STYLES for style in entries.values()):
         known = NAME_PATTERNS["colwise"][:6]
         raise ValueError(no_plan_message(model, tp, kind == "declared", known))
-    entries = _drop_extended_embeddings(model, _drop_tied(model, entries))
+    entries = drop_extended_embeddings(model, drop_tied(model, entries))
     if kind != "explicit":
-        entries = _drop_indivisible_vocabulary(model, entries, tp)
+        entries = drop_indivisible_vocabulary(model, entries, tp)
     check_partners(entries, source, paired=set(structural))
     restyled = per_head_outputs(model, entries, facts, source, restyle=kind != "explicit")
     entries = {**entries, **restyled}
     origin.update(dict.fromkeys(restyled, "per_head_output"))
-    over = {parent: (f"`{norm}` normalizes the features `{parent or 'the model'}` splits over tp, so each rank would"
-                     " normalize its own part of them") for parent, norm in norms_over_split_features(model, entries).items()}
-    blocks = {name for name, _ in find_blocks(model)}
-    for parent in sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)} - blocks):
-        module = get_submodule(model, parent)
-        if head_counts(module) and (line := reshapes_with_input_width(module)):  # split by heads
-            over[parent] = (f"`{parent}` takes its width from its input (`{line}`) and reshapes its split output with"
-                            " it, which has the width / tp")
-    entries = _leave_whole(entries, origin, over, source)
+    over = wrong_splits(model, entries)
+    entries = leave_whole(entries, origin, over, source)
     if swapping := replaced_in_forward(model, entries):
         raise ValueError(f"TP plan ({source}): `{swapping}` replaces its attention module in its forward"
                          " (`set_attention_type`: block-sparse attention falls back to full attention for sequences"
@@ -195,31 +194,21 @@ def resolve_tp_plan(
         entries = {name: style for name, style in entries.items() if style != "sequence_parallel"}
     check_plan(model, entries, tp, facts)
     # a state-space mixer's layers are read from its own shape, not from the block's: SP follows the block's norms
-    if sequence_parallel and kind == "pattern" and (guessed := [name for name in structural if name not in mixers]):
+    if sequence_parallel and kind == "pattern" and (inferred := [name for name in structural if name not in mixers]):
         raise ValueError(f"`NDParallel(sequence_parallel=True)` with a plan inferred from the blocks' structure"
-                         f" (`{guessed[0]}`, ...): the structure does not show where the model adds its"
+                         f" (`{inferred[0]}`, ...): the structure does not show where the model adds its"
                          " residual stream or normalizes it (BERT's post-norms sit inside its attention and MLP"
                          " modules), which the sequence split must follow. HINT: sequence_parallel=False, or pass"
                          " `NDParallel(tp_plan=...)` naming every split layer and residual norm.")
+    if sequence_parallel and (stacked := [name for name, style in entries.items() if style in STACKED_STYLES]):
+        raise ValueError(f"`NDParallel(sequence_parallel=True)`: `{stacked[0]}` (experts stored as one weight, JetMoE's)"
+                         " is split over tp on tokens every tp rank routes whole; with the sequence split its router"
+                         " would see a shard. HINT: sequence_parallel=False for this model.")
     if sequence_parallel and (experts := [name for name, style in entries.items() if style == "transposed_experts"]):
         raise ValueError(f"`NDParallel(sequence_parallel=True)`: `{experts[0]}` (transposed_experts, Llama 4's) is"
                          " split over tp on tokens every tp rank holds whole; with the sequence split the block's"
                          " router would see a shard. HINT: sequence_parallel=False for this model.")
     return TPPlan(entries, source, {name: sources[name] for name in entries})
-
-
-def _leave_whole(entries: dict[str, object], origin: Mapping[str, str], over: Mapping[str, str],
-                 source: str) -> dict[str, object]:
-    """Modules whose split the model shows to be wrong (``over``: module -> why): refused when an explicit or declared
-    entry splits them, else left whole on every tp rank with a warning."""
-    for parent, why in over.items():
-        if any(parent_name(name) == parent and origin.get(name) in ("explicit", "declared") for name in entries):
-            raise ValueError(f"TP plan ({source}): {why}. HINT: pass `NDParallel(tp_plan=...)` that leaves"
-                             f" `{parent or 'that module'}` out (it then stays whole on every tp rank).")
-    if over:
-        log.warning("Left whole on every tp rank, modules a guessed split would get wrong: %s",
-                    "; ".join(f"{parent}: {why}" for parent, why in over.items()))
-    return {name: style for name, style in entries.items() if parent_name(name) not in over and name not in over}
 
 
 OWNERS = ("per_head_params", "channel_mixer", "per_channel_vectors")
@@ -245,46 +234,6 @@ def _partial_gradients(model: nn.Module, entries: Mapping[str, object], widths: 
     if found:
         log.info("Parameters seeing one tp rank's heads or features, their gradients summed over tp: %s", ", ".join(found))
     return found
-
-
-def _drop_tied(model: nn.Module, entries: Mapping[str, object]) -> dict[str, object]:
-    """A module whose weight is shared (a head tied to the embedding) stays replicated under TP:
-    sharding it would replace the shared parameter in one module only and silently untie it."""
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(parent_name(name))
-    shared = {owner for names in owners.values() if len(names) > 1 for owner in names}
-    tied = sorted(name for name in entries if name in shared)
-    if tied:
-        log.info("Tied weights stay replicated under TP: %s", ", ".join(tied))
-    return {name: style for name, style in entries.items() if name not in shared}
-
-
-def _drop_extended_embeddings(model: nn.Module, entries: dict[str, object]) -> dict[str, object]:
-    """An embedding whose own forward works on the looked-up rows stays replicated under TP (see
-    `vocabulary_split_with_own_forward`); the rest of the plan applies."""
-    extended = vocabulary_split_with_own_forward(model, entries)
-    if extended:
-        log.info("Embeddings whose forward works on the looked-up rows stay replicated under TP: %s", ", ".join(extended))
-    return {name: style for name, style in entries.items() if name not in extended}
-
-
-def _drop_indivisible_vocabulary(model: nn.Module, entries: dict[str, object], tp: int) -> dict[str, object]:
-    """An embedding or output head of a declared or guessed plan whose vocabulary tp does not divide (Moshi's 129
-    rows) stays whole on every tp rank; the rest of the plan applies. (An explicit plan naming it is refused.)"""
-    outer = ("embedding_rowwise", "embedding_colwise", "colwise_gather_output")
-    dropped = sorted(name for name, style in entries.items() if style in outer
-                     and (size := _vocabulary(get_submodule(model, name), style)) is not None and size % tp)
-    if dropped:
-        log.warning("tp=%d does not divide the vocabulary of %s: left whole on every tp rank.", tp, ", ".join(dropped))
-    return {name: style for name, style in entries.items() if name not in dropped}
-
-
-def _vocabulary(module: nn.Module, style: object) -> int | None:
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
-        return None
-    return weight.shape[1] if style == "embedding_colwise" else weight.shape[0]
 
 
 def _residual_norms(model: nn.Module) -> list[str]:

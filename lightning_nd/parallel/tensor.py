@@ -28,6 +28,7 @@ from lightning_nd.layout.per_feature import split_output_widths
 from lightning_nd.layout.structure import HEAD_ATTRS, get_submodule, is_linear, is_norm, parent_name, widths
 from lightning_nd.layout.tp_checks import PACKED_PARTS, head_counts, is_colwise
 from lightning_nd.parallel.tp_channels import ChannelMixer
+from lightning_nd.parallel.tp_stacked import divide_stacked_widths
 from lightning_nd.parallel.head_inputs import is_plain_float, local_head_inputs
 from lightning_nd.parallel.tp_dropout import fork_rng_per_rank, has_dropout
 from lightning_nd.parallel.tp_styles import SEQUENCE_DIM, style_for
@@ -49,7 +50,9 @@ def apply_tp(
     split_parents = sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)})
     # RWKV mixes its input with whole weights before any projection: a plain full input and output (under SP too),
     # each projection reducing its own input gradient
-    plain = {name for name in split_parents if name not in block_names and _works_on_its_input(model, entries, name)}
+    stacked = [name for name, style in entries.items() if isinstance(style, str) and style.startswith("stacked_")]
+    plain = {name for name in split_parents if name not in block_names and (_works_on_its_input(model, entries, name)
+             or any(entry.startswith(name + ".") for entry in stacked))}  # JetMoE's MoA: the router reads it whole
     for name, style in entries.items():
         if style in ("replicate", "channel_params"):  # every rank keeps the full parameters / split by the mixer
             continue
@@ -64,6 +67,8 @@ def apply_tp(
         )
         parallelize_module(get_submodule(model, name), tp_mesh, parallel_style)
     tp_rank = tp_mesh.get_local_rank()
+    divide_stacked_widths(model, [name for name in stacked if entries[name] == "stacked_colwise"], tp_mesh.size(),
+                          WIDTH_ATTRS)
     for name in split_parents:
         module = get_submodule(model, name)
         # Inside another split module (NeoMME's gated output projection in its attention), its first input is the
@@ -266,8 +271,9 @@ def _enter_sequence_parallel(tp_mesh: DeviceMesh):
 
 def _run_whole_under_sp(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     """A whole module inside a block under SP (or one split module that works on its plain input, RWKV's) gets the
-    full sequence as a plain tensor for its own layers, and hands back its output's sequence shard; only when it was given a sequence shard (a module fed positions or ids, whose
-    output is not on the sequence, is left alone)."""
+    full sequence as a plain tensor for its own layers, and hands back its output's sequence shard; only when it
+    was given a sequence shard (a module fed positions or ids, whose output is not on the sequence, is left
+    alone)."""
     gathered = [False]
 
     def gather(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -23,6 +23,7 @@ from lightning_nd.layout.structure import is_conv1d
 from lightning_nd.layout.tp_checks import PACKED_PARTS
 from lightning_nd.parallel.expert_tp import TransposedExpertsParallel, reduce_from_tp
 from lightning_nd.parallel.forward_views import restore_parameters, swap_parameters
+from lightning_nd.parallel.tp_stacked import StackedColwise, StackedRowwise
 from lightning_nd.parallel.tp_attention import MultiheadAttentionParallel, packed_bias_slice
 
 SEQUENCE_DIM = 1
@@ -262,6 +263,10 @@ def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_sha
         return PerHeadRowwiseParallel()
     if name == "rowwise_shared_output":
         return RowwiseSharedOutput()
+    if name in ("stacked_colwise", "stacked_packed_colwise"):
+        return StackedColwise(parts=2 if name == "stacked_packed_colwise" else 1)
+    if name == "stacked_rowwise":
+        return StackedRowwise()
     if name == "rowwise_split_input":
         return Conv1DRowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
                                      use_local_output=not sequence_parallel)

@@ -35,8 +35,6 @@ GPT-BigCode's multi-query attention), a split module inside a split module fed p
 state-space mixer split by channels (Mamba), RWKV's mixers taking a plain input."""
 
 NOT_PLANNED: dict[str, tuple[str, str]] = {
-    "jetmoe": ("refused", "its mixture of attention heads (experts of q and o projections chosen per token, one shared"
-                          " k/v), which no style splits"),
     "big_bird": ("refused", "transformers' block-sparse attention replaces its attention module in forward for"
                             " sequences shorter than its blocks; refused naming `set_attention_type('original_full')`,"
                             " with which it plans (tests/unit/test_tp_forward_source.py)"),
