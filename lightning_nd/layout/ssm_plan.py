@@ -71,7 +71,6 @@ def _mixer_styles(module: nn.Module) -> dict[str, str] | None:
     return styles
 
 
-
 def _time_mix_styles(module: nn.Module) -> dict[str, str] | None:
     """RWKV's time mixing: linear layers H -> A (key, value, receptance) registered before one A -> H (output), the
     recurrence run channel by channel with per-channel vectors of length A (``time_decay``, ``time_first``: split),
