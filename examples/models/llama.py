@@ -26,6 +26,17 @@ class LlamaConfig:
     num_experts: int = 0
     """> 0: every MLP is a mixture of this many experts (`lightning_nd.nn.moe.MoE`, SwiGLU experts)."""
     num_experts_per_tok: int = 2
+    moe_aux_loss_coef: float = 0.01
+    """Weight of the load-balancing loss of every MoE layer (`MoE(aux_loss_coef=...)`)."""
+    moe_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (`MoE(z_loss_coef=...)`)."""
+    moe_capacity_factor: float | None = None
+    """Each expert takes at most this multiple of its even share of a batch's assignments; the rest is dropped."""
+    moe_random_routing_steps: int = 0
+    """Route at random for this many first training steps, annealed linearly to the learned router."""
+    moe_bias_update_rate: float = 0.0
+    """> 0: the loss-free balancing bias, moved by this much against each expert's load after every optimizer step
+    (`NDParallel` applies it; `MoE.update_bias`)."""
 
 
 class RMSNorm(nn.Module):
@@ -91,7 +102,11 @@ class DecoderLayer(nn.Module):
         if config.num_experts:
             from lightning_nd.nn.moe import MoE
 
-            self.mlp = MoE(config.hidden_size, config.intermediate_size, config.num_experts, config.num_experts_per_tok)
+            self.mlp = MoE(config.hidden_size, config.intermediate_size, config.num_experts, config.num_experts_per_tok,
+                           aux_loss_coef=config.moe_aux_loss_coef, z_loss_coef=config.moe_z_loss_coef,
+                           capacity_factor=config.moe_capacity_factor,
+                           random_routing_steps=config.moe_random_routing_steps,
+                           bias_update_rate=config.moe_bias_update_rate)
         else:
             self.mlp = SwiGLU(config)
 

@@ -20,6 +20,7 @@ from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.options import ParallelConfig
 from lightning_nd.layout.record import Layout
 from lightning_nd.layout.validate import check_sequence_lengths
+from lightning_nd.nn.moe import MoE, moe_layers
 from lightning_nd.parallel.compose import ParallelizeReport
 from lightning_nd.parallel.context.region import context_parallel_region
 from lightning_nd.parallel.context.sharding import shard_batch
@@ -37,6 +38,7 @@ class Steps:
         self.pipeline: PipelineEngine | None = None
         self._mesh: tuple[ParallelDims, NDMesh] | None = None
         self._positions: Tensor | None = None
+        self._balanced: list[MoE] = []
 
     def start(self, dims: ParallelDims, mesh: NDMesh) -> None:
         """The processes have started: the run's dims and mesh."""
@@ -59,6 +61,7 @@ class Steps:
                 self.pipeline is None or self.pipeline.report is not report):
             self.pipeline = PipelineEngine(report, layout, mesh, precision, device, self.events.report("pp"))
         self.events.watch_routing(model)
+        self._balanced = [layer for layer in moe_layers(model) if layer.bias_update_rate]
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
             with self.events.collective("clip_grad_norm", "world"):
@@ -135,11 +138,16 @@ class Steps:
 
     def optimizer_step(self, step: Callable[[Callable[[], Any]], Any], closure: Callable[[], Any]) -> Any:
         """Lightning's optimizer step (``step(closure)``), timed; under pp a tied weight's copies sum their
-        gradients after backward, before clipping, and the accumulation window closes."""
+        gradients after backward, before clipping, and the accumulation window closes; after it, the MoE layers
+        with a loss-free bias (``bias_update_rate``) move it against their load over the batch ranks."""
         if self.pipeline is not None:
             closure = self.pipeline.tied.after(closure)
         with self.events.optimizer():
             result = step(closure)
+        if self._balanced:  # the loss-free bias: each layer's load over the step's batch ranks, then its bias moves
+            group = self.mesh.group("loss") if self.mesh.size("loss") > 1 else None
+            for layer in self._balanced:
+                layer.update_bias(group)
         if self.pipeline is not None:
             self.pipeline.window_closed()
         return result

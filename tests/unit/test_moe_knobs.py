@@ -1,0 +1,36 @@
+"""The MoE routing knobs reach the layers from the Hydra config (conf/model/moe.yaml -> LlamaConfig -> MoE), and
+the loss-free bias moves after every optimizer step under NDParallel (one process: the update's own arithmetic is
+in tests/unit/test_moe.py)."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Trainer
+from omegaconf import OmegaConf
+
+from examples.data import TokenDataModule
+from examples.lit import CausalLM
+from examples.train import model_factory
+from lightning_nd import NDParallel
+from lightning_nd.nn.moe import moe_layers
+
+
+def test_the_moe_config_reaches_every_layer_and_the_bias_moves_each_step():
+    cfg = OmegaConf.load("conf/model/moe.yaml")
+    cfg.merge_with({"moe_aux_loss_coef": 0.03, "moe_capacity_factor": 1.5, "moe_random_routing_steps": 1,
+                    "moe_bias_update_rate": 0.1, "num_hidden_layers": 1})
+    module = CausalLM(model_factory=model_factory(cfg), lr=1e-3)
+    trainer = Trainer(strategy=NDParallel(), accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, max_steps=3, limit_val_batches=0)
+    data = TokenDataModule(vocab_size=cfg.vocab_size, seq_len=16, num_samples=12, batch_size=4)
+    try:
+        trainer.fit(module, datamodule=data)
+    finally:  # the one-process group Lightning started stays up otherwise, for every later test of this process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    (layer,) = moe_layers(module)
+    assert (layer.aux_loss_coef, layer.experts.capacity_factor, layer.random_routing_steps) == (0.03, 1.5, 1)
+    bias = layer.gate.expert_bias
+    assert bias.abs().sum() > 0 and bias.abs().max() <= 0.3 + 1e-6  # 3 steps of at most 0.1 each
+    torch.testing.assert_close(bias * 10, (bias * 10).round())  # whole steps of the rate
+    assert not layer.load.any()  # reset after each update
