@@ -44,6 +44,20 @@ def _all_of(module: nn.Module, lengths: set[int]) -> bool:
     return bool(own) and all(param.ndim == 1 and param.shape[0] in lengths for param in own)
 
 
+def split_input_widths(model: nn.Module, entries: Mapping[str, object], parent: str) -> set[int]:
+    """The input widths of the colwise layers directly below ``parent``."""
+    return {widths(get_submodule(model, name))[0] for name, style in entries.items()
+            if parent_name(name) == parent and is_colwise(style)}
+
+
+def works_on_its_input(model: nn.Module, entries: Mapping[str, object], parent: str) -> bool:
+    """``parent`` has weights of its input's width that are not vectors (RWKV's ``[1, 1, H]`` time-mix weights):
+    it computes on its whole input before any projection."""
+    inputs = split_input_widths(model, entries, parent)
+    return any(param.ndim > 1 and param.shape[-1] in inputs and param.numel() == param.shape[-1]
+               for param in get_submodule(model, parent).parameters(recurse=False))
+
+
 def split_output_widths(model: nn.Module, entries: Mapping[str, object], parent: str) -> set[int]:
     """The full output widths of the colwise layers directly below ``parent`` split in one piece (a fused layer's
     parts are laid out part by part, which a vector of its width does not follow)."""

@@ -24,13 +24,22 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from lightning_nd.layout.latent import rope_dim
-from lightning_nd.layout.per_feature import split_output_widths
-from lightning_nd.layout.structure import HEAD_ATTRS, get_submodule, is_linear, is_norm, parent_name, widths
+from lightning_nd.layout.per_feature import split_input_widths, split_output_widths, works_on_its_input
+from lightning_nd.layout.stacked_plan import STACKED_STYLES
+from lightning_nd.layout.structure import (
+    HEAD_ATTRS,
+    get_submodule,
+    is_linear,
+    is_norm,
+    owns_parameters,
+    parent_name,
+    widths,
+)
 from lightning_nd.layout.tp_checks import PACKED_PARTS, head_counts, is_colwise
-from lightning_nd.parallel.tp_channels import ChannelMixer
-from lightning_nd.parallel.tp_stacked import divide_stacked_widths
 from lightning_nd.parallel.head_inputs import is_plain_float, local_head_inputs
+from lightning_nd.parallel.tp_channels import ChannelMixer
 from lightning_nd.parallel.tp_dropout import fork_rng_per_rank, has_dropout
+from lightning_nd.parallel.tp_stacked import divide_stacked_widths
 from lightning_nd.parallel.tp_styles import SEQUENCE_DIM, style_for
 
 
@@ -48,11 +57,11 @@ def apply_tp(
     ``block_names`` are the repeated blocks; with sequence parallelism they bound the sharded region.
     """
     split_parents = sorted({parent_name(name) for name, style in entries.items() if is_colwise(style)})
-    # RWKV mixes its input with whole weights before any projection: a plain full input and output (under SP too),
-    # each projection reducing its own input gradient
-    stacked = [name for name, style in entries.items() if isinstance(style, str) and style.startswith("stacked_")]
-    plain = {name for name in split_parents if name not in block_names and (_works_on_its_input(model, entries, name)
-             or any(entry.startswith(name + ".") for entry in stacked))}  # JetMoE's MoA: the router reads it whole
+    stacked = [name for name, style in entries.items() if style in STACKED_STYLES]
+    # A plain full input and output (under SP too), each projection reducing its own input gradient: RWKV mixes its
+    # input with whole weights before any projection, JetMoE's MoA router reads it whole.
+    plain = {name for name in split_parents if name not in block_names and (works_on_its_input(model, entries, name)
+             or any(entry.startswith(name + ".") for entry in stacked))}
     for name, style in entries.items():
         if style in ("replicate", "channel_params"):  # every rank keeps the full parameters / split by the mixer
             continue
@@ -75,7 +84,7 @@ def apply_tp(
         # outer module's local heads: neither whole nor shared with the outer module's projections.
         nested = any(name.startswith(outer + ".") for outer in split_parents if outer and outer not in block_names)
         heads = next((value for attr, value in head_counts(module).items() if attr in HEAD_ATTRS), None)
-        features = split_output_widths(model, entries, name) - _input_widths(model, entries, name)
+        features = split_output_widths(model, entries, name) - split_input_widths(model, entries, name)
         if (heads or features) and name not in block_names:
             module.register_forward_pre_hook(local_head_inputs(heads or 0, features, tp_mesh), with_kwargs=True)
         _divide_head_counts(name, module, tp_mesh.size(), entries)
@@ -123,7 +132,7 @@ def _mark_sequence_parallel_region(
         for child_name, child in block.named_children():  # whole on every tp rank: the full sequence in and out
             full = f"{name}.{child_name}"
             planned = any(entry == full or entry.startswith(full + ".") for entry in entries)
-            if not planned and not is_norm(child) and any(True for _ in child.parameters()):
+            if not planned and not is_norm(child) and owns_parameters(child):
                 _run_whole_under_sp(child, tp_mesh)
     if any(style == "colwise_gather_output" for style in entries.values()):
         return
@@ -222,18 +231,6 @@ def _to_replicate(value: object) -> object:
 def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """One all-gather of the sequence-sharded input for a whole attention/MLP module."""
     return tuple(_to_replicate(a) for a in args), {k: _to_replicate(v) for k, v in kwargs.items()}
-
-
-def _works_on_its_input(model: nn.Module, entries: Mapping[str, object], name: str) -> bool:
-    """The module has weights of its input's width that are not vectors (RWKV's ``[1, 1, H]`` time-mix weights)."""
-    inputs = _input_widths(model, entries, name)
-    return any(param.ndim > 1 and param.shape[-1] in inputs and param.numel() == param.shape[-1]
-               for param in get_submodule(model, name).parameters(recurse=False))
-
-
-def _input_widths(model: nn.Module, entries: Mapping[str, object], parent: str) -> set[int]:
-    return {widths(get_submodule(model, name))[0] for name, style in entries.items()
-            if parent_name(name) == parent and is_colwise(style)}
 
 
 def _map_first(args: tuple, kwargs: dict, fn) -> tuple[tuple, dict]:
