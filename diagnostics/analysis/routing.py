@@ -1,17 +1,12 @@
 """Expert routing over an interval: how evenly each MoE layer's router spread its tokens, which expert collapsed or
-died, which expert-parallel rank will be slow, and what practitioners change about it.
+died, which expert-parallel rank will be slow and by how much, and what practitioners change about it.
 
-Pure: over counts of router assignments (tokens x top_k per layer), as recorded by each rank.
-
-Counting rule (`merge_ranks`): each rank counts what its own routers chose for its own tokens. Ranks that see
-different tokens (batch and cp ranks; ep borrows them, so its ranks too) are summed; tp ranks hold copies of the
-same routing and only one of each tp group is counted; pp stages hold different layers, which are gathered, never
-summed. The counts are the router's choices before any expert-parallel exchange: the all-to-all's received counts
-would count every assignment a second time on the rank that runs it.
+Pure: over counts of router assignments (each token routed makes ``top_k``), summed over the ranks by the counting
+rule of `diagnostics.analysis.routing_counts`.
 
 Verdicts:
 - collapse: one expert takes at least ``COLLAPSE_SKEW`` of the way from its even share of the assignments (1/E) to
-  the most one expert can take (1/top_k, every token);
+  the most one expert can take (1/top_k: every token);
 - dead: an expert given nothing over an interval in which each expert was due at least ``DUE_FOR_DEAD``
   assignments; with fewer, the verdict is "not enough tokens" rather than a guess.
 """
@@ -19,8 +14,16 @@ Verdicts:
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from diagnostics.records.routing import (
+    CollapsedExpert,
+    DeadExperts,
+    LayerRouting,
+    RoutingInterval,
+    RoutingVerdict,
+)
 
 COLLAPSE_SKEW = 0.5
 """Fraction of the way from an even share (1/E) to all tokens (1/top_k) at which an expert's share is a collapse."""
@@ -35,7 +38,8 @@ class LayerLoad:
     layer: str
     tokens_per_expert: tuple[int, ...]
     top_k: int
-    dropped: int = 0
+    dropped: int | None = None
+    """Assignments (of `total`) a capacity limit dropped; None: the layer does not say."""
 
     @property
     def total(self) -> int:
@@ -47,7 +51,7 @@ class LayerLoad:
 
     @property
     def max_over_mean(self) -> float:
-        """The busiest expert's load over the mean (1.0: even); its excess is the max violation."""
+        """The busiest expert's load over the mean (1.0: even); its excess over 1 is the max violation."""
         return max(self.tokens_per_expert) / self.mean if self.total else 0.0
 
     @property
@@ -68,10 +72,9 @@ class LayerLoad:
         return -sum(share * math.log(share) for share in shares) / math.log(experts)
 
     @property
-    def dropped_fraction(self) -> float:
+    def dropped_fraction(self) -> float | None:
         """Assignments dropped by a capacity limit, over all the router made."""
-        made = self.total + self.dropped
-        return self.dropped / made if made else 0.0
+        return None if self.dropped is None else self.dropped / self.total if self.total else 0.0
 
     @property
     def skew(self) -> float:
@@ -96,22 +99,9 @@ class LayerLoad:
         return tuple(i for i, count in enumerate(self.tokens_per_expert) if not count) if self.enough_for_dead else ()
 
 
-def merge_ranks(records: Mapping[int, Mapping[str, Sequence[int]]], counted: Collection[int]) -> dict[str, list[int]]:
-    """Per layer, the sum of the ``counted`` ranks' counts (one rank of each tp group: tp copies route alike). A
-    layer appears on the ranks of its pipeline stage only; ranks that hold it are summed, the others add nothing.
-    Raises on counts of different lengths for one layer (ranks disagreeing on its experts)."""
-    merged: dict[str, list[int]] = {}
-    for rank in sorted(counted):
-        for layer, counts in records.get(rank, {}).items():
-            total = merged.setdefault(layer, [0] * len(counts))
-            if len(total) != len(counts):
-                raise ValueError(f"rank {rank} counts {len(counts)} experts in `{layer}`, others {len(total)}")
-            merged[layer] = [a + b for a, b in zip(total, counts)]
-    return merged
-
-
 def ep_rank_load(tokens_per_expert: Sequence[int], ep: int) -> list[int]:
-    """Assignments each expert-parallel rank runs: rank r holds experts ``r * E/ep .. (r+1) * E/ep - 1``."""
+    """Assignments each expert-parallel rank runs: rank r holds experts ``r * E/ep .. (r+1) * E/ep - 1`` (the
+    placement `lightning_nd.parallel.expert` applies and the Layout's ``experts`` record)."""
     experts = len(tokens_per_expert)
     if ep < 1 or experts % ep:
         raise ValueError(f"ep={ep} does not divide the {experts} experts")
@@ -119,47 +109,76 @@ def ep_rank_load(tokens_per_expert: Sequence[int], ep: int) -> list[int]:
     return [sum(tokens_per_expert[rank * local:(rank + 1) * local]) for rank in range(ep)]
 
 
-@dataclass(frozen=True)
-class RoutingVerdict:
-    collapsed: tuple[tuple[str, int, float], ...]
-    """(layer, expert, share of the layer's assignments) for each collapsed layer."""
-    dead: tuple[tuple[str, tuple[int, ...]], ...]
-    too_few: tuple[str, ...]
-    """Layers whose experts were each due fewer than `DUE_FOR_DEAD` assignments: no dead-expert verdict."""
-    slowest_ep_rank: tuple[int, float] | None
-    """(rank, its load over the mean EP rank's), summed over layers, when ep > 1."""
-
-    @property
-    def healthy(self) -> bool:
-        return not self.collapsed and not self.dead
-
-
-def verdict(layers: Sequence[LayerLoad], ep: int = 1) -> RoutingVerdict:
-    collapsed = tuple((layer.layer, expert, max(layer.tokens_per_expert) / layer.total) for layer in layers
-                      if (expert := layer.collapsed_expert) is not None)
-    dead = tuple((layer.layer, layer.dead_experts) for layer in layers if layer.dead_experts)
-    too_few = tuple(layer.layer for layer in layers if layer.total and not layer.enough_for_dead)
-    slowest = None
-    if ep > 1 and layers:
-        per_rank = [sum(loads) for loads in zip(*(ep_rank_load(layer.tokens_per_expert, ep) for layer in layers))]
-        mean = sum(per_rank) / ep
-        if mean:
-            rank = per_rank.index(max(per_rank))
-            slowest = (rank, per_rank[rank] / mean)
-    return RoutingVerdict(collapsed, dead, too_few, slowest)
-
-
+SOURCES = ("reference", "hugging_face")
+"""Where a run's MoE layers come from: `lightning_nd.nn.moe.MoE` (the knobs are Hydra keys of the example's
+``conf/model/moe.yaml`` and `MoE` arguments), or a transformers family (its config's keys)."""
 ADVICE = (
-    "raise the load-balancing loss weight (`MoE(aux_loss_coef=...)`, 0.01 by default; 0.02-0.05 is common)",
-    "set a capacity factor (`MoE(capacity_factor=1.25)`): an expert takes at most that multiple of its even share,"
-    " the rest is dropped (the dropped fraction is reported)",
-    "route at random for the first steps (`MoE(random_routing_steps=...)`), annealed to the learned router",
-    "use the loss-free bias (`MoE(bias_update_rate=1e-3)`): each step nudges the router's per-expert bias against"
-    " the load it saw",
+    ("raise the load-balancing loss weight (0.01 by default; 0.02-0.05 is common)",
+     "`model.moe_aux_loss_coef` (`MoE(aux_loss_coef=...)`)",
+     "the model config's `router_aux_loss_coef`, with `output_router_logits=True` (without it the loss is not"
+     " added to the training loss)"),
+    ("set a capacity factor: an expert takes at most that multiple of its even share, the rest is dropped (the"
+     " dropped fraction is reported)",
+     "`model.moe_capacity_factor=1.25` (`MoE(capacity_factor=...)`)", None),
+    ("route at random for the first steps, annealed to the learned router",
+     "`model.moe_random_routing_steps=100` (`MoE(random_routing_steps=...)`)", None),
+    ("use the loss-free bias: after each optimizer step the router's per-expert bias moves against the load it saw",
+     "`model.moe_bias_update_rate=1e-3` (`MoE(bias_update_rate=...)`)", None),
 )
-"""What practitioners change when routing is uneven, each with the argument that sets it."""
+"""What practitioners change when routing is uneven: (what, the reference layer's key, a transformers config's key
+or None where transformers has none)."""
 
 
-def advice(found: RoutingVerdict) -> tuple[str, ...]:
-    """The `ADVICE` when a layer collapsed or has dead experts; nothing for healthy routing."""
-    return () if found.healthy else ADVICE
+def advice(found: RoutingVerdict, source: str = "reference") -> tuple[str, ...]:
+    """The `ADVICE` when a layer collapsed or has dead experts, each naming the key that sets it for ``source`` (one
+    of `SOURCES`); nothing for healthy routing."""
+    if source not in SOURCES:
+        raise ValueError(f"source={source!r} is not one of {SOURCES}")
+    if found.healthy:
+        return ()
+    lines = []
+    for what, reference, hugging_face in ADVICE:
+        if source == "reference":
+            lines.append(f"{what}: {reference}")
+        else:
+            lines.append(f"{what}: {hugging_face}" if hugging_face else
+                         f"{what}: no transformers config key; the reference layer has it, {reference}")
+    return tuple(lines)
+
+
+def verdict(layers: Sequence[LayerLoad], ep: int = 1, source: str = "reference") -> RoutingVerdict:
+    collapsed = tuple(CollapsedExpert(layer.layer, expert, max(layer.tokens_per_expert) / layer.total)
+                      for layer in layers if (expert := layer.collapsed_expert) is not None)
+    dead = tuple(DeadExperts(layer.layer, layer.dead_experts) for layer in layers if layer.dead_experts)
+    too_few = tuple(layer.layer for layer in layers if layer.total and not layer.enough_for_dead)
+    slowest, slowdown = None, None
+    loads = [ep_rank_load(layer.tokens_per_expert, ep) for layer in layers if layer.total] if ep > 1 else []
+    if loads:
+        per_rank = [sum(column) for column in zip(*loads)]
+        slowest = per_rank.index(max(per_rank))
+        slowdown = sum(max(load) for load in loads) / (sum(sum(load) for load in loads) / ep)
+    found = RoutingVerdict(collapsed, dead, too_few, slowest, slowdown)
+    return RoutingVerdict(collapsed, dead, too_few, slowest, slowdown, advice(found, source))
+
+
+def interval(first_step: int, step: int, layers: Sequence[LayerLoad], ep: int = 1, source: str = "reference",
+             counted: str = "") -> RoutingInterval:
+    """The record of one interval: every layer's counts and statistics, the load per ep rank, the verdict."""
+    records = {layer.layer: LayerRouting(
+        tokens_per_expert=layer.tokens_per_expert, top_k=layer.top_k, tokens=layer.total // layer.top_k,
+        dropped=layer.dropped, max_over_mean=layer.max_over_mean, cv=layer.cv, entropy=layer.entropy,
+        tokens_per_ep_rank=tuple(ep_rank_load(layer.tokens_per_expert, ep)) if ep > 1 else None) for layer in layers}
+    per_rank = None
+    if ep > 1 and layers:
+        per_rank = tuple(sum(column) for column in zip(*(r.tokens_per_ep_rank or () for r in records.values())))
+    return RoutingInterval(first_step, step, records, ep, per_rank, verdict(layers, ep, source), counted)
+
+
+def across_layers(values: Sequence[float]) -> dict[str, float]:
+    """A statistic over the layers as ``min``, ``p50``, ``p90`` and ``max`` (nearest rank)."""
+    ordered = sorted(values)
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+    return {"min": ordered[0], "p50": rank(0.5), "p90": rank(0.9), "max": ordered[-1]}

@@ -3,8 +3,9 @@ files a run leaves (``<log_dir>/diagnostics/``), ``tests/data`` and the offline 
 
 One module per concept: `collectives` (flight-recorder entries, the point-to-point ledger, a failed rank's capture,
 the hang verdict), `nccl` (what an NCCL log says), `memory` (the out-of-memory report), `bottleneck` (a window's
-phases per rank, its context and diagnosis); `codec` writes and reads them all, `files` names their files. Nothing
-here imports torch, Lightning or `lightning_nd`: a record read back from disk is the same object the probe made.
+phases per rank, its context and diagnosis), `routing` (an interval's tokens per expert per MoE layer and its
+verdict); `codec` writes and reads them all, `files` names their files. Nothing here imports torch, Lightning or
+`lightning_nd`: a record read back from disk is the same object the probe made.
 """
 
 from __future__ import annotations
@@ -25,17 +26,21 @@ from diagnostics.records.files import (
     CAPTURE_FILE,
     HANG_FILE,
     MEMORY_FILE,
+    ROUTING_FILE,
     read_captures,
+    read_intervals,
     read_windows,
     write_atomic,
 )
 from diagnostics.records.memory import KINDS, Advice, MemoryFigure, MemoryReport, OomMessage
 from diagnostics.records.nccl import Connection, NcclComm, NcclRankLog
+from diagnostics.records.routing import CollapsedExpert, DeadExperts, LayerRouting, RoutingInterval, RoutingVerdict
 
 __all__ = [
-    "BOTTLENECK_FILE", "CAPTURE_FILE", "HANG_FILE", "KINDS", "LABELS", "MEMORY_FILE", "PHASES", "Advice",
-    "CollectiveEntry", "Connection", "Culprit", "Diagnosis", "Frame", "GroupRecord", "HangReport", "MemoryFigure",
-    "MemoryReport", "NcclComm", "NcclRankLog", "OomMessage", "PointToPointRecord", "RankCapture", "RankTimes",
-    "WindowContext", "WindowRecord", "from_dict", "from_json", "read_captures", "read_windows", "to_dict", "to_json",
-    "write_atomic",
+    "BOTTLENECK_FILE", "CAPTURE_FILE", "HANG_FILE", "KINDS", "LABELS", "MEMORY_FILE", "PHASES", "ROUTING_FILE",
+    "Advice", "CollapsedExpert", "CollectiveEntry", "Connection", "Culprit", "DeadExperts", "Diagnosis", "Frame",
+    "GroupRecord", "HangReport", "LayerRouting", "MemoryFigure", "MemoryReport", "NcclComm", "NcclRankLog",
+    "OomMessage", "PointToPointRecord", "RankCapture", "RankTimes", "RoutingInterval", "RoutingVerdict",
+    "WindowContext", "WindowRecord", "from_dict", "from_json", "read_captures", "read_intervals", "read_windows",
+    "to_dict", "to_json", "write_atomic",
 ]

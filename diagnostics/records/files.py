@@ -9,6 +9,7 @@ from pathlib import Path
 from diagnostics.records.bottleneck import WindowRecord
 from diagnostics.records.codec import from_dict
 from diagnostics.records.collectives import RankCapture
+from diagnostics.records.routing import RoutingInterval
 
 CAPTURE_FILE = "capture.json"
 """Each live rank's `RankCapture` when the run failed, in ``rank<R>/``."""
@@ -18,6 +19,8 @@ BOTTLENECK_FILE = "bottleneck.jsonl"
 """One `WindowRecord` a line, from rank 0."""
 MEMORY_FILE = "memory-rank{rank}.json"
 """Each rank's `MemoryReport` when a rank ran out of memory."""
+ROUTING_FILE = "routing.jsonl"
+"""One `RoutingInterval` a line, from rank 0."""
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -49,3 +52,14 @@ def read_windows(text: str) -> list[WindowRecord]:
         except (ValueError, KeyError, TypeError):
             continue
     return windows
+
+
+def read_intervals(text: str) -> list[RoutingInterval]:
+    """Every line of a ``routing.jsonl``; a line cut short by a dying process is skipped."""
+    intervals = []
+    for line in text.splitlines():
+        try:
+            intervals.append(from_dict(RoutingInterval, json.loads(line)))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return intervals

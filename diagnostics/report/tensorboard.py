@@ -26,6 +26,21 @@ def log_figure(trainer: Any, tag: str, figure: Any) -> None:
             logger.experiment.flush()
 
 
+def log_count_histogram(trainer: Any, tag: str, counts: Sequence[int]) -> None:
+    """``counts[i]`` items at value ``i`` (tokens per expert) as the histogram ``tag`` of every TensorBoard logger: one
+    bucket per value, from ``i - 0.5`` to ``i + 0.5``."""
+    total = sum(counts)
+    if not total:
+        return
+    values = range(len(counts))
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            logger.experiment.add_histogram_raw(
+                tag, min=min(i for i in values if counts[i]), max=max(i for i in values if counts[i]), num=total,
+                sum=sum(i * c for i, c in zip(values, counts)), sum_squares=sum(i * i * c for i, c in zip(values, counts)),
+                bucket_limits=[i + 0.5 for i in values], bucket_counts=list(counts), global_step=trainer.global_step)
+
+
 def spread(tag: str, values: Sequence[float]) -> dict[str, float]:
     """``<tag>/mean``, ``/min`` and ``/max`` of one value per rank."""
     return {f"{tag}/mean": sum(values) / len(values), f"{tag}/min": min(values), f"{tag}/max": max(values)}

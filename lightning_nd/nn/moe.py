@@ -30,6 +30,8 @@ import torch.distributed
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_nd.runtime.trial import in_trial_forward
+
 
 @dataclass
 class MoEStats:
@@ -173,7 +175,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = x.reshape(-1, x.shape[-1])
         # Activation checkpointing runs forward again inside backward: the same step (and, with the RNG
-        # state checkpointing restores, the same random routing), and nothing counted twice.
+        # state checkpointing restores, the same random routing), and nothing counted twice; nor is the
+        # pipeline's trial forward counted (its shape inference).
         recomputing = torch._C._current_graph_task_id() != -1
         step = int(self.step) - (1 if recomputing else 0)
         share = 0.0
@@ -183,7 +186,7 @@ class MoE(nn.Module):
         out = self.experts(hidden, index, weights)
         if self.shared_expert is not None:
             out = out + self.shared_expert(hidden)
-        self._account(logits, count=not recomputing)
+        self._account(logits, count=not recomputing and not in_trial_forward())
         return out.reshape(x.shape)
 
     def _account(self, logits: torch.Tensor, count: bool) -> None:
