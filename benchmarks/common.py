@@ -25,6 +25,14 @@ def build_model() -> nn.Module:
     return Llama(LlamaConfig(**MODEL_CONFIG))
 
 
+def build_moe_model() -> nn.Module:
+    """The same model with every MLP made of 8 experts, top-2 (`lightning_nd.nn.moe.MoE`)."""
+    from examples.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    return Llama(LlamaConfig(**MODEL_CONFIG, num_experts=8))
+
+
 def state_bytes(parameters: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> int:
     """Parameters, gradients and optimizer moments this rank holds (local shards; 0-dim step counters left out)."""
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731

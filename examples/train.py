@@ -53,7 +53,8 @@ def main(cfg: DictConfig) -> float:
         log_dir=cfg.log_dir, collectives=d.collectives and {"distributed_debug": d.distributed_debug,
                                                              "log_every_n_steps": d.collectives_every_n_steps},
         memory=d.memory and {"log_every_n_steps": d.memory_every_n_steps},
-        bottleneck=d.bottleneck and {"every_n_steps": d.bottleneck_every_n_steps}) if d.enabled else [LayoutCard()]
+        bottleneck=d.bottleneck and {"every_n_steps": d.bottleneck_every_n_steps},
+        routing=d.routing and {"every_n_steps": d.routing_every_n_steps}) if d.enabled else [LayoutCard()]
     trainer = Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy, logger=logger,
                       callbacks=[checkpoints, *monitors])
     module = CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr)

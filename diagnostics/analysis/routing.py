@@ -14,7 +14,7 @@ Verdicts:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from diagnostics.records.routing import (
@@ -146,13 +146,17 @@ def advice(found: RoutingVerdict, source: str = "reference") -> tuple[str, ...]:
     return tuple(lines)
 
 
-def verdict(layers: Sequence[LayerLoad], ep: int = 1, source: str = "reference") -> RoutingVerdict:
+def verdict(layers: Sequence[LayerLoad], ep: int = 1, source: str = "reference",
+            ep_layers: Collection[str] | None = None) -> RoutingVerdict:
+    """``ep_layers``: the layers whose experts expert parallelism splits (the Layout's ``experts`` placement; None:
+    every layer when ``ep`` > 1)."""
     collapsed = tuple(CollapsedExpert(layer.layer, expert, max(layer.tokens_per_expert) / layer.total)
                       for layer in layers if (expert := layer.collapsed_expert) is not None)
     dead = tuple(DeadExperts(layer.layer, layer.dead_experts) for layer in layers if layer.dead_experts)
     too_few = tuple(layer.layer for layer in layers if layer.total and not layer.enough_for_dead)
     slowest, slowdown = None, None
-    loads = [ep_rank_load(layer.tokens_per_expert, ep) for layer in layers if layer.total] if ep > 1 else []
+    loads = [ep_rank_load(layer.tokens_per_expert, ep) for layer in layers
+             if layer.total and _split(layer.layer, ep, ep_layers)]
     if loads:
         per_rank = [sum(column) for column in zip(*loads)]
         slowest = per_rank.index(max(per_rank))
@@ -161,17 +165,21 @@ def verdict(layers: Sequence[LayerLoad], ep: int = 1, source: str = "reference")
     return RoutingVerdict(collapsed, dead, too_few, slowest, slowdown, advice(found, source))
 
 
+def _split(layer: str, ep: int, ep_layers: Collection[str] | None) -> bool:
+    return ep > 1 and (ep_layers is None or layer in ep_layers)
+
+
 def interval(first_step: int, step: int, layers: Sequence[LayerLoad], ep: int = 1, source: str = "reference",
-             counted: str = "") -> RoutingInterval:
+             counted: str = "", ep_layers: Collection[str] | None = None) -> RoutingInterval:
     """The record of one interval: every layer's counts and statistics, the load per ep rank, the verdict."""
     records = {layer.layer: LayerRouting(
         tokens_per_expert=layer.tokens_per_expert, top_k=layer.top_k, tokens=layer.total // layer.top_k,
         dropped=layer.dropped, max_over_mean=layer.max_over_mean, cv=layer.cv, entropy=layer.entropy,
-        tokens_per_ep_rank=tuple(ep_rank_load(layer.tokens_per_expert, ep)) if ep > 1 else None) for layer in layers}
-    per_rank = None
-    if ep > 1 and layers:
-        per_rank = tuple(sum(column) for column in zip(*(r.tokens_per_ep_rank or () for r in records.values())))
-    return RoutingInterval(first_step, step, records, ep, per_rank, verdict(layers, ep, source), counted)
+        tokens_per_ep_rank=tuple(ep_rank_load(layer.tokens_per_expert, ep))
+        if _split(layer.layer, ep, ep_layers) else None) for layer in layers}
+    split = [r.tokens_per_ep_rank for r in records.values() if r.tokens_per_ep_rank is not None]
+    per_rank = tuple(sum(column) for column in zip(*split)) if split else None
+    return RoutingInterval(first_step, step, records, ep, per_rank, verdict(layers, ep, source, ep_layers), counted)
 
 
 def across_layers(values: Sequence[float]) -> dict[str, float]:

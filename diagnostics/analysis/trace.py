@@ -29,9 +29,20 @@ from pathlib import Path
 from diagnostics.analysis.nccl_log import rank_from_name
 from diagnostics.analysis.sampled_split import COMM, phase_of
 from diagnostics.analysis.trace_gpu import device_events, device_split
-from diagnostics.analysis.trace_timeline import (OUTSIDE, PHASE, PIPELINE, STEP, Labeller, State, cpu_part,
-                                                 fallback_phases, main_thread, sorted_events, thread_events,
-                                                 timeline)
+from diagnostics.analysis.trace_timeline import (
+    OUTSIDE,
+    PHASE,
+    PIPELINE,
+    STEP,
+    Labeller,
+    State,
+    cpu_part,
+    fallback_phases,
+    main_thread,
+    sorted_events,
+    thread_events,
+    timeline,
+)
 from diagnostics.records import PHASES, RankTimes
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")

@@ -22,8 +22,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from diagnostics.analysis.trace_timeline import (GROUP_ARG, Labeller, State, group_role, sorted_events, state_at,
-                                                 timeline)
+from diagnostics.analysis.trace_timeline import (
+    GROUP_ARG,
+    Labeller,
+    State,
+    group_role,
+    sorted_events,
+    state_at,
+    timeline,
+)
 
 DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver"})

@@ -22,8 +22,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from diagnostics.analysis.memory import breakdown, rank_advice
-from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.analysis.oom import parse_oom
+from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.collect.gather import gather_floats
 from diagnostics.collect.memory import cuda_memory, model_state_bytes, process_memory, snapshot_if_recording
 from diagnostics.records import MEMORY_FILE, MemoryReport, from_dict, to_json, write_atomic

@@ -34,7 +34,13 @@ from diagnostics.analysis.routing_counts import Slots, counts_on_this_tp_rank, d
 from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.collect.routers import Router, attach, find_routers
 from diagnostics.records import ROUTING_FILE, RoutingInterval, read_intervals, to_json, write_atomic
-from diagnostics.report.routing_card import STATISTICS, routing_heatmap, routing_markdown, routing_scalars, routing_summary
+from diagnostics.report.routing_card import (
+    STATISTICS,
+    routing_heatmap,
+    routing_markdown,
+    routing_scalars,
+    routing_summary,
+)
 from diagnostics.report.tensorboard import log_count_histogram, log_figure, log_text
 from lightning_nd.layout.batch import token_shape
 
@@ -56,6 +62,8 @@ class RoutingMonitor(Callback):
         self.slots = Slots(())
         self.records: list[RoutingInterval] = []
         self._handles: list[Any] = []
+        self.active = False
+        """Every rank counts and joins each interval's reduction (a rank may hold no router: a dense pipeline stage)."""
         self._closed = self._batch_tokens = 0
         self._batch_tokens_known = True
         self._warned: set[str] = set()
@@ -79,7 +87,7 @@ class RoutingMonitor(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._detach()
-        self.records, self._closed = [], trainer.global_step
+        self.active, self.records, self._closed = False, [], trainer.global_step
         self._batch_tokens, self._batch_tokens_known = 0, True
         if self.has_routers is False:
             return
@@ -92,7 +100,7 @@ class RoutingMonitor(Callback):
         self.slots = Slots.of(everyone)
         if not self.slots.slots:
             return
-        self._handles = attach(self.routers)
+        self.active, self._handles = True, attach(self.routers)
         if trainer.global_rank == 0:
             self._start_file(trainer.global_step)
 
@@ -132,6 +140,7 @@ class RoutingMonitor(Callback):
         self._detach()
 
     def _detach(self) -> None:
+        self.active = False
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -140,7 +149,7 @@ class RoutingMonitor(Callback):
 
     def _close(self, trainer: Trainer, pl_module: LightningModule) -> None:
         step = trainer.global_step
-        if not self._handles or step <= self._closed:
+        if not self.active or step <= self._closed:
             return
         first, self._closed = self._closed + 1, step
         summed = self._reduce(trainer, pl_module)
@@ -197,7 +206,11 @@ class RoutingMonitor(Callback):
                   for name, (counts, _, dropped) in summed.items()]
         hugging_face = any(type(r.module).__module__.startswith("transformers.") for r in self.routers)
         ep = getattr(self.layout, "dims", {}).get("ep", 1) if self.layout is not None else 1
-        record = interval(first, step, layers, ep, "hugging_face" if hugging_face else "reference", self._counted())
+        # The Layout's expert placement: the routers beside an experts module that ep splits.
+        split = {placement.module.rpartition(".")[0] for placement in getattr(self.layout, "experts", ())}
+        ep_layers = {name for name in summed if name.rpartition(".")[0] in split}
+        record = interval(first, step, layers, ep, "hugging_face" if hugging_face else "reference", self._counted(),
+                          ep_layers)
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / ROUTING_FILE, "a") as out:
             out.write(to_json(record, indent=None) + "\n")

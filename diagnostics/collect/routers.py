@@ -1,21 +1,23 @@
 """Finding a model's MoE routers and counting, on the device, what each chose in every training forward.
 
-A router is the innermost module that knows its experts' count and its top-k: an int attribute of `TOP_K_ATTRS` and
-one of `EXPERT_ATTRS` (or a weight, or a direct ``nn.Linear`` child, with one row per expert). That covers the
+A router is the innermost module that knows its experts' count and its top-k: an int attribute of `TOP_K_ATTRS`, and
+a weight or a direct ``nn.Linear`` child with one row per expert (or one of `EXPERT_ATTRS`). That covers the
 reference `lightning_nd.nn.moe.TopKRouter` and the router modules of transformers 5 (``MixtralTopKRouter``,
 ``Qwen3MoeTopKRouter``, ``DeepseekV2TopkRouter``, ``GptOssTopKRouter``, ...), and the MoE blocks of older releases
 and remote code, whose ``gate`` is a plain linear layer and whose forward takes the top-k itself.
 
 What a router chose is read from its output:
 1. an integer tensor ``[..., top_k]``: the chosen experts (transformers 5 routers return them third);
-2. else a float tensor ``[..., E]`` (router logits or scores; the chosen experts are its top-k): Llama 4's router,
-   JetMoE's gating, an older block returning its router logits;
-3. else the output of its ``nn.Linear`` child with E outputs, top-k taken (an older block returning hidden states).
+2. else the top-k of the logits its ``nn.Linear`` child with E outputs made in this forward (JetMoE's gating, an
+   older block's gate);
+3. else the top-k of a float tensor ``[..., E]`` it returns (Llama 4's router: scores, zero but for the chosen).
 Reading the top-k of logits is right only when the block selects the plain top-k of them (or of their softmax,
 which keeps the order): a router with a correction bias or grouped selection (`SELECTION_ATTRS`) that returns no
 indices is not counted, and says so.
 
-Counting: a ``scatter_add`` into an int64 vector per router on the router's device (no host synchronisation),
+Counting: a ``scatter_add`` into an int64 vector per router on the router's device (no host synchronisation but
+one, at a router's first counted forward, which checks its choices lie among its experts; a router whose choice
+cannot be read is left out with the reason, never stopping the run),
 for forwards in training mode only, and never for the recomputation of a checkpointed block (a forward run inside
 backward), the pipeline's trial forward (`lightning_nd.runtime.trial`) or a forward on meta or fake tensors.
 """
@@ -55,17 +57,18 @@ def _expert_linear(module: nn.Module, experts: int | None) -> nn.Linear | None:
 
 
 def _experts_of(module: nn.Module) -> int | None:
-    experts = _int_attr(module, EXPERT_ATTRS)
-    if experts is not None:
-        return experts
+    """What the router scores over: its own weight's rows, else its expert-scoring linear child's outputs (LongCat's
+    router scores its zero-computation experts too, which its ``num_experts`` leaves out), else an attribute."""
     weight = module.__dict__.get("_parameters", {}).get("weight")
     if isinstance(weight, torch.Tensor) and weight.ndim == 2:
         return int(weight.shape[0])
     linear = _expert_linear(module, None)
-    return linear.out_features if linear is not None else None
+    return linear.out_features if linear is not None else _int_attr(module, EXPERT_ATTRS)
 
 
 def _candidate(module: nn.Module) -> tuple[int, int] | None:
+    if any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__):
+        return None  # a transformers model keeps its config's expert counts (for its loss), routing nothing itself
     top_k, experts = _int_attr(module, TOP_K_ATTRS), _experts_of(module)
     if top_k is None or experts is None or not 1 <= top_k < experts:
         return None
@@ -100,6 +103,7 @@ class Router:
     unreadable: str | None = None
     """Why its choices could not be read (set at its first forward), or None."""
     _pending: torch.Tensor | None = field(default=None, repr=False)
+    _checked: bool = field(default=False, repr=False)
 
     @property
     def slot(self) -> Slot:
@@ -126,25 +130,42 @@ class Router:
 
     def on_router(self, module: nn.Module, args: Any, output: Any) -> None:
         pending, self._pending = self._pending, None
+        if self.unreadable is not None:
+            return
+        try:
+            index = self._choice(output, pending)
+            if index is None:
+                return
+            flat = index.detach().reshape(-1).to(torch.int64)
+            if not self._checked and flat.numel():  # its first counted forward: checked once (one synchronisation)
+                if not 0 <= int(flat.min()) <= int(flat.max()) < self.experts:
+                    self.unreadable = f"it chose expert {int(flat.max())} of the {self.experts} it scores"
+                    return
+                self._checked = True
+            if self.counts is None:
+                self.counts = torch.zeros(self.experts, dtype=torch.int64, device=flat.device)
+            self.counts.scatter_add_(0, flat, torch.ones_like(flat))
+            self.tokens += flat.numel() // self.top_k
+        except Exception as error:  # noqa: BLE001 - a diagnostic never stops the run
+            self.unreadable = f"reading its choice failed: {type(error).__name__}: {error}"
+
+    def _choice(self, output: Any, pending: torch.Tensor | None) -> torch.Tensor | None:
+        """The experts this forward chose, ``[..., top_k]``; None when it is not counted (or cannot be read)."""
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         tensors = [t.to_local() if hasattr(t, "to_local") else t for t in outputs if isinstance(t, torch.Tensor)]
         if not tensors or not self._counting(tensors[0]):
-            return
+            return None
         index = next((t for t in tensors if not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
                       and t.ndim >= 2 and t.shape[-1] == self.top_k), None)
-        if index is None:
-            logits = next((t for t in tensors if t.is_floating_point() and t.ndim >= 2 and t.shape[-1] == self.experts),
-                          pending)
-            if logits is None or any(getattr(self.module, a, None) is not None for a in SELECTION_ATTRS):
-                self.unreadable = ("it returns no expert indices" if logits is None else
-                                   "it returns no expert indices and does not select the plain top-k of its logits")
-                return
-            index = logits.detach().topk(self.top_k, dim=-1).indices
-        flat = index.detach().reshape(-1).to(torch.int64)
-        if self.counts is None:
-            self.counts = torch.zeros(self.experts, dtype=torch.int64, device=flat.device)
-        self.counts.scatter_add_(0, flat, torch.ones_like(flat))
-        self.tokens += flat.numel() // self.top_k
+        if index is not None:
+            return index
+        logits = pending if pending is not None else next(
+            (t for t in tensors if t.is_floating_point() and t.ndim >= 2 and t.shape[-1] == self.experts), None)
+        if logits is None or any(getattr(self.module, a, None) is not None for a in SELECTION_ATTRS):
+            self.unreadable = ("it returns no expert indices" if logits is None else
+                               "it returns no expert indices and does not select the plain top-k of its logits")
+            return None
+        return logits.detach().topk(self.top_k, dim=-1).indices
 
     def on_block(self, module: nn.Module, args: Any, output: Any) -> None:
         """After the reference `MoE` block: the assignments its experts dropped in this forward."""

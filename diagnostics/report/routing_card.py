@@ -23,7 +23,8 @@ def _percent(share: float) -> str:
 
 def verdict_lines(record: RoutingInterval) -> list[str]:
     found = record.verdict
-    lines = [f"**Collapse** in `{c.layer}`: expert {c.expert} took {_percent(c.share)} of the assignments."
+    lines = ["Routing is healthy: no expert collapsed, none dead."] if found.healthy else []
+    lines += [f"**Collapse** in `{c.layer}`: expert {c.expert} took {_percent(c.share)} of the assignments."
              for c in found.collapsed]
     lines += [f"**Dead experts** in `{d.layer}`: {', '.join(map(str, d.experts))} got no token." for d in found.dead]
     if found.too_few:
@@ -34,7 +35,7 @@ def verdict_lines(record: RoutingInterval) -> list[str]:
         lines.append(f"Expert parallelism (ep={record.ep}): ep rank {found.slowest_ep_rank} holds the busiest experts;"
                      f" each layer waits for its busiest rank, so expert compute takes {found.ep_slowdown:.2f}x a"
                      " balanced load's time.")
-    return lines or ["Routing is healthy: no expert collapsed, none dead."]
+    return lines
 
 
 def routing_markdown(record: RoutingInterval) -> str:
@@ -104,7 +105,7 @@ def routing_heatmap(record: RoutingInterval) -> Figure:
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     image = axes.imshow(shares, aspect="auto", cmap="viridis", vmin=0.0, interpolation="nearest")
-    figure.colorbar(image, ax=axes, label="share of the layer's assignments")
+    figure.colorbar(image, ax=axes, label="share", format=lambda value, _: f"{100 * value:.0f}%")
     if experts * len(names) <= 256:
         for row, values in enumerate(shares):
             for column, share in enumerate(values):

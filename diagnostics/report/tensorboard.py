@@ -32,13 +32,14 @@ def log_count_histogram(trainer: Any, tag: str, counts: Sequence[int]) -> None:
     total = sum(counts)
     if not total:
         return
-    values = range(len(counts))
+    used = [i for i, count in enumerate(counts) if count]
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
             logger.experiment.add_histogram_raw(
-                tag, min=min(i for i in values if counts[i]), max=max(i for i in values if counts[i]), num=total,
-                sum=sum(i * c for i, c in zip(values, counts)), sum_squares=sum(i * i * c for i, c in zip(values, counts)),
-                bucket_limits=[i + 0.5 for i in values], bucket_counts=list(counts), global_step=trainer.global_step)
+                tag, min=used[0], max=used[-1], num=total, sum=sum(i * c for i, c in enumerate(counts)),
+                sum_squares=sum(i * i * c for i, c in enumerate(counts)),
+                bucket_limits=[i + 0.5 for i in range(len(counts))], bucket_counts=list(counts),
+                global_step=trainer.global_step)
 
 
 def spread(tag: str, values: Sequence[float]) -> dict[str, float]:

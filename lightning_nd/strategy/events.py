@@ -12,8 +12,8 @@ Who delivers what, and when:
   right after it (what the composer applied, the rank table, the model's shape).
 - `StepPhase` (data_wait, forward, backward, optimizer; per microbatch under pp), `StageTiming`,
   `PointToPoint` (issued / completed, by our code and by the pipeline schedule), `CollectiveWait` (the
-  strategy's own collectives: loss and metric reductions, the clipping norm), `RoutingCounts` (each MoE
-  layer after each training step), `CheckpointSaved` / `CheckpointLoaded`: on the main thread. Steps are
+  strategy's own collectives: loss and metric reductions, the clipping norm), `CheckpointSaved` /
+  `CheckpointLoaded`: on the main thread. Steps are
   the Trainer's ``global_step``.
 - `MemoryPlanned`: at the first training batch, on the main thread (the pre-flight: `strategy/preflight.py`).
 - `OutOfMemory`, then `FailureVerdict` (once per rank): before the process exits. A rank's own failure, or
@@ -139,15 +139,6 @@ class CollectiveWait(Event):
 
 
 @dataclass(frozen=True)
-class RoutingCounts(Event):
-    hook: ClassVar[str] = "on_nd_routing_counts"
-    step: int
-    layer: str
-    tokens_per_expert: tuple[int, ...]
-    dropped: int
-
-
-@dataclass(frozen=True)
 class CheckpointSaved(Event):
     hook: ClassVar[str] = "on_nd_checkpoint_saved"
     path: str
@@ -204,7 +195,7 @@ class FailureVerdict(Event):
 
 
 ALL_EVENTS = (BeforeProcessGroup, ProcessGroupsCreated, LayoutReady, LayoutApplied, StepPhase, StageTiming,
-              PointToPoint, CollectiveWait, RoutingCounts, CheckpointSaved, CheckpointLoaded, MemoryPlanned, OutOfMemory,
+              PointToPoint, CollectiveWait, CheckpointSaved, CheckpointLoaded, MemoryPlanned, OutOfMemory,
               FailureVerdict)
 
 

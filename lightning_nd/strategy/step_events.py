@@ -1,5 +1,5 @@
 """What `NDParallel` reports from inside a step: phase times, the pipeline's point-to-point operations and
-timings, its own collectives' waits and MoE routing counts. Nothing is measured when nobody listens.
+timings and its own collectives' waits. Nothing is measured when nobody listens.
 
 Phase times are host wall-clock (``time.perf_counter``); on CUDA the forward/backward/optimizer phases are
 closed after a device synchronise, so they are device time, at the cost of the overlap between steps
@@ -15,17 +15,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch import Tensor, nn
 
 from lightning_nd.runtime.profiling import comm_label, phase_label
 from lightning_nd.strategy.events import (
     CollectiveWait,
     EventBus,
     PointToPoint,
-    RoutingCounts,
     StageTiming,
     StepPhase,
 )
@@ -38,7 +36,6 @@ class StepEvents:
         self._global_step: Callable[[], int] = lambda: 0
         self._idle_since: float | None = None
         self._backward_end = 0.0
-        self._routers: list[tuple[str, nn.Module]] = []
 
     def attach(self, device: torch.device, global_step: Callable[[], int]) -> None:
         """A fit begins: its device, and where the Trainer keeps its step count."""
@@ -47,10 +44,6 @@ class StepEvents:
     @property
     def step(self) -> int:
         return self._global_step()
-
-    def watch_routing(self, module: nn.Module) -> None:
-        """The MoE experts modules whose ``last_counts`` (tokens per expert of the last forward) are reported."""
-        self._routers = [(name, m) for name, m in module.named_modules() if hasattr(m, "last_counts")]
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -112,16 +105,10 @@ class StepEvents:
         return report
 
     def step_done(self, pipeline_timings: dict[str, float]) -> None:
-        """After a training step's forward/backward: pipeline timings and routing counts."""
+        """After a training step's forward/backward: the pipeline's timings."""
         if pipeline_timings and self.bus.wants(StageTiming):
             self.bus.emit(StageTiming(self.step, pipeline_timings["step_s"], pipeline_timings["compute_s"],
                                       pipeline_timings["idle_s"]))
-        if self._routers and self.bus.wants(RoutingCounts):
-            for name, module in self._routers:
-                counts = cast("Tensor | None", module.last_counts)
-                if counts is not None:
-                    self.bus.emit(RoutingCounts(self.step, name, tuple(int(c) for c in counts.tolist()),
-                                                int(cast(Tensor, module.last_dropped))))
 
     def backward_done(self) -> None:
         self._backward_end = time.perf_counter()

@@ -54,13 +54,12 @@ class Steps:
     def model_ready(self, model: nn.Module, report: ParallelizeReport | None, layout: Layout | None,
                     precision: Precision, device: torch.device) -> None:
         """After the composer: the pipeline engine of this rank's stages (kept when the model is the same), the MoE
-        layers whose routing is reported, and gradient clipping over the mesh's shards."""
+        layers whose loss-free bias moves after each step, and gradient clipping over the mesh's shards."""
         assert self._mesh is not None
         dims, mesh = self._mesh
         if report is not None and report.stages and layout is not None and (
                 self.pipeline is None or self.pipeline.report is not report):
             self.pipeline = PipelineEngine(report, layout, mesh, precision, device, self.events.report("pp"))
-        self.events.watch_routing(model)
         self._balanced = [layer for layer in moe_layers(model) if layer.bias_update_rate]
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:

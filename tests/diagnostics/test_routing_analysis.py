@@ -84,6 +84,10 @@ def test_load_per_ep_rank_the_slowest_and_the_slowdown_over_unequal_layers():
     record = interval(1, 4, layers, ep=2)
     assert record.tokens_per_ep_rank == (70, 50) and record.layers["b"].tokens_per_ep_rank == (10, 30)
     assert record.layers["a"].tokens == 80  # top-1
+    # Only the layers whose experts ep splits (the Layout's placement) have ep ranks to wait for.
+    alone = interval(1, 4, layers, ep=2, ep_layers={"b"})
+    assert alone.layers["a"].tokens_per_ep_rank is None and alone.tokens_per_ep_rank == (10, 30)
+    assert alone.verdict.ep_slowdown == pytest.approx(1.5) and alone.verdict.slowest_ep_rank == 1
 
 
 def test_a_collapse_and_a_dead_expert_are_named_and_a_balanced_router_gets_neither():

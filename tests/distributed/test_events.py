@@ -78,14 +78,8 @@ def test_checkpoint_loaded_under_another_layout(runs):
         assert len(runs[rank]["resumed"]["losses"]) == 1  # steps 2 -> 3
 
 
-def test_routing_counts_per_moe_layer(runs):
+def test_the_phases_of_an_expert_parallel_step_follow_each_other(runs):
     for rank in range(WORLD):
-        counts = _of(_events(runs[rank]["moe"]["events"]), "RoutingCounts")
-        layers = {e["layer"] for e in counts}
-        assert len(layers) == 2 and all(len(e["tokens_per_expert"]) == 8 for e in counts)
-        # ep=2 counts are global over the ep group: 2 ranks x 2 samples x 16 tokens x top-2
-        assert all(sum(e["tokens_per_expert"]) == 2 * 2 * 16 * 2 for e in counts)
-        assert {e["step"] for e in counts} == {0, 1}
         phases = {(e["step"], e["phase"]): e for e in _of(_events(runs[rank]["moe"]["events"]), "StepPhase")}
         for step in (0, 1):  # the phases follow each other: Lightning's optimizer step wraps forward and backward
             forward, backward, optimizer = (phases[(step, name)] for name in ("forward", "backward", "optimizer"))
