@@ -2,11 +2,11 @@
 ``routing.jsonl`` equal, interval by interval, expert by expert and layer by layer, what one process's routers chose
 on the same batches, for routers the test skewed: the reference MoE under dp_shard=4 x ep=2 (with accumulation
 steps and checkpointed blocks), pp=2 x dp_shard=2 x ep=2 (microbatches), ep=2 x tp=2 (with a capacity limit: the
-dropped assignments too) and cp=2 x dp_shard=2, and
-Mixtral and Qwen3-MoE under the first three; DeepSeek-V3 (a dense first layer) under pp=2 x dp_shard=2, whose first
-stage holds no router and still joins every interval's reduction. A resumed fit appends to the file, which then adds up to the whole run.
-A provoked collapse and a provoked dead expert are named, a balanced router gets neither, and TensorBoard's reader
-finds the histograms, the heatmap, the scalars, the card and the view's charts."""
+dropped assignments too) and cp=2 x dp_shard=2; Mixtral and Qwen3-MoE under the first three; DeepSeek-V3 (a dense
+first layer) under pp=2 x dp_shard=2, whose first stage holds no router and still joins every interval's reduction.
+A resumed fit appends to the file, which then adds up to the whole run. A provoked collapse and a provoked dead
+expert are named, a balanced router gets neither, and TensorBoard's reader finds the histograms, the heatmap, the
+scalars, the card and the view's charts."""
 
 from __future__ import annotations
 
