@@ -30,7 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from diagnostics.analysis.routing import LayerLoad, interval
-from diagnostics.analysis.routing_counts import Slots, counts_on_this_tp_rank, dropped_on_this_ep_rank
+from diagnostics.analysis.routing_counts import Slot, Slots, counts_on_this_tp_rank, dropped_on_this_ep_rank
 from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.collect.routers import Router, attach, find_routers
 from diagnostics.records import ROUTING_FILE, RoutingInterval, read_intervals, to_json, write_atomic
@@ -93,10 +93,11 @@ class RoutingMonitor(Callback):
             return
         pipeline = getattr(self.layout, "pipeline", None)
         self.routers = find_routers(pl_module, pipeline.attribute if pipeline is not None else None)
-        everyone: list[Any] = [[router.slot for router in self.routers]]
+        mine = [Slot(router.name, router.experts, router.top_k, router.reports_dropped) for router in self.routers]
+        everyone: list[Any] = [mine]
         if dist.is_initialized():  # once per fit: which routers each rank holds (pipeline stages differ)
             everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, [router.slot for router in self.routers])
+            dist.all_gather_object(everyone, mine)
         self.slots = Slots.of(everyone)
         if not self.slots.slots:
             return

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from diagnostics.analysis.routing_counts import Slot
 from lightning_nd.runtime.trial import in_trial_forward
 
 TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_topk", "router_topk", "moe_k")
@@ -106,8 +105,8 @@ class Router:
     _checked: bool = field(default=False, repr=False)
 
     @property
-    def slot(self) -> Slot:
-        return Slot(self.name, self.experts, self.top_k, reports_dropped=self.block is not None)
+    def reports_dropped(self) -> bool:
+        return self.block is not None
 
     def take(self) -> tuple[list[int], int, int]:
         """The counts since the last take (one host synchronisation), and start again."""

@@ -4,11 +4,13 @@ recomputation, the pipeline's trial forward) and a router whose choice cannot be
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from diagnostics import RoutingMonitor, all_monitors
 from diagnostics.collect.routers import attach, find_routers, whole_name
 from lightning_nd.nn.moe import MoE
 from lightning_nd.runtime.trial import trial_forward
@@ -64,14 +66,14 @@ def test_an_older_block_is_counted_from_its_router_logits_or_its_gate_linear():
     for router, block in zip(routers, (model[0], model[2])):
         counts, tokens, dropped = router.take()
         assert counts == _truth(block.chosen, 6) and tokens == 15 and router.unreadable is None
-        assert not router.slot.reports_dropped
+        assert not router.reports_dropped
 
 
 def test_evaluation_recomputation_and_the_trial_forward_are_not_counted():
     torch.manual_seed(0)
     layer = MoE(16, 24, 8, top_k=2, capacity_factor=1.0)
     (router,) = find_routers(nn.ModuleDict({"mlp": layer}))
-    assert router.name == "mlp.gate" and router.block is layer and router.slot.reports_dropped
+    assert router.name == "mlp.gate" and router.block is layer and router.reports_dropped
     attach([router])
     chosen: list[torch.Tensor] = []
     layer.gate.register_forward_hook(lambda m, a, out: chosen.append(out[2]))
@@ -145,3 +147,12 @@ def test_names_are_the_whole_models():
         "model.layers.3.mlp.gate")
     assert whole_name("model._orig_mod.layers.0.mlp.gate", None) == "model.layers.0.mlp.gate"
     assert whole_name("stages.0.module.layers.1.mlp.router", "") == "stages.0.module.layers.1.mlp.router"
+
+
+def test_bad_arguments_are_refused_with_the_fix():
+    for every in (0, 2.5, True):
+        with pytest.raises(ValueError, match="must be an int >= 1. HINT: 50"):
+            RoutingMonitor(every_n_steps=every)
+    assert "RoutingMonitor" not in [type(m).__name__ for m in all_monitors(routing=False)]
+    (monitor,) = [m for m in all_monitors(routing={"every_n_steps": 7}) if type(m).__name__ == "RoutingMonitor"]
+    assert monitor.every == 7

@@ -23,15 +23,16 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from torch import nn
 
 from diagnostics import RoutingMonitor, TroubleshootingView
+from diagnostics.collect.routers import whole_name
 from examples.data import SyntheticTokens, TokenDataModule
 from examples.lit import logits_of
 from examples.models.llama import Llama, LlamaConfig
 from lightning_nd import NDParallel
-from lightning_nd.nn.moe import moe_layers
+from lightning_nd.nn.moe import MoE, moe_layers
 from tests.distributed.families import build_family
 from tests.models import VOCAB, build
 
-SEQ_LEN, STEPS, EVERY, LR = 16, 5, 2, 0.05
+SEQ_LEN, STEPS, EVERY, LR, BIAS_RATE = 16, 5, 2, 0.05, 0.05
 LAYOUTS = {
     # accumulation steps and recomputed (checkpointed) blocks: each forward counted once
     "ep2_fsdp4": ({"dp_shard": 4, "ep": 2, "activation_checkpointing": "full"}, 2, 2),
@@ -71,9 +72,15 @@ def build_model(name: str, capacity: float | None = None) -> nn.Module:
     if name != "moe_llama":
         return skewed(build_family(name))
     model = build("moe_llama_no_aux")
-    for layer in moe_layers(model):
-        layer.experts.capacity_factor = capacity
+    for layer in moe_layers(model):  # the loss-free bias moves after every step: the routing changes with it
+        layer.experts.capacity_factor, layer.bias_update_rate = capacity, BIAS_RATE
     return skewed(model)
+
+
+def biases(module: nn.Module, stage_attribute: str | None) -> dict[str, list[float]]:
+    """Each reference MoE layer's selection bias this rank holds, by its router's whole-model name."""
+    return {whole_name(f"{name}.gate", stage_attribute): layer.gate.expert_bias.tolist()
+            for name, layer in module.named_modules() if isinstance(layer, MoE)}
 
 
 class RoutedLM(LightningModule):
@@ -128,9 +135,11 @@ def reference(name: str, dp: int, per_step: int, capacity: float | None = None) 
         optimizer.zero_grad()
         module.loss({key: torch.stack([data[i][key] for i in samples]) for key in ("tokens", "labels")}).backward()
         optimizer.step()
+        for layer in moe_layers(module):
+            layer.update_bias()
         for n in found:
             dropped[n].append(blocks[n].experts.last_dropped if n in blocks else 0)
-    return {"counts": counts, "dropped": dropped}
+    return {"counts": counts, "dropped": dropped, "biases": biases(module, None)}
 
 
 def verdict_model() -> nn.Module:
@@ -167,8 +176,10 @@ def run_all(folder: str) -> dict[str, Any]:
         layout, batch, accumulate = LAYOUTS[layout_name]
         out = root / f"{name}-{layout_name}"
         trainer, _ = _fit(build_model(name, CAPACITY.get((name, layout_name))), layout, batch, accumulate, out)
+        pipeline = trainer.strategy.layout.pipeline
         results[(name, layout_name)] = {"lines": _lines(out), "dp": trainer.strategy.dims.batch_size_multiplier,
-                                        "per_step": batch * accumulate}
+                                        "per_step": batch * accumulate, "biases": biases(
+                                            trainer.lightning_module, pipeline.attribute if pipeline else None)}
     # A resume: 3 steps with a checkpoint at step 3, then on to 5 from it, in the same log folder.
     layout, batch, accumulate = LAYOUTS["ep2_fsdp4"]
     out = root / "resumed"
