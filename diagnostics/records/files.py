@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from diagnostics.records.bottleneck import WindowRecord
-from diagnostics.records.codec import from_dict
+from diagnostics.records.codec import Record, from_dict
 from diagnostics.records.collectives import RankCapture
 from diagnostics.records.routing import RoutingInterval
 
@@ -43,23 +43,22 @@ def read_captures(folder: Path) -> dict[int, RankCapture]:
     return captures
 
 
-def read_windows(text: str) -> list[WindowRecord]:
-    """Every line of a ``bottleneck.jsonl``; a line cut short by a dying process is skipped."""
-    windows = []
+def read_lines(cls: type[Record], text: str) -> list[Record]:
+    """Every line of a ``.jsonl`` file of ``cls`` records; a line cut short by a dying process is skipped."""
+    records = []
     for line in text.splitlines():
         try:
-            windows.append(from_dict(WindowRecord, json.loads(line)))
+            records.append(from_dict(cls, json.loads(line)))
         except (ValueError, KeyError, TypeError):
             continue
-    return windows
+    return records
+
+
+def read_windows(text: str) -> list[WindowRecord]:
+    """Every line of a ``bottleneck.jsonl``."""
+    return read_lines(WindowRecord, text)
 
 
 def read_intervals(text: str) -> list[RoutingInterval]:
-    """Every line of a ``routing.jsonl``; a line cut short by a dying process is skipped."""
-    intervals = []
-    for line in text.splitlines():
-        try:
-            intervals.append(from_dict(RoutingInterval, json.loads(line)))
-        except (ValueError, KeyError, TypeError):
-            continue
-    return intervals
+    """Every line of a ``routing.jsonl``."""
+    return read_lines(RoutingInterval, text)
