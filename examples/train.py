@@ -7,7 +7,8 @@
 
 TensorBoard logs land in Hydra's run directory (``outputs/<date>/<time>/tensorboard``):
 ``tensorboard --logdir outputs``; checkpoints in its ``checkpoints/`` (``last.ckpt`` links the newest), and
-``ckpt_path=`` resumes from one under any layout.
+``ckpt_path=`` resumes from one under any layout. Every key is typed (`examples/schema.py`): ``parallel.tp_sise=2``
+fails before anything starts, naming the key. ``diagnostics=off|default|full`` picks the monitors.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from examples.data import TokenDataModule  # noqa: E402
 from examples.lit import CausalLM  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig  # noqa: E402
 from examples.models.llama import Llama, LlamaConfig  # noqa: E402
+from examples.schema import register  # noqa: E402
 from lightning_nd import NDParallel  # noqa: E402
 
 MODELS = {"llama": (Llama, LlamaConfig), "gpt": (GPT, GPTConfig)}
@@ -40,6 +42,9 @@ def model_factory(model_cfg: DictConfig):
         raise ValueError(f"Unknown `model.name={name!r}`. HINT: choose from {sorted(MODELS)}.")
     model_cls, config_cls = MODELS[name]
     return lambda: model_cls(config_cls(**options))
+
+
+register()  # conf/'s typed schemas: a typo or a wrong type fails at composition, naming the key
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
