@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -56,24 +57,24 @@ class Slots:
     def size(self) -> int:
         return sum(slot.width for slot in self.slots)
 
-    def offset(self, layer: str) -> int:
-        start = 0
+    @cached_property
+    def offsets(self) -> dict[str, int]:
+        """Where each router's counts start in the vector."""
+        starts, start = {}, 0
         for slot in self.slots:
-            if slot.layer == layer:
-                return start
-            start += slot.width
-        raise KeyError(layer)
+            starts[slot.layer], start = start, start + slot.width
+        return starts
 
     def pack(self, mine: dict[str, tuple[Sequence[int], int, int]]) -> list[int]:
         """This rank's ``layer -> (tokens per expert, tokens, dropped)`` as its vector (zeros where it holds no such
         layer, or does not count it). The monitor builds the same vector on the device; this is its plain form."""
         vector = [0] * self.size
         for layer, (counts, tokens, dropped) in mine.items():
-            start = self.offset(layer)
+            start = self.offsets[layer]
             vector[start:start + self.slots_by_name[layer].width] = [*counts, tokens, dropped]
         return vector
 
-    @property
+    @cached_property
     def slots_by_name(self) -> dict[str, Slot]:
         return {slot.layer: slot for slot in self.slots}
 

@@ -67,6 +67,8 @@ class RoutingMonitor(Callback):
         self._closed = self._batch_tokens = 0
         self._batch_tokens_known = True
         self._warned: set[str] = set()
+        self.source: str | None = None
+        """Whose MoE layers (the advice's keys), from the whole model: under pp rank 0 may hold no router."""
 
     # ---- set-up --------------------------------------------------------------------------------------------
 
@@ -75,7 +77,8 @@ class RoutingMonitor(Callback):
 
     def on_nd_layout_ready(self, strategy: Any, event: Any) -> None:
         self.layout = event.layout
-        self.has_routers = bool(find_routers(strategy.lightning_module))
+        whole = find_routers(strategy.lightning_module)
+        self.has_routers, self.source = bool(whole), _source(whole)
         view = TroubleshootingView.of(strategy.lightning_module.trainer)
         if view is None or not self.has_routers:
             return
@@ -205,12 +208,11 @@ class RoutingMonitor(Callback):
         slots = self.slots.slots_by_name
         layers = [LayerLoad(name, tuple(counts), slots[name].top_k, dropped)
                   for name, (counts, _, dropped) in summed.items()]
-        hugging_face = any(type(r.module).__module__.startswith("transformers.") for r in self.routers)
         ep = getattr(self.layout, "dims", {}).get("ep", 1) if self.layout is not None else 1
         # The Layout's expert placement: the routers beside an experts module that ep splits.
         split = {placement.module.rpartition(".")[0] for placement in getattr(self.layout, "experts", ())}
         ep_layers = {name for name in summed if name.rpartition(".")[0] in split}
-        record = interval(first, step, layers, ep, "hugging_face" if hugging_face else "reference", self._counted(),
+        record = interval(first, step, layers, ep, self.source or _source(self.routers), self._counted(),
                           ep_layers)
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.folder / ROUTING_FILE, "a") as out:
@@ -230,3 +232,8 @@ def _named(record: RoutingInterval) -> tuple:
     """What the verdict names: the console line is printed again only when it changes."""
     found = record.verdict
     return tuple((c.layer, c.expert) for c in found.collapsed), tuple((d.layer, d.experts) for d in found.dead)
+
+
+def _source(routers: list[Router]) -> str:
+    transformers = any(type(r.module).__module__.startswith("transformers.") for r in routers)
+    return "hugging_face" if transformers else "reference"
