@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["BottleneckMonitor", "CollectiveMonitor", "LayoutCard", "MemoryMonitor", "RoutingMonitor",
-           "TroubleshootingView", "all_monitors"]
+__all__ = ["BottleneckMonitor", "CollectiveMonitor", "CompareSweep", "LayoutCard", "MemoryMonitor",
+           "RoutingMonitor", "RunSummary", "TroubleshootingView", "all_monitors"]
 _CALLBACKS = {"BottleneckMonitor": "bottleneck_monitor", "CollectiveMonitor": "collective_monitor",
               "LayoutCard": "layout", "MemoryMonitor": "memory_monitor", "RoutingMonitor": "routing_monitor",
+              "RunSummary": "run_summary", "CompareSweep": "sweep_comparison",
               "TroubleshootingView": "troubleshooting_view"}
 
 
@@ -25,14 +26,15 @@ def __getattr__(name: str) -> Any:
 
 def all_monitors(log_dir: str | None = None, collectives: dict[str, Any] | bool = True,
                  memory: dict[str, Any] | bool = True, bottleneck: dict[str, Any] | bool = True,
-                 routing: dict[str, Any] | bool = True) -> list[Any]:
+                 routing: dict[str, Any] | bool = True, summary: dict[str, Any] | bool = True) -> list[Any]:
     """Every monitor, the `LayoutCard` and the `TroubleshootingView` (first: the monitors register their charts in
     it), writing into ``log_dir`` (default: the Trainer's ``default_root_dir``). Each monitor's argument: True (its
     defaults), a dict of its keyword arguments, or False (left out). The `RoutingMonitor` does nothing on a model
-    without MoE layers."""
+    without MoE layers; the `RunSummary` (last: it reads what the others wrote) leaves the record a sweep's
+    comparison reads."""
     # The BottleneckMonitor first: its profiled step ends before the other monitors' step-end gathers run.
     chosen = {"BottleneckMonitor": bottleneck, "CollectiveMonitor": collectives, "MemoryMonitor": memory,
-              "RoutingMonitor": routing}
+              "RoutingMonitor": routing, "RunSummary": summary}
     for name, value in chosen.items():
         if not isinstance(value, (bool, dict)):
             raise TypeError(f"`all_monitors({name}={value!r})`: pass True, False or a dict of `{name}` keyword"

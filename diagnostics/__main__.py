@@ -3,6 +3,7 @@
     python -m diagnostics nccl LOGDIR [--layout PATH]
     python -m diagnostics hang DUMPDIR
     python -m diagnostics trace DIR [--layout PATH] [--json]
+    python -m diagnostics compare DIR [--json] [--no-tensorboard]
 
 ``nccl``: the NCCL INFO logs the diagnostics callback asks NCCL to write (``<log_dir>/diagnostics/nccl/
 nccl.rank<R>.<host>.<pid>.log``): findings with their fix, then the ranks and communicators. Exit status:
@@ -16,6 +17,13 @@ printed. Exit status: 0 no culprit found, 1 culprits named, 2 nothing to read.
 the `BottleneckMonitor` keeps its last profiled step in ``<log_dir>/diagnostics/traces``): each rank's phases and
 exposed communication per mesh role, classified as the live monitor does, with advice. Exit status: 0 printed,
 2 nothing to read.
+
+``compare``: a sweep's folder (Hydra's ``multirun/<date>/<time>``, or any folder of runs): one row per run with
+its layout, tokens per second over the batch ranks, each rank's peak memory, the bottleneck class and final loss,
+the planner's step time and peak beside the measured; failures as rows with their reason (refused, out of memory,
+hang, crash). Names the best layout and its margin over the runner-up; writes ``compare.md``, ``compare.json`` and
+a TensorBoard card (``compare/``) into DIR. Exit status: 0 a best layout named, 1 none (every run failed), 2 no
+run found.
 """
 
 from __future__ import annotations
@@ -183,6 +191,25 @@ def _traces_in(folder: Path, find_traces) -> dict:
         return {}
 
 
+def _compare(args: argparse.Namespace) -> int:
+    from diagnostics.analysis.compare import compare
+    from diagnostics.records import find_runs
+    from diagnostics.report.compare_card import compare_json, write_comparison
+
+    folder = Path(args.dir).resolve()
+    if not folder.is_dir():
+        raise _Unusable(f"{folder} is not a folder; pass a sweep's folder (Hydra's `multirun/<date>/<time>`)")
+    runs = find_runs(folder)
+    if not runs:
+        raise _Unusable(f"no run under {folder} (looked for Hydra job folders, `.hydra/overrides.yaml`, and"
+                        " `diagnostics/run.json`); run the sweep with `diagnostics.RunSummary` (the example's job"
+                        " has it) and pass its folder")
+    comparison = compare(runs)
+    markdown = write_comparison(folder, comparison, tensorboard=not args.no_tensorboard)
+    print(json.dumps(compare_json(comparison), indent=1) if args.json else markdown)
+    return 0 if comparison.best is not None else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m diagnostics", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -202,6 +229,11 @@ def _parser() -> argparse.ArgumentParser:
                                         " found in DIR or up to two parents; else the dims from the traces)")
     trace.add_argument("--json", action="store_true", help="print the window record as JSON")
     trace.set_defaults(handler=_trace)
+    compare = commands.add_parser("compare", help="one table of a sweep's runs, failures included, and the best layout")
+    compare.add_argument("dir", help="the sweep's folder (Hydra's multirun/<date>/<time>), or any folder of runs")
+    compare.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    compare.add_argument("--no-tensorboard", action="store_true", help="write no TensorBoard card (compare/)")
+    compare.set_defaults(handler=_compare)
     return parser
 
 

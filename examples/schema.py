@@ -25,7 +25,8 @@ from omegaconf import MISSING
 
 SIMPLE = (int, float, bool, str)
 SET_BY_THE_JOB = ("strategy", "logger", "callbacks")
-"""Trainer arguments `examples/train.py` builds itself (from ``parallel``, ``log_dir``, ``checkpoint``, the monitors)."""
+"""Trainer arguments `examples/train.py` builds itself (from ``parallel``, ``log_dir``, ``checkpoint``, the
+monitors)."""
 
 
 def plain_type(hint: Any) -> Any:
@@ -99,6 +100,18 @@ class DiagnosticsSchema:
     routing_every_n_steps: int = 10
 
 
+@dataclasses.dataclass
+class SearchSchema:
+    """``parallel=search`` (`examples/search.py`): the planner's layouts, the first ``budget`` measured."""
+
+    budget: int = 4
+    steps: int = 6
+    timeout_s: float = 600.0
+    global_batch: Optional[int] = None  # noqa: UP045
+    memory: Optional[str] = None  # noqa: UP045
+    hardware: Optional[str] = None  # noqa: UP045
+
+
 def schemas() -> dict[str, type]:
     """Group -> schema (``model`` -> the schema per model name)."""
     from lightning.pytorch import Trainer
@@ -127,6 +140,7 @@ def register() -> None:
         *top, ("model", Any, dataclasses.field(default=None)), ("seed", int, 0), ("lr", float, 3e-3),
         ("log_dir", str, dataclasses.field(default=MISSING)),
         ("checkpoint", dict[str, Any], dataclasses.field(default_factory=dict)),
-        ("ckpt_path", Optional[str], None)]))  # noqa: UP045
+        ("ckpt_path", Optional[str], None),  # noqa: UP045
+        ("search", Optional[SearchSchema], None)]))  # noqa: UP045
     for name in ("llama_schema", "gpt_schema"):
         store.store(group="model", name=name, node=found[name])

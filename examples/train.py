@@ -4,6 +4,12 @@
     python examples/train.py parallel=hsdp model=gpt trainer.devices=4
     python examples/train.py -m parallel=fsdp,fsdp_tp,hsdp trainer.devices=4 trainer.max_steps=20
     python examples/train.py parallel=fsdp trainer.devices=4 ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt
+    python examples/train.py -m parallel=search trainer.devices=4 --budget 3
+
+A sweep (``-m``) ends with one comparison table of its runs (`diagnostics.CompareSweep`, also
+``python -m diagnostics compare multirun/<date>/<time>``): a run that fails is recorded as a row (refused, out of
+memory, hang, crash) and the sweep goes on. ``parallel=search`` asks the planner for the layouts to measure
+(`examples/search.py`).
 
 TensorBoard logs land in Hydra's run directory (``outputs/<date>/<time>/tensorboard``):
 ``tensorboard --logdir outputs``; checkpoints in its ``checkpoints/`` (``last.ckpt`` links the newest), and
@@ -13,10 +19,14 @@ fails before anything starts, naming the key. ``diagnostics=off|default|full`` p
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -24,12 +34,13 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diagnostics import LayoutCard, all_monitors  # noqa: E402
+from diagnostics import LayoutCard, RunSummary, all_monitors  # noqa: E402
 from examples.data import TokenDataModule  # noqa: E402
 from examples.lit import CausalLM  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig  # noqa: E402
 from examples.models.llama import Llama, LlamaConfig  # noqa: E402
 from examples.schema import register  # noqa: E402
+from examples.search import run_search  # noqa: E402
 from lightning_nd import NDParallel  # noqa: E402
 
 MODELS = {"llama": (Llama, LlamaConfig), "gpt": (GPT, GPTConfig)}
@@ -49,24 +60,64 @@ register()  # conf/'s typed schemas: a typo or a wrong type fails at composition
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    seed_everything(cfg.seed, workers=True)
-    strategy = NDParallel.from_config(OmegaConf.to_container(cfg.parallel, resolve=True))
-    logger = TensorBoardLogger(save_dir=cfg.log_dir, name="", version="")
-    checkpoints = ModelCheckpoint(**OmegaConf.to_container(cfg.checkpoint, resolve=True))
+    hydra_config = HydraConfig.get()
+    overrides = list(hydra_config.overrides.task)
+    if cfg.search is not None:
+        return run_search(cfg, overrides, Path(hydra_config.runtime.output_dir), model_factory)
+    summary = RunSummary(log_dir=cfg.log_dir, overrides=overrides)
+    trainer = None
+    try:
+        seed_everything(cfg.seed, workers=True)
+        strategy = NDParallel.from_config(OmegaConf.to_container(cfg.parallel, resolve=True))
+        logger = TensorBoardLogger(save_dir=cfg.log_dir, name="", version="")
+        checkpoints = ModelCheckpoint(**OmegaConf.to_container(cfg.checkpoint, resolve=True))
+        trainer = Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy, logger=logger,
+                          callbacks=[checkpoints, *monitors(cfg, summary)])
+        module = CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr)
+        trainer.fit(module, datamodule=TokenDataModule(**OmegaConf.to_container(cfg.data, resolve=True)),
+                    ckpt_path=cfg.ckpt_path)
+        return float(trainer.callback_metrics["train_loss"])
+    except Exception as error:
+        if trainer is None and first_process():
+            summary.write_failure(error)  # refused before any Trainer: the fit's own failures are recorded by it
+        if hydra_config.mode != RunMode.MULTIRUN:
+            raise
+        # Lightning's other ranks run the same sweep in step with this process (its launcher starts them with
+        # the sweep's arguments once): each goes on to the next job too.
+        logging.getLogger(__name__).exception("This run failed; the sweep goes on (its row says why)")
+        return float("nan")
+
+
+def first_process() -> bool:
+    """Rank 0's process (Lightning starts the others with ``LOCAL_RANK`` set; torchrun sets ``RANK``)."""
+    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
+def monitors(cfg: DictConfig, summary: RunSummary) -> list:
     d = cfg.diagnostics
-    monitors = all_monitors(
+    if not d.enabled:
+        return [LayoutCard(), summary]
+    return all_monitors(
         log_dir=cfg.log_dir, collectives=d.collectives and {"distributed_debug": d.distributed_debug,
                                                              "log_every_n_steps": d.collectives_every_n_steps},
         memory=d.memory and {"log_every_n_steps": d.memory_every_n_steps},
         bottleneck=d.bottleneck and {"every_n_steps": d.bottleneck_every_n_steps},
-        routing=d.routing and {"every_n_steps": d.routing_every_n_steps}) if d.enabled else [LayoutCard()]
-    trainer = Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy, logger=logger,
-                      callbacks=[checkpoints, *monitors])
-    module = CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr)
-    trainer.fit(module, datamodule=TokenDataModule(**OmegaConf.to_container(cfg.data, resolve=True)),
-                ckpt_path=cfg.ckpt_path)
-    return float(trainer.callback_metrics["train_loss"])
+        routing=d.routing and {"every_n_steps": d.routing_every_n_steps}, summary=False) + [summary]
+
+
+def budget_flag(argv: list[str]) -> list[str]:
+    """``--budget K`` (or ``--budget=K``) as Hydra's ``search.budget=K``."""
+    out, words = [], iter(argv)
+    for word in words:
+        if word == "--budget":
+            out.append(f"search.budget={next(words, '')}")
+        elif word.startswith("--budget="):
+            out.append(f"search.budget={word.split('=', 1)[1]}")
+        else:
+            out.append(word)
+    return out
 
 
 if __name__ == "__main__":
+    sys.argv = budget_flag(sys.argv)
     main()

@@ -47,7 +47,7 @@ class RankWatchdog:
         self.world_size, self.confirm_after = world_size, min(confirm_after, dead_after)
         self.on_verdict, self.verdict_budget = on_verdict, verdict_budget
         self.peer = (rank + 1) % world_size
-        self._stop = threading.Event()
+        self._stop, self._handling = threading.Event(), threading.Event()
         self._lock, self._announced = threading.Lock(), False
         self._thread = threading.Thread(target=self._run, name="lightning-nd-watchdog", daemon=True)
 
@@ -67,6 +67,12 @@ class RankWatchdog:
             self.store.set(f"done/{self.rank}", "1")
         except Exception:  # the store is gone with a rank that finished first: nobody is left to watch
             pass
+
+    def handling(self) -> None:
+        """This rank's own step failed and its main thread is handling it (the verdict, then the exception goes
+        on up): the watchdog no longer ends the process for a peer's failure. A process that carries on after a
+        failed run (a sweep's next job) must not be ended by the failed run's watchdog."""
+        self._handling.set()
 
     def report_failure(self, reason: str) -> None:
         self._post(self.rank, f"failed: {reason}")
@@ -157,7 +163,7 @@ class RankWatchdog:
                     continue
                 found = found or _store_gone(error)
                 failure_seen = failure_seen or now - self.confirm_after  # the store is gone: no one else will report
-            if found is None or self._stop.is_set():
+            if found is None or self._stop.is_set() or self._handling.is_set():
                 continue
             rank, reason = found
             if reason.startswith("failed") and rank != self.rank:

@@ -91,6 +91,7 @@ class FailureMonitor:
         if watchdog is None:
             self._on_verdict(_own_rank(), f"failed: {summary}", thread, communication)
             return
+        watchdog.handling()
         # Perhaps a peer's death seen first as a broken connection or a timeout: the heartbeats tell.
         found = watchdog.confirm_death() if communication else None
         if found is not None and found[0] != watchdog.rank:

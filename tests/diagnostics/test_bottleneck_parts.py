@@ -127,7 +127,8 @@ def test_bad_arguments_are_refused_with_the_fix():
     with pytest.raises(TypeError, match="True, False or a dict"):
         all_monitors(memory="yes")
     names = [type(m).__name__ for m in all_monitors(memory=False, bottleneck={"every_n_steps": 5})]
-    assert names == ["TroubleshootingView", "LayoutCard", "BottleneckMonitor", "CollectiveMonitor", "RoutingMonitor"]
+    assert names == ["TroubleshootingView", "LayoutCard", "BottleneckMonitor", "CollectiveMonitor", "RoutingMonitor",
+                     "RunSummary"]
 
 
 def test_the_trace_command_classifies_recorded_traces(capsys):

@@ -1,6 +1,7 @@
 """Real faults in real 4-rank runs with `CollectiveMonitor` on (`tests/distributed/hang_scenarios.py`): every rank
-exits non-zero within ``timeout`` + 30 s with the default 60 s heartbeat, and ``hang.json`` names the rank, the mesh
-dim and the op (for a stuck rank, its line). ``TORCH_DISTRIBUTED_DEBUG`` is off in every run (removed from the
+exits non-zero within ``timeout`` + 30 s with the default 60 s heartbeat, ``hang.json`` names the rank, the mesh
+dim and the op (for a stuck rank, its line), and rank 0's ``run.json`` (`RunSummary`: a sweep's row) says hang or
+crash with the culprit. ``TORCH_DISTRIBUTED_DEBUG`` is off in every run (removed from the
 ranks' environment): no fault is turned into an early desync error by it."""
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ def _run(root: Path, fault: str, layout: dict, victim: int, tensorboard: bool = 
         for name in ("capture.json", "stacks.txt"):
             assert (diagnostics / f"rank{rank}" / name).is_file(), (rank, name)
         assert (diagnostics / "fr" / f"fr_rank_{rank}").is_file(), rank
-    return {"report": report, "logs": logs, "ended": ended, "diagnostics": diagnostics}
+    record = diagnostics / "run.json"  # the sweep's row (`RunSummary`), from rank 0 when it lived to write it
+    run = json.loads(record.read_text()) if record.is_file() else None
+    assert (run is not None) == (ended[0][0] > 0), (ended[0], run)
+    return {"report": report, "logs": logs, "ended": ended, "diagnostics": diagnostics, "run": run}
 
 
 def _culprit(report: dict, rank: int) -> dict:
@@ -62,6 +66,7 @@ def test_rank_that_skips_a_collective_under_dp_shard(tmp_path):
     skipped = _line("dist.all_reduce(torch.ones(4), group=group)")  # the first of the two syncs
     assert culprit["frame"].endswith(f"hang_scenarios.py:{skipped} in misbehave")
     assert "rank 2 (dp_shard 2) skipped all_reduce" in run["report"]["summary"][0]
+    assert run["run"] == {**run["run"], "status": "hang", "reason": run["report"]["summary"][0]}
 
 
 def test_rank_zero_killed_under_dp_shard_store_gone(tmp_path):
@@ -72,6 +77,7 @@ def test_rank_zero_killed_under_dp_shard_store_gone(tmp_path):
     assert run["ended"][0][0] == -9 and run["report"]["captured"] == [1, 2, 3]
     for rank in (1, 2, 3):  # the store died with rank 0: each survivor still names it
         assert "lightning-nd: rank 0 died or is unreachable: the rendezvous store" in run["logs"][rank]
+    assert run["run"] is None  # rank 0 died: the sweep's row says it left no record
 
 
 def test_rank_stuck_in_python_under_dp_shard_x_tp(tmp_path):
@@ -82,6 +88,7 @@ def test_rank_stuck_in_python_under_dp_shard_x_tp(tmp_path):
     assert (culprit["dim"], culprit["op"]) in {("tp", "all_reduce"), ("fsdp", "all_gather")}
     assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
     assert "rank 3 (dp_shard 1, tp 1) never joined" in run["report"]["summary"][0]
+    assert run["run"] == {**run["run"], "status": "hang", "reason": run["report"]["summary"][0]}
     # torch's own analyzer reads our gloo dumps and finds rank 3 missing too
     torch_says = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
                                  str(run["diagnostics"] / "fr")], capture_output=True, text=True, timeout=120)
@@ -120,6 +127,7 @@ def test_pipeline_stage_that_never_sends(tmp_path):
     assert culprit["kind"] == "never_sent" and culprit["dim"] == "pp" and culprit["group_ranks"] == [0, 2]
     assert culprit["op"] == "send"
     assert "never sent fwd/0 of step 2 to rank 2" in culprit["detail"]
+    assert run["run"]["status"] == "hang", run["run"]  # rank 0 itself never sent: it waits in its next receive
 
 
 def test_rank_killed_mid_step_under_pp_x_dp_shard(tmp_path):
@@ -127,6 +135,7 @@ def test_rank_killed_mid_step_under_pp_x_dp_shard(tmp_path):
     culprit = _culprit(run["report"], 1)
     assert culprit["kind"] == "dead" and run["report"]["dead"] == [1] and run["ended"][1][0] == -9
     assert (culprit["dim"], culprit["op"]) == ("fsdp", "all_gather")  # its stage partner waited in the forward
+    assert run["run"]["status"] == "crash" and "rank 1" in run["run"]["reason"], run["run"]
 
 
 def test_stage_stuck_in_python_under_pp_x_dp_shard(tmp_path):
@@ -134,6 +143,7 @@ def test_stage_stuck_in_python_under_pp_x_dp_shard(tmp_path):
     culprit = _culprit(run["report"], 2)
     assert (culprit["kind"], culprit["dim"], culprit["op"]) == ("stuck", "fsdp", "all_gather")
     assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
+    assert run["run"]["status"] == "hang" and run["run"]["dims"]["pp"] == 2, run["run"]
 
 
 def test_rank_stuck_at_an_epoch_boundary_under_cp_x_dp_shard(tmp_path):
@@ -149,4 +159,5 @@ def test_rank_stuck_in_python_under_ep(tmp_path):
     run = _run(tmp_path, "stuck", {"dp_shard": 4, "ep": 2}, victim=2, model="moe_llama")
     culprit = _culprit(run["report"], 2)  # its peers wait in FSDP's all-gather, before any expert exchange
     assert (culprit["kind"], culprit["dim"], culprit["op"]) == ("stuck", "dp_shard", "all_gather"), culprit
+    assert run["run"]["status"] == "hang" and run["run"]["dims"]["ep"] == 2, run["run"]
     assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")

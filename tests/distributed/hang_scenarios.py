@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import TensorBoardLogger
 
-from diagnostics import CollectiveMonitor
+from diagnostics import CollectiveMonitor, RunSummary
 from examples.data import TokenDataModule
 from examples.lit import CausalLM
 from lightning_nd import NDParallel
@@ -89,7 +89,8 @@ def run(fault: str, layout: dict[str, Any], victim: int, folder: str, stamp: str
     monitor = CollectiveMonitor(log_dir=folder)
     trainer = Trainer(
         strategy=NDParallel(**layout, timeout=TIMEOUT_S), accelerator="cpu", devices=WORLD, max_steps=6,
-        callbacks=[monitor], logger=TensorBoardLogger(folder, name="tb") if tensorboard else False,
+        callbacks=[monitor, RunSummary(log_dir=folder)],
+        logger=TensorBoardLogger(folder, name="tb") if tensorboard else False,
         enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )

@@ -126,16 +126,73 @@ def test_readme_main_job_trains_and_writes_tensorboard(tmp_path):
         assert len(accumulator.Scalars(tag)) == 2, tag
 
 
-def test_hydra_sweep_runs_every_layout(tmp_path):
+def test_hydra_sweep_runs_every_layout_and_ends_with_the_comparison(tmp_path):
+    """Five layouts that train, one the strategy refuses (tp=3 on 4 ranks) and one that crashes in its first step
+    (token ids beyond the model's vocabulary): every run is a row, the sweep goes on and names the best."""
+    extra = tmp_path / "conf" / "parallel"
+    extra.mkdir(parents=True)
+    (extra / "refused.yaml").write_text("tp: 3\n")
+    (extra / "crashes.yaml").write_text("# @package _global_\nparallel:\n  dp_shard: -1\ndata:\n  vocab_size: 100000\n")
     layouts = {"fsdp": "Applied FSDP (shard=4)", "hsdp": "HSDP (replicate=2 x shard=2)",
                "ddp": "replicate=4", "tp": "tensor parallel (tp=4", "cp": "context parallel (cp=2"}
-    done = run_train_script(["-m", f"parallel={','.join(layouts)}", "trainer.devices=4", "trainer.max_steps=3",
-                      "trainer.val_check_interval=3", f"hydra.sweep.dir={tmp_path}"])
+    sweep = tmp_path / "sweep"
+    done = run_train_script(["-m", f"parallel={','.join([*layouts, 'refused', 'crashes'])}", "trainer.devices=4",
+                             "trainer.max_steps=3", "trainer.val_check_interval=3", f"hydra.sweep.dir={sweep}",
+                             f"hydra.searchpath=[file://{tmp_path / 'conf'}]"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for job, expected in enumerate(layouts.values()):
-        accumulator = events(tmp_path / str(job) / "tensorboard")
+        accumulator = events(sweep / str(job) / "tensorboard")
         assert len(accumulator.Scalars("train_loss")) == 3
         assert expected in layout_card(accumulator)
+    assert done.stdout.count("### Sweep comparison") == 1, done.stdout[-3000:]  # rank 0's process only
+    table = json.loads((sweep / "compare.json").read_text())
+    rows = {row["name"]: row for row in table["rows"]}
+    assert sorted(rows, key=int) == [str(job) for job in range(7)]
+    assert [rows[str(job)]["status"] for job in range(7)] == ["ok"] * 5 + ["refused", "crash"]
+    assert "does not divide world_size=4" in rows["5"]["reason"] and "HINT" in rows["5"]["reason"]
+    assert "failed by itself: failed: IndexError: index out of range" in rows["6"]["reason"]
+    assert rows["6"]["layout"] == "dp_shard=4"
+    speeds = {name: row["record"]["tokens_per_s"] for name, row in rows.items() if row["status"] == "ok"}
+    assert all(speed > 0 for speed in speeds.values()) and table["best"] == max(speeds, key=speeds.get)
+    ranked = sorted(speeds.values(), reverse=True)
+    assert table["margin"] == pytest.approx(ranked[0] / ranked[1] - 1)
+    best = rows[table["best"]]
+    assert f"Best: `{best['layout']}` (run {table['best']})" in done.stdout
+    for row in (rows[name] for name in speeds):  # what was measured and what the planner predicted, side by side
+        record = row["record"]
+        assert record["steps"] == 3 and record["step_s"] > 0 and len(record["peak_bytes"]) == 4
+        assert record["predicted_step_s"] > 0 and record["predicted_peak_bytes"] > 0 and record["hardware"] == "cpu"
+        assert record["bottleneck"] in LABELS and record["final_loss"] > 0
+    offline = subprocess.run([sys.executable, "-m", "diagnostics", "compare", str(sweep), "--json"], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert offline.returncode == 0 and json.loads(offline.stdout)["best"] == table["best"], offline.stderr
+    card = events(sweep / "compare")
+    assert "| 6: parallel=crashes |" in make_ndarray(
+        card.Tensors("diagnostics/compare/text_summary")[0].tensor_proto)[0].decode()
+
+
+def test_layout_search_measures_the_planners_first_layouts_and_gives_a_line_that_runs(tmp_path):
+    done = run_train_script(["-m", "parallel=search", "trainer.devices=4", "--budget", "2", "search.steps=4",
+                             f"hydra.sweep.dir={tmp_path}"])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "valid layouts planned at a global batch of 32" in done.stdout and "measuring 2" in done.stdout
+    table = json.loads((tmp_path / "0" / "compare.json").read_text())
+    assert [row["status"] for row in table["rows"]] == ["ok", "ok"] and table["best"] in ("0", "1")
+    layouts = {row["layout"] for row in table["rows"]}
+    assert len(layouts) == 2, layouts  # two different sets of dim sizes, not one layout's knobs twice
+    assert done.stdout.count("### Sweep comparison") == 1
+    line = done.stdout.split("Run the best layout with:\n", 1)[1].splitlines()[0].strip()
+    assert line.startswith("python examples/train.py parallel=fsdp") and "trainer.devices=4" in line
+    again = run_train_script([*shlex.split(line)[2:], "trainer.max_steps=2", f"hydra.run.dir={tmp_path / 'again'}"])
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    record = json.loads((tmp_path / "again" / "tensorboard" / "diagnostics" / "run.json").read_text())
+    best = table["rows"][[row["name"] for row in table["rows"]].index(table["best"])]
+    assert record["status"] == "ok" and describe(record["dims"]) == best["layout"].split()[0]
+
+
+def describe(dims: dict) -> str:
+    return ",".join(f"{d}={dims[d]}" for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+                    if dims[d] > 1 or d == "dp_shard")
 
 
 def test_3d_layout_trains_on_8_processes(tmp_path):

@@ -96,3 +96,22 @@ def test_plain_types():
     assert plain_type(bool | str) is Any
     assert plain_type(Sequence[int] | None) == Optional[list[int]]  # noqa: UP045
     assert plain_type(Mapping[str, object]) == dict[str, Any]
+
+
+@pytest.mark.parametrize("option, model, world", [("4d", "llama", 16), ("5d", "moe", 32), ("3d", "llama", 8)])
+def test_the_many_dim_layouts_plan_for_the_world_they_name(option, model, world):
+    """The dry run (every check a run makes before its first batch) of the example model at the world size the
+    option's comment names."""
+    import torch
+
+    from examples.train import model_factory
+    from lightning_nd.plan.dry_run import dry_run
+    from lightning_nd.plan.source import Holder
+
+    cfg = _compose([f"parallel={option}", f"model={model}", f"trainer.devices={world}"])
+    with torch.device("meta"):
+        built = model_factory(cfg.model)()
+    options = OmegaConf.to_container(cfg.parallel, resolve=True)
+    sizes = {d: options.pop(d) for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    layout = dry_run(Holder(built), world, sizes, options, seq_len=cfg.data.seq_len, micro_batch=cfg.data.batch_size)
+    assert layout.dims["world_size"] == world and all(layout.dims[d] == 2 for d in ("pp", "dp_shard", "tp"))

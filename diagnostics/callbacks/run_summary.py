@@ -1,0 +1,214 @@
+"""`RunSummary`: what a sweep compares, one ``<log_dir>/diagnostics/run.json`` per run (`RunRecord`).
+
+At the end of fit: the layout, tokens per second over the batch ranks and the measured step (the steps after the
+first, median), each rank's peak memory (one gather), the last bottleneck window's class, the final loss, and what
+the planner's cost model predicts for this layout and the first batch (the strategy's `MemoryPlanned` event, the
+step time on the hardware preset the device matches). On a failure: refused, out of memory, hang or crash, with
+the error (rank 0 writes; no collective is called, the process group may be broken). A job that fails before any
+Trainer exists (a layout refused when the strategy is built) writes its record with `write_failure`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from diagnostics.analysis.outcome import classify, reason
+from diagnostics.collect.gather import gather_floats
+from diagnostics.collect.memory import process_memory
+from diagnostics.records import (
+    BOTTLENECK_FILE,
+    HANG_FILE,
+    RUN_FILE,
+    HangReport,
+    RunRecord,
+    from_dict,
+    read_windows,
+    to_json,
+    write_atomic,
+)
+from lightning_nd.cost.hardware import PRESETS, parse_hardware
+from lightning_nd.cost.layout_cost import cost_layout
+from lightning_nd.cost.shape import Workload
+from lightning_nd.layout.batch import token_shape
+
+log = logging.getLogger(__name__)
+CRASHED = ("dead", "failed")
+"""Hang-verdict culprit kinds that mean the rank crashed (died, or its own step raised) rather than hung."""
+COST_OPTIONS = ("zero_stage", "activation_checkpointing", "pp_schedule", "pp_microbatches", "sequence_parallel")
+
+
+def _chain(error: BaseException) -> tuple[tuple[str, ...], str]:
+    """Class names (with bases) and messages of the error and of those it was raised from."""
+    names: list[str] = []
+    messages: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        names += [cls.__name__ for cls in type(current).__mro__]
+        messages.append(str(current))
+        current = current.__cause__ or current.__context__
+    return tuple(names), "\n".join(messages)
+
+
+class RunSummary(Callback):
+    def __init__(self, log_dir: str | None = None, overrides: Sequence[str] = (), hardware: str | None = None) -> None:
+        """``log_dir``: where ``diagnostics/run.json`` goes (default: the Trainer's ``default_root_dir``).
+        ``overrides``: the job's command-line overrides (the row's name and the line that repeats it).
+        ``hardware``: the cost model's preset for the predicted step time (default: ``cpu`` on CPU, the preset
+        the CUDA device's name matches, else none)."""
+        if hardware is not None:
+            parse_hardware(hardware)  # a bad name fails here, with its HINT
+        self._log_dir, self.overrides, self.hardware = log_dir, tuple(overrides), hardware
+        self.layout: Any = None
+        self.shape: Any = None
+        self.planned: Any = None
+        self.verdict: Any = None
+        self._ends: list[float] = []
+        self._tokens: list[int] = []
+        self._seen, self._step = 0, 0
+        self._failure: tuple[BaseException, Trainer | None] | None = None
+        self._started: float | None = None
+
+    def folder(self, trainer: Trainer | None = None) -> Path:
+        root = self._log_dir or (trainer.default_root_dir if trainer is not None else ".")
+        return Path(root) / "diagnostics"
+
+    def on_nd_layout_applied(self, strategy: Any, event: Any) -> None:
+        self.layout, self.shape = event.layout, event.shape
+
+    def on_nd_memory_planned(self, strategy: Any, event: Any) -> None:
+        self.planned = event
+
+    def on_nd_failure_verdict(self, strategy: Any, event: Any) -> None:
+        """The run's verdict (which rank failed and why) comes after the callbacks' ``on_exception``: the record
+        written then is written again with it."""
+        self.verdict = event
+        if self._failure is not None:
+            self.write_failure(*self._failure)
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._started = time.time()
+        if stage == "fit" and trainer.global_rank == 0:
+            (self.folder(trainer) / RUN_FILE).unlink(missing_ok=True)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        shape = token_shape(batch)
+        if shape is not None:
+            self._seen += shape[0] * shape[1] * (self.layout.dims["cp"] if self.layout is not None else 1)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.global_step == self._step:  # accumulating: the optimizer has not stepped
+            return
+        self._step = trainer.global_step
+        self._ends.append(time.perf_counter())
+        self._tokens.append(self._seen)
+        self._seen = 0
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        cuda = pl_module.device.type == "cuda"
+        if cuda:
+            import torch
+
+            mine = float(torch.cuda.max_memory_allocated(pl_module.device))
+        else:
+            mine = float(process_memory()["peak_rss_bytes"] or 0)
+        peaks = [values[0] for values in gather_floats([mine], pl_module.device, trainer.world_size)]
+        if trainer.global_rank != 0:
+            return
+        try:
+            record = self._record(trainer, pl_module, peaks, "cuda_peak_allocated" if cuda else "peak_rss")
+            write_atomic(self.folder(trainer) / RUN_FILE, to_json(record))
+        except Exception as error:  # noqa: BLE001 - a diagnostic never stops the run
+            log.warning("lightning-nd RunSummary: no run record written: %s", error)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        if trainer.global_rank == 0:
+            self.write_failure(exception, trainer)
+
+    def write_failure(self, error: BaseException, trainer: Trainer | None = None) -> RunRecord:
+        """Rank 0's record of a failed run; ``trainer`` None: it failed before one existed (nothing stepped). A
+        hang verdict (`CollectiveMonitor`'s ``hang.json``, from this run) names the culprit: a rank that died or
+        failed by itself makes it a crash, any other culprit a hang; else the error (and the run's failure
+        verdict) is classified."""
+        self._failure = (error, trainer)
+        names, message = _chain(error)
+        verdict = self.verdict
+        if verdict is not None and verdict.culprit != getattr(trainer, "global_rank", 0):
+            message = f"rank {verdict.culprit}: {verdict.reason}\n{message}"
+        steps = trainer.global_step if trainer is not None else 0
+        status = classify(names, message, steps > 0)
+        said = reason(type(error).__name__, message if verdict is None else message.split("\n", 1)[0])
+        hang = self._hang_report(trainer)
+        if status != "oom" and hang is not None and hang.culprits and hang.summary:
+            status = "crash" if hang.culprits[0].kind in CRASHED else "hang"
+            said = hang.summary[0]
+        record = RunRecord(status, said, self.overrides, *self._layout_fields(), steps=steps)
+        try:
+            write_atomic(self.folder(trainer) / RUN_FILE, to_json(record))
+        except OSError as problem:
+            log.warning("lightning-nd RunSummary: no run record written: %s", problem)
+        return record
+
+    def _hang_report(self, trainer: Trainer | None) -> HangReport | None:
+        path = self.folder(trainer) / HANG_FILE
+        try:
+            if self._started is None or path.stat().st_mtime < self._started:
+                return None  # none, or an earlier run's
+            return from_dict(HangReport, json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def _layout_fields(self) -> tuple[dict[str, int], dict[str, Any]]:
+        if self.layout is None:
+            return {}, {}
+        options = self.layout.options.to_dict()
+        return dict(self.layout.dims), {key: options[key] for key in COST_OPTIONS if key in options}
+
+    def _record(self, trainer: Trainer, pl_module: LightningModule, peaks: list[float], kind: str) -> RunRecord:
+        intervals = [b - a for a, b in zip(self._ends, self._ends[1:])]
+        step_s = statistics.median(intervals) if intervals else None
+        dims = self.layout.dims if self.layout is not None else {}
+        batch_ranks = dims.get("dp_replicate", 1) * dims.get("dp_shard", 1) if dims else trainer.world_size
+        tokens = statistics.median(self._tokens[1:]) * batch_ranks if len(self._tokens) > 1 else None
+        loss = trainer.callback_metrics.get("train_loss")
+        predicted_step, predicted_peak, hardware = self._prediction(trainer, pl_module)
+        return RunRecord(
+            "ok", "", self.overrides, *self._layout_fields(), steps=trainer.global_step,
+            final_loss=float(loss) if loss is not None else None,
+            tokens_per_s=tokens / step_s if tokens and step_s else None, step_s=step_s, peak_bytes=tuple(peaks),
+            memory_kind=kind, bottleneck=self._bottleneck(trainer), predicted_step_s=predicted_step,
+            predicted_peak_bytes=predicted_peak, hardware=hardware)
+
+    def _prediction(self, trainer: Trainer,
+                    pl_module: LightningModule) -> tuple[float | None, float | None, str | None]:
+        planned = self.planned
+        if planned is None:
+            return None, None, None
+        name = self.hardware
+        if name is None and pl_module.device.type == "cuda":
+            import torch
+
+            device = torch.cuda.get_device_name(pl_module.device).lower()
+            name = next((preset for preset in PRESETS if preset in device), None)
+        elif name is None:
+            name = "cpu"
+        step = None
+        if name is not None and self.layout is not None and self.shape is not None:
+            cost = cost_layout(self.layout, self.shape, Workload(**planned.workload), optimizer=planned.optimizer,
+                               hardware=parse_hardware(name), gpus_per_node=trainer.num_devices)
+            step = cost.time.total_s if cost.time is not None else None
+        return step, float(planned.peak["peak_bytes"]), name
+
+    def _bottleneck(self, trainer: Trainer) -> str | None:
+        path = self.folder(trainer) / BOTTLENECK_FILE
+        windows = read_windows(path.read_text()) if path.is_file() else []
+        return windows[-1].diagnosis.label if windows else None

@@ -1,0 +1,126 @@
+"""``parallel=search``: the planner's layouts for this model and world size, the most promising few measured, one
+table and the best layout as a line to copy.
+
+    python examples/train.py -m parallel=search trainer.devices=4 --budget 3
+
+`lightning_nd.plan.shortlist` lists every valid layout (ZeRO stage, microbatches under pp, the least recomputation
+that fits) at one global batch and drops those predicted not to fit; each of the first ``search.budget`` runs as its
+own ``examples/train.py`` process (Lightning starts its ranks) for ``search.steps`` steps, in ``runs/<i>/`` of this
+job's folder, stopped after ``search.timeout_s`` (a hang). `diagnostics compare` then reads ``runs/``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig
+
+from diagnostics.analysis.compare import compare
+from diagnostics.records import RUN_FILE, RunRecord, find_runs, to_json, write_atomic
+from diagnostics.report.compare_card import write_comparison
+from lightning_nd.cost.hardware import parse_bytes, parse_hardware
+from lightning_nd.plan.search import Candidate, describe_sizes
+from lightning_nd.plan.shortlist import Shortlist, per_rank_batch, shortlist
+from lightning_nd.plan.source import Holder
+
+SCRIPT = Path(__file__).resolve()
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+OWN_KEYS = ("parallel", "search", "hydra.", "trainer.max_steps", "trainer.limit_val_batches", "checkpoint.")
+"""Overrides the search sets itself on each measured run (the user's others are passed on)."""
+
+
+def layout_overrides(candidate: Candidate) -> list[str]:
+    """The command-line overrides that run ``candidate`` (on top of the user's other overrides)."""
+    options = candidate.layout.options
+    words = ["parallel=fsdp"] + [f"parallel.{d}={candidate.sizes[d]}" for d in DIMS
+                                 if candidate.sizes[d] != 1 or d == "dp_shard"]
+    if candidate.sizes["dp_shard"] > 1:
+        words.append(f"parallel.zero_stage={options.zero_stage}")
+    if options.activation_checkpointing != "none":
+        words.append(f"parallel.activation_checkpointing={options.activation_checkpointing}")
+    if candidate.sizes["tp"] > 1:
+        words.append(f"parallel.sequence_parallel={str(options.sequence_parallel).lower()}")
+    if candidate.sizes["pp"] > 1:
+        words += [f"parallel.pp_schedule={options.pp_schedule}", f"parallel.pp_microbatches={options.pp_microbatches}"]
+    return [*words, f"data.batch_size={per_rank_batch(candidate)}"]
+
+
+def _memory(cfg: DictConfig, ranks: int) -> int:
+    if cfg.search.memory:
+        return parse_bytes(cfg.search.memory)
+    if cfg.trainer.accelerator in ("gpu", "cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
+
+
+def plan_candidates(cfg: DictConfig, model_factory) -> tuple[Shortlist, int]:
+    devices, nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)
+    ranks = devices * nodes
+    hardware = cfg.search.hardware or ("cpu" if cfg.trainer.accelerator == "cpu" else "h100")
+    global_batch = cfg.search.global_batch or cfg.data.batch_size * ranks
+    with torch.device("meta"):
+        model = model_factory(cfg.model)()
+    found = shortlist(Holder(model), ranks, devices, _memory(cfg, ranks), cfg.data.seq_len, global_batch,
+                      precision=str(cfg.trainer.precision), hardware=parse_hardware(hardware))
+    return found, global_batch
+
+
+def _measure(index: int, candidate: Candidate, passed: list[str], cfg: DictConfig, runs: Path) -> str:
+    """One measured run in its own process group; a run still going at the timeout is killed and recorded as a
+    hang, one that left no record as a crash with its exit status."""
+    folder = runs / str(index)
+    folder.mkdir(parents=True, exist_ok=True)
+    steps = int(cfg.search.steps)
+    command = [sys.executable, str(SCRIPT.parent / "train.py"), *passed, *layout_overrides(candidate),
+               f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
+               f"diagnostics.bottleneck_every_n_steps={steps}",
+               "checkpoint.save_top_k=0", "checkpoint.save_last=false", f"hydra.run.dir={folder}"]
+    started = time.perf_counter()
+    with open(folder / "console.log", "w") as console:
+        process = subprocess.Popen(command, stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = process.wait(timeout=cfg.search.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            code = None
+    record = folder / "diagnostics" / RUN_FILE
+    if not any(folder.rglob(f"diagnostics/{RUN_FILE}")):
+        why = (f"no end within search.timeout_s={cfg.search.timeout_s:g} s: stopped" if code is None else
+               f"exited with status {code} and left no record (see {folder / 'console.log'})")
+        write_atomic(record, to_json(RunRecord("hang" if code is None else "crash", why, tuple(command[2:]))))
+    return f"{time.perf_counter() - started:.0f} s, exit status {code if code is not None else 'none (stopped)'}"
+
+
+def run_search(cfg: DictConfig, overrides: list[str], output_dir: Path, model_factory) -> float:
+    found, global_batch = plan_candidates(cfg, model_factory)
+    chosen = list(found.ordered[:cfg.search.budget])
+    print(f"lightning-nd search: {found.planned} valid layouts planned at a global batch of {global_batch}"
+          f" ({len(found.dropped)} predicted not to fit, dropped; {sum(found.skipped.values())} size sets invalid);"
+          f" measuring {len(chosen)} (search.budget={cfg.search.budget}) for {cfg.search.steps} steps each.",
+          flush=True)
+    if not chosen:
+        raise RuntimeError("The planner found no layout predicted to fit. HINT: give `search.memory` (one rank's"
+                           " memory) if the default is wrong, or a smaller model or `data.seq_len`.")
+    passed = [o for o in overrides if not o.lstrip("+~").startswith(OWN_KEYS)]
+    runs = output_dir / "runs"
+    for index, candidate in enumerate(chosen):
+        predicted = candidate.cost.time.total_s if candidate.cost.time is not None else float("nan")
+        print(f"[{index + 1}/{len(chosen)}] {describe_sizes(candidate.sizes)} {candidate.options}"
+              f" (predicted step {predicted * 1e3:.1f} ms) ...", flush=True)
+        print(f"[{index + 1}/{len(chosen)}] done: {_measure(index, candidate, passed, cfg, runs)}", flush=True)
+    comparison = compare(find_runs(runs))
+    print("\n" + write_comparison(output_dir, comparison), flush=True)
+    if comparison.best is None:
+        raise RuntimeError(f"No measured layout trained: see the table's reasons and {runs}/<i>/console.log.")
+    best = chosen[int(comparison.best.name)]
+    keep = [o for o in passed if o.lstrip("+~").startswith(("trainer.devices", "trainer.num_nodes", "model"))]
+    print("Run the best layout with:\n  python examples/train.py " + " ".join([*layout_overrides(best), *keep]),
+          flush=True)
+    return float(comparison.best.tokens_per_s or 0.0)
