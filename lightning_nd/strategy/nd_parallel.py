@@ -41,7 +41,7 @@ from lightning_nd.strategy.step_events import StepEvents
 
 
 class NDParallel(ModelParallelStrategy):
-    """N-D parallel training of an ordinary LightningModule (every knob: the README's "Knobs").
+    """N-D parallel training of an ordinary LightningModule (every knob: docs/pages/strategy.md, "Knobs").
 
     ``dp_replicate, dp_shard, cp, tp, pp, ep``: the dim sizes (`ParallelDims`; ``dp_shard=-1`` fills the world);
     the keywords after them: how to parallelize (`ParallelConfig`), ``init_on_meta`` (build `configure_model`'s

@@ -4,7 +4,7 @@ AdamW steps in float32, for three models of different structure (see tests/model
 One launch of 4 ranks per model trains all layouts (tests/distributed/parity.py); each layout is
 then its own test here. Tolerances: float32 reductions in a different order differ by ~1e-7
 relative; five Adam steps at lr=1e-3 keep parameter differences below ~2e-5 (the measured maxima over
-all layouts and models are in the README's "How correct is it").
+all layouts and models are in docs/pages/performance.md, "How correct is it").
 """
 
 from __future__ import annotations

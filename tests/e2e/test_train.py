@@ -1,26 +1,23 @@
-"""The README's main job and a Hydra sweep, run exactly as a user runs them (``python examples/train.py ...``:
-Lightning starts the other processes); the other Hydra runs start one process per rank as torchrun does (the
-torchrun variables set, each forked from the test session's zygotes, `tests/zygote.py`). Results are read back
+"""Hydra runs of ``examples/train.py``: a sweep ending with its comparison (a refused and a crashed run among its
+rows) and the layout search, run exactly as a user runs them (``python examples/train.py -m ...``: Lightning starts
+the other processes; the README's main job is in test_main_job.py); the other runs start one process per rank as
+torchrun does (the torchrun variables set, each forked from the test session's zygotes, `tests/zygote.py`). Results are read back
 with TensorBoard's own event reader."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util.tensor_util import make_ndarray
 
-from diagnostics.records import BOTTLENECK_FILE, LABELS, read_windows
-from lightning_nd import Layout
+from diagnostics.records import LABELS
 from tests.launcher import exits, start
 
 TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
@@ -75,55 +72,6 @@ def test_readme_quick_start_is_two_commands_sharing_one_setup():
     assert commands[1].startswith(setup) and "pip install torch==2.13.0" in setup
     assert commands[1].endswith("-m pytest")
     assert (REPO / ".ci" / "run").read_text().count(commands[1]) == 1, ".ci/run must run the README's test command"
-
-
-def test_readme_main_job_trains_and_writes_tensorboard(tmp_path):
-    argv = train_args(quick_start_commands()[0])
-    assert argv[:1] == ["parallel=fsdp_tp"] and "trainer.devices=4" in argv
-    done = run_train_script([*argv, f"hydra.run.dir={tmp_path}"])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    accumulator = events(tmp_path / "tensorboard")
-    losses = [event.value for event in accumulator.Scalars("train_loss")]
-    assert len(losses) == 20
-    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
-    card = layout_card(accumulator)
-    assert "| `tp` | 2 |" in card and "| `dp_shard` | 2 |" in card
-    assert "Applied tensor parallel (tp=2, sequence_parallel=True" in card and "Applied FSDP (shard=2)" in card
-    assert "| `model.layers.*.self_attn.q_proj` | colwise | pattern | 4 |" in card and "Rank 0 (" in card
-    layout = Layout.from_json((tmp_path / "tensorboard" / "layout.json").read_text())  # the run's plan, for offline tools
-    assert layout.dims["tp"] == 2 and [t.technique for t in layout.techniques] == ["tensor_parallel", "fsdp"]
-    topology = make_ndarray(accumulator.Tensors("diagnostics/topology/text_summary")[0].tensor_proto)[0].decode()
-    assert "| backend | gloo |" in topology and "| tp | 2 x 2 ranks | none |" in topology, topology
-    assert not (tmp_path / "tensorboard" / "diagnostics" / "hang.json").exists()  # a healthy run leaves no verdict
-    assert not list((tmp_path / "tensorboard" / "diagnostics").glob("memory-rank*.json"))
-    for rank in range(4):  # MemoryMonitor: each rank's model state and peak RSS every 10 steps (on CPU)
-        state = [event.value for event in accumulator.Scalars(f"memory/model_state_bytes/rank{rank}")]
-        assert len(state) == 2 and state[0] == state[1] > 0
-        assert all(event.value > state[0] for event in accumulator.Scalars(f"memory/peak_rss_bytes/rank{rank}"))
-    windows = read_windows((tmp_path / "tensorboard" / "diagnostics" / BOTTLENECK_FILE).read_text())
-    assert [(w.context.first_step, w.context.last_step) for w in windows] == [(1, 10), (11, 20)]
-    assert all(w.diagnosis.label in LABELS and w.diagnosis.advice for w in windows)
-    assert all(r.comm.get("tp", 0) > 0 and r.comm.get("fsdp", 0) > 0 for r in windows[-1].ranks)
-    card = make_ndarray(accumulator.Tensors("diagnostics/bottleneck/text_summary")[-1].tensor_proto)[0].decode()
-    assert f"**{windows[-1].diagnosis.label}**" in card
-    cores = len(os.sched_getaffinity(0))
-    assert windows[-1].context.host_cores == {socket.gethostname(): cores}
-    if cores < 4:  # four processes on fewer cores: said beside every class, first when compute is the verdict
-        for window in windows:
-            told = window.diagnosis.advice
-            assert window.diagnosis.findings and any(line.startswith("give each process its own core") for line in told)
-            assert window.diagnosis.label != "compute-bound" or told[0].startswith("give each process its own core")
-            assert not any("precision='bf16-mixed'" in line for line in told), told
-        assert "**Shared host:** host" in card and "precision='bf16-mixed'" not in card, card
-    else:
-        assert all(not w.diagnosis.findings for w in windows)
-    view = layout_pb2.Layout()  # the troubleshooting view: one custom-scalars layout, every monitor's charts in it
-    view.ParseFromString(make_ndarray(accumulator.Tensors("custom_scalars__config__")[0].tensor_proto).item())
-    assert {c.title for c in view.category} == {"Troubleshooting: " + name for name in
-                                               ("collectives", "communication", "memory", "step", "throughput")}
-    for tag in ("bottleneck/step_s/max", "memory/model_state_bytes/mean", "collectives/strategy_wait_s/min",
-                "throughput/tokens_per_s"):
-        assert len(accumulator.Scalars(tag)) == 2, tag
 
 
 def test_hydra_sweep_runs_every_layout_and_ends_with_the_comparison(tmp_path):
