@@ -102,8 +102,10 @@ class DiagnosticsSchema:
 
 @dataclasses.dataclass
 class SearchSchema:
-    """``parallel=search`` (`examples/search.py`): the planner's layouts, the first ``budget`` measured."""
+    """``parallel=search`` (`examples/search.py`): the planner's layouts, the first ``budget`` measured. Always
+    present (off), so ``search.*`` overrides compose in a sweep whose other jobs are layouts."""
 
+    enabled: bool = False
     budget: int = 4
     steps: int = 6
     timeout_s: float = 600.0
@@ -141,6 +143,6 @@ def register() -> None:
         ("log_dir", str, dataclasses.field(default=MISSING)),
         ("checkpoint", dict[str, Any], dataclasses.field(default_factory=dict)),
         ("ckpt_path", Optional[str], None),  # noqa: UP045
-        ("search", Optional[SearchSchema], None)]))  # noqa: UP045
+        ("search", SearchSchema, dataclasses.field(default_factory=SearchSchema))]))
     for name in ("llama_schema", "gpt_schema"):
         store.store(group="model", name=name, node=found[name])

@@ -33,6 +33,10 @@ SCRIPT = Path(__file__).resolve()
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 OWN_KEYS = ("parallel", "search", "hydra.", "trainer.max_steps", "trainer.limit_val_batches", "checkpoint.")
 """Overrides the search sets itself on each measured run (the user's others are passed on)."""
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+                  "MASTER_PORT")
+"""Set when the search runs inside another run's processes (a sweep's earlier job): each measured run starts its own."""
+GRACE_S = 5.0
 
 
 def layout_overrides(candidate: Candidate) -> list[str]:
@@ -60,7 +64,12 @@ def _memory(cfg: DictConfig, ranks: int) -> int:
 
 
 def plan_candidates(cfg: DictConfig, model_factory) -> tuple[Shortlist, int]:
-    devices, nodes = int(cfg.trainer.devices), int(cfg.trainer.num_nodes)
+    devices, nodes = cfg.trainer.devices, int(cfg.trainer.num_nodes)
+    if devices in (-1, "auto") and cfg.trainer.accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
+        devices = torch.cuda.device_count()
+    if not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"The layout search needs the number of ranks per node; `trainer.devices={devices}` does"
+                         " not give it here. HINT: set `trainer.devices=N`.")
     ranks = devices * nodes
     hardware = cfg.search.hardware or ("cpu" if cfg.trainer.accelerator == "cpu" else "h100")
     global_batch = cfg.search.global_batch or cfg.data.batch_size * ranks
@@ -81,28 +90,41 @@ def _measure(index: int, candidate: Candidate, passed: list[str], cfg: DictConfi
                f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
                f"diagnostics.bottleneck_every_n_steps={steps}",
                "checkpoint.save_top_k=0", "checkpoint.save_last=false", f"hydra.run.dir={folder}"]
-    started = time.perf_counter()
+    started, code = time.perf_counter(), None
+    environment = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}  # a run of its own
     with open(folder / "console.log", "w") as console:
-        process = subprocess.Popen(command, stdout=console, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(command, stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
+                                   env=environment)
         try:
             code = process.wait(timeout=cfg.search.timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            pass
+        finally:  # the run's ranks too (its own process group), on a timeout, Ctrl-C or any error here
+            _stop(process.pid)
             process.wait()
-            code = None
     record = folder / "diagnostics" / RUN_FILE
     if not any(folder.rglob(f"diagnostics/{RUN_FILE}")):
         why = (f"no end within search.timeout_s={cfg.search.timeout_s:g} s: stopped" if code is None else
                f"exited with status {code} and left no record (see {folder / 'console.log'})")
-        write_atomic(record, to_json(RunRecord("hang" if code is None else "crash", why, tuple(command[2:]))))
+        write_atomic(record, to_json(RunRecord("hang" if code is None else "crash", why)))
     return f"{time.perf_counter() - started:.0f} s, exit status {code if code is not None else 'none (stopped)'}"
+
+
+def _stop(group: int) -> None:
+    """SIGTERM to the run's process group, SIGKILL to what is left after a grace period."""
+    for sent in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(group, sent)
+        except ProcessLookupError:
+            return
+        time.sleep(GRACE_S if sent == signal.SIGTERM else 0)
 
 
 def run_search(cfg: DictConfig, overrides: list[str], output_dir: Path, model_factory) -> float:
     found, global_batch = plan_candidates(cfg, model_factory)
     chosen = list(found.ordered[:cfg.search.budget])
     print(f"lightning-nd search: {found.planned} valid layouts planned at a global batch of {global_batch}"
-          f" ({len(found.dropped)} predicted not to fit, dropped; {sum(found.skipped.values())} size sets invalid);"
+          f" ({len(found.dropped)} predicted not to fit, dropped; {len(found.skipped)} kinds of invalid size sets);"
           f" measuring {len(chosen)} (search.budget={cfg.search.budget}) for {cfg.search.steps} steps each.",
           flush=True)
     if not chosen:
@@ -120,7 +142,6 @@ def run_search(cfg: DictConfig, overrides: list[str], output_dir: Path, model_fa
     if comparison.best is None:
         raise RuntimeError(f"No measured layout trained: see the table's reasons and {runs}/<i>/console.log.")
     best = chosen[int(comparison.best.name)]
-    keep = [o for o in passed if o.lstrip("+~").startswith(("trainer.devices", "trainer.num_nodes", "model"))]
-    print("Run the best layout with:\n  python examples/train.py " + " ".join([*layout_overrides(best), *keep]),
+    print("Run the best layout with:\n  python examples/train.py " + " ".join([*layout_overrides(best), *passed]),
           flush=True)
     return float(comparison.best.tokens_per_s or 0.0)

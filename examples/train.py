@@ -62,11 +62,11 @@ register()  # conf/'s typed schemas: a typo or a wrong type fails at composition
 def main(cfg: DictConfig) -> float:
     hydra_config = HydraConfig.get()
     overrides = list(hydra_config.overrides.task)
-    if cfg.search is not None:
-        return run_search(cfg, overrides, Path(hydra_config.runtime.output_dir), model_factory)
     summary = RunSummary(log_dir=cfg.log_dir, overrides=overrides)
-    trainer = None
     try:
+        if cfg.search.enabled:  # Lightning's other ranks of an earlier job run the sweep too: one searches
+            return run_search(cfg, overrides, Path(hydra_config.runtime.output_dir), model_factory) if (
+                first_process()) else float("nan")
         seed_everything(cfg.seed, workers=True)
         strategy = NDParallel.from_config(OmegaConf.to_container(cfg.parallel, resolve=True))
         logger = TensorBoardLogger(save_dir=cfg.log_dir, name="", version="")
@@ -78,8 +78,8 @@ def main(cfg: DictConfig) -> float:
                     ckpt_path=cfg.ckpt_path)
         return float(trainer.callback_metrics["train_loss"])
     except Exception as error:
-        if trainer is None and first_process():
-            summary.write_failure(error)  # refused before any Trainer: the fit's own failures are recorded by it
+        if not cfg.search.enabled and first_process() and not summary.recorded:
+            summary.write_failure(error)  # before fit (refused when built): fit's own failures it records itself
         if hydra_config.mode != RunMode.MULTIRUN:
             raise
         # Lightning's other ranks run the same sweep in step with this process (its launcher starts them with

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from diagnostics.records.run import FoundRun, RunRecord
+from diagnostics.records.run import STATUSES, FoundRun, RunRecord
 
 NOISE = 0.05
 """A margin below this is within what a shared machine's noise moves a short run's throughput."""
@@ -69,7 +69,7 @@ def layout_name(record: RunRecord | None, overrides: tuple[str, ...]) -> str:
     if record is None or not record.dims:
         chosen = [o for o in overrides if o.lstrip("+~").startswith("parallel")]
         return " ".join(chosen) or "(default layout)"
-    dims = ",".join(f"{d}={record.dims[d]}" for d in DIM_ORDER if record.dims.get(d, 1) > 1 or d == "dp_shard")
+    dims = ",".join(f"{d}={record.dims.get(d, 1)}" for d in DIM_ORDER if record.dims.get(d, 1) > 1 or d == "dp_shard")
     options = record.options
     batch_ranks = record.dims.get("dp_replicate", 1) * record.dims.get("dp_shard", 1)
     shown = [f"{k}={options[k]}" for k in ("activation_checkpointing",) if k in options and options[k] != DEFAULTS[k]]
@@ -86,7 +86,8 @@ def row_of(run: FoundRun) -> Row:
         why = run.problem or ("it left no run record: killed before it could write one (a time limit, the"
                               " out-of-memory killer, a hang stopped from outside) or still running")
         return Row(run.name, layout_name(None, run.overrides), "crash", why, run.overrides, None)
-    return Row(run.name, layout_name(record, run.overrides), record.status, record.reason, run.overrides, record)
+    status = record.status if record.status in STATUSES else "crash"  # a record written by something else
+    return Row(run.name, layout_name(record, run.overrides), status, record.reason, run.overrides, record)
 
 
 def compare(runs: list[FoundRun]) -> Comparison:

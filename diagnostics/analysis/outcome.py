@@ -9,9 +9,11 @@ from __future__ import annotations
 import re
 
 OOM_CLASSES = ("OutOfMemoryError", "MemoryError")
-OOM_WORDS = re.compile(r"(?<!or )out of memory|CUBLAS_STATUS_ALLOC_FAILED|cannot allocate memory", re.IGNORECASE)
+OOM_WORDS = re.compile(r"(?<!or )out of memory|CUBLAS_STATUS_ALLOC_FAILED|can(not|'t) allocate memory|not enough"
+                       r" memory", re.IGNORECASE)
 HANG_WORDS = re.compile(r"timed out|timeout after|watchdog caught collective operation timeout", re.IGNORECASE)
-PEER_WORDS = re.compile(r"connection (closed|reset) by peer|broken pipe|died|exited with|lost", re.IGNORECASE)
+NCCL_TIMEOUT = re.compile(r"watchdog caught collective operation timeout", re.IGNORECASE)
+PEER_WORDS = re.compile(r"connection (closed|reset) by peer|broken pipe|\bdied\b", re.IGNORECASE)
 REFUSAL_CLASSES = ("ValueError", "TypeError", "NotImplementedError")
 REASON_CHARS = 300
 
@@ -22,7 +24,8 @@ def classify(class_names: tuple[str, ...], message: str, stepped: bool) -> str:
     training; a lost peer is a crash, not a hang (the peer's own failure is the cause)."""
     if any(name in OOM_CLASSES for name in class_names) or OOM_WORDS.search(message):
         return "oom"
-    if PEER_WORDS.search(message) and not re.search(r"timed out", message, re.IGNORECASE):
+    if PEER_WORDS.search(message) and not re.search(r"timed out", message, re.IGNORECASE) and not (
+            NCCL_TIMEOUT.search(message)):
         return "crash"
     if HANG_WORDS.search(message) or any("Timeout" in name for name in class_names):
         return "hang"

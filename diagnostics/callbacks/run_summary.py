@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -77,6 +78,8 @@ class RunSummary(Callback):
         self._seen, self._step = 0, 0
         self._failure: tuple[BaseException, Trainer | None] | None = None
         self._started: float | None = None
+        self._trainer: Trainer | None = None
+        self._writing = threading.RLock()
 
     def folder(self, trainer: Trainer | None = None) -> Path:
         root = self._log_dir or (trainer.default_root_dir if trainer is not None else ".")
@@ -92,11 +95,16 @@ class RunSummary(Callback):
         """The run's verdict (which rank failed and why) comes after the callbacks' ``on_exception``: the record
         written then is written again with it."""
         self.verdict = event
-        if self._failure is not None:
-            self.write_failure(*self._failure)
+        with self._writing:
+            failure = self._failure
+            if failure is None and self._trainer is not None and self._trainer.global_rank == 0:
+                # The watchdog's verdict while this rank's own step still waits (it ends the process next).
+                failure = (RuntimeError(f"rank {event.culprit}: {event.reason}"), self._trainer)
+            if failure is not None:
+                self._write_failure(*failure, stand_in=self._failure is None)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._started = time.time()
+        self._started, self._trainer = time.time(), trainer
         if stage == "fit" and trainer.global_rank == 0:
             (self.folder(trainer) / RUN_FILE).unlink(missing_ok=True)
 
@@ -134,12 +142,22 @@ class RunSummary(Callback):
         if trainer.global_rank == 0:
             self.write_failure(exception, trainer)
 
+    @property
+    def recorded(self) -> bool:
+        """Whether a failure of this run has been recorded."""
+        return self._failure is not None
+
     def write_failure(self, error: BaseException, trainer: Trainer | None = None) -> RunRecord:
+        with self._writing:  # the main thread's error and the watchdog thread's verdict may come at once
+            return self._write_failure(error, trainer, stand_in=False)
+
+    def _write_failure(self, error: BaseException, trainer: Trainer | None, stand_in: bool) -> RunRecord:
         """Rank 0's record of a failed run; ``trainer`` None: it failed before one existed (nothing stepped). A
         hang verdict (`CollectiveMonitor`'s ``hang.json``, from this run) names the culprit: a rank that died or
         failed by itself makes it a crash, any other culprit a hang; else the error (and the run's failure
         verdict) is classified."""
-        self._failure = (error, trainer)
+        if not stand_in:  # the stand-in for a verdict never replaces a real error (it is rewritten with it)
+            self._failure = (error, trainer)
         names, message = _chain(error)
         verdict = self.verdict
         if verdict is not None and verdict.culprit != getattr(trainer, "global_rank", 0):

@@ -28,8 +28,9 @@ class CompareSweep(HydraCallback):
         if any(os.environ.get(name, "0") != "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK")):
             return  # another rank's process: Lightning starts it with the sweep's arguments, it runs the sweep too
         folder = Path(config.hydra.sweep.dir)
-        if any(folder.glob(f"*/{MARKDOWN_FILE}")):
-            return  # a layout search's job compared its own runs and printed the table already
+        jobs = [path for path in folder.iterdir() if (path / ".hydra").is_dir()] if folder.is_dir() else []
+        if len(jobs) == 1 and (jobs[0] / MARKDOWN_FILE).is_file():
+            return  # a sweep of one layout search: its job compared its own runs and printed the table already
         comparison = compare(find_runs(folder)) if folder.is_dir() else None
         if comparison is None or not comparison.rows:
             log.warning("lightning-nd CompareSweep: no run under %s to compare", folder)

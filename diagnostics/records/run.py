@@ -56,10 +56,6 @@ class RunRecord:
     """The cost model's hardware preset the prediction used (``cpu``, ``h100``, ...)."""
 
     @property
-    def failed(self) -> bool:
-        return self.status != "ok"
-
-    @property
     def peak(self) -> float | None:
         return max(self.peak_bytes) if self.peak_bytes else None
 

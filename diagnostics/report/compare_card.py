@@ -36,7 +36,8 @@ def _cells(row: Row, best: Row | None) -> tuple[str, ...]:
     name = row.name + (f": {' '.join(row.varied)}" if row.varied else "")
     name = f"**{name}**" if row is best else name
     if row.status != "ok" or r is None:
-        return (name, f"`{row.layout}`", f"{OUTCOME.get(row.status, row.status)}: {row.reason}".replace("|", "\\|"),
+        said = " ".join(f"{OUTCOME.get(row.status, row.status)}: {row.reason}".split()).replace("|", "\\|")
+        return (name, f"`{row.layout}`", said,
                 *("-",) * (len(COLUMNS) - 3))
     ratio = f" ({row.step_ratio:.2g}x)" if row.step_ratio is not None else ""
     peaks = " / ".join(_bytes(value) for value in r.peak_bytes) if r.peak_bytes else "-"

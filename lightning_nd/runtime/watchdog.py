@@ -72,7 +72,8 @@ class RankWatchdog:
         """This rank's own step failed and its main thread is handling it (the verdict, then the exception goes
         on up): the watchdog no longer ends the process for a peer's failure. A process that carries on after a
         failed run (a sweep's next job) must not be ended by the failed run's watchdog."""
-        self._handling.set()
+        with self._lock:  # after this, the watchdog's own verdict path (below) no longer exits
+            self._handling.set()
 
     def report_failure(self, reason: str) -> None:
         self._post(self.rank, f"failed: {reason}")
@@ -175,7 +176,10 @@ class RankWatchdog:
                 self._deliver(rank, reason)
                 self.acknowledge()
                 self.linger()
-                os._exit(1)
+                with self._lock:
+                    if self._handling.is_set():  # this rank's own failure came meanwhile: its main thread goes on
+                        return
+                    os._exit(1)
 
     def _deliver(self, rank: int, reason: str) -> None:
         """Hand the verdict to ``on_verdict`` and wait for it, at most ``verdict_budget`` seconds."""

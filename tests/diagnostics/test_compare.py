@@ -38,6 +38,9 @@ REFUSAL = ("The other dims multiply to 3, which does not divide world_size=4, so
     (("ValueError", "Exception"), REFUSAL, True, "crash"),  # after a step: not a refusal before training
     (("ValueError",), "index 7 is out of bounds", False, "crash"),  # no HINT: not the library's refusal
     (("IndexError", "LookupError"), "index out of range in self", False, "crash"),
+    (("DistBackendError",), NCCL_TIMEOUT + " The rank that died is unknown.", True, "hang"),
+    (("RuntimeError",), "the model studied 3 batches", True, "crash"),  # "died" as a word only
+    (("RuntimeError",), "DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 GB", True, "oom"),
     (("ValueError",), "`NDParallel` has no option `tp_size`. HINT: did you mean `tp`? Options: timeout, init_timeout",
      False, "refused"),  # an option named "timeout" is no hang
 ])
@@ -172,6 +175,20 @@ def test_the_sweep_callback_prints_the_table_once_and_fails_a_sweep_with_no_winn
     with pytest.raises(SystemExit) as stopped:
         CompareSweep(tensorboard=False).on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(failed)}}}))
     assert stopped.value.code == 1 and "CRASH: IndexError" in capsys.readouterr().out
+
+
+def test_a_sweep_of_one_search_job_is_not_compared_twice(tmp_path, capsys):
+    from diagnostics import CompareSweep
+
+    search = job(tmp_path / "0", ["parallel=search"], None)
+    job(search / "runs" / "0", ["parallel=fsdp"], ok(100.0))
+    (search / "compare.md").write_text("the search's own table\n")
+    config = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}})
+    CompareSweep(tensorboard=False).on_multirun_end(config)
+    assert capsys.readouterr().out == ""
+    job(tmp_path / "1", ["parallel=ddp"], ok(50.0))  # a search among other jobs: the sweep's table covers all
+    CompareSweep(tensorboard=False).on_multirun_end(config)
+    assert "| **0/runs/0: parallel=fsdp** |" in capsys.readouterr().out
 
 
 def test_a_run_refused_before_any_trainer_leaves_its_record(tmp_path):

@@ -73,7 +73,7 @@ def tensorboard(logdir: Path, timeout: float = 90):
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1",
                                "--port", str(port), "--reload_interval", "0"], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.DEVNULL)
     try:
         _wait_for(f"http://127.0.0.1:{port}/data/runs", timeout)
         yield f"http://127.0.0.1:{port}"
@@ -93,9 +93,13 @@ class Browser:
             [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
              f"--remote-debugging-port={port}", f"--user-data-dir={profile}", f"--window-size={width},{height}",
              "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        pages = json.loads(_wait_for(f"http://127.0.0.1:{port}/json/list", 60))
-        page = next(p for p in pages if p.get("type") == "page")
-        self.socket = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60, suppress_origin=True)
+        try:
+            pages = json.loads(_wait_for(f"http://127.0.0.1:{port}/json/list", 60))
+            page = next(p for p in pages if p.get("type") == "page")
+            self.socket = websocket.create_connection(page["webSocketDebuggerUrl"], timeout=60, suppress_origin=True)
+        except Exception:
+            self.process.kill()
+            raise
         self._ids = itertools.count(1)
 
     def call(self, method: str, **params) -> dict:

@@ -1,8 +1,8 @@
-"""Hydra runs of ``examples/train.py``: a sweep ending with its comparison (a refused and a crashed run among its
-rows) and the layout search, run exactly as a user runs them (``python examples/train.py -m ...``: Lightning starts
-the other processes; the README's main job is in test_main_job.py); the other runs start one process per rank as
-torchrun does (the torchrun variables set, each forked from the test session's zygotes, `tests/zygote.py`). Results are read back
-with TensorBoard's own event reader."""
+"""Hydra runs of ``examples/train.py``: a sweep ending with its comparison (a refused and a crashed run among its rows)
+and the layout search, run exactly as a user runs them (``python examples/train.py -m ...``: Lightning starts the
+other processes; the README's main job is in test_main_job.py); the other runs start one process per rank as
+torchrun does (the torchrun variables set, each forked from the test session's zygotes, `tests/zygote.py`). Results
+are read back with TensorBoard's own event reader."""
 
 from __future__ import annotations
 
