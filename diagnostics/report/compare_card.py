@@ -28,7 +28,7 @@ def _bytes(count: float | None) -> str:
 def _seconds(value: float | None) -> str:
     if value is None:
         return "-"
-    return f"{value * 1e3:.0f} ms" if value < 10 else f"{value:.1f} s"
+    return f"{value * 1e3:.3g} ms" if value < 10 else f"{value:.1f} s"
 
 
 def _cells(row: Row, best: Row | None) -> tuple[str, ...]:
