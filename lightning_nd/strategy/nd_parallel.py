@@ -25,19 +25,20 @@ from lightning_nd.layout.arguments import KEYWORDS, check_keywords, read_argumen
 from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.record import Layout
 from lightning_nd.parallel.compose import ParallelizeReport
-from lightning_nd.parallel.pipeline.schedule import full_value
 from lightning_nd.parallel.fsdp import accumulate_without_sync
+from lightning_nd.parallel.pipeline.schedule import full_value
 from lightning_nd.runtime.materialize import materialize
 from lightning_nd.runtime.mesh import NDMesh, build_mesh
 from lightning_nd.runtime.timeouts import HEARTBEAT_TIMEOUT, INIT_TIMEOUT, STEP_TIMEOUT, check_timeouts
 from lightning_nd.strategy import lifecycle
-from lightning_nd.strategy.checkpointer import Checkpointer, CheckpointedRun
+from lightning_nd.strategy.checkpointer import CheckpointedRun, Checkpointer
+from lightning_nd.strategy.cluster_checks import check_launch
 from lightning_nd.strategy.events import EventBus, FailureVerdict
 from lightning_nd.strategy.failure_monitor import FailureMonitor
 from lightning_nd.strategy.preflight import Preflight
 from lightning_nd.strategy.run_plan import Placement, RunPlan
-from lightning_nd.strategy.steps import Steps
 from lightning_nd.strategy.step_events import StepEvents
+from lightning_nd.strategy.steps import Steps
 
 
 class NDParallel(ModelParallelStrategy):
@@ -57,11 +58,10 @@ class NDParallel(ModelParallelStrategy):
         zero_stage: Literal[1, 2, 3] | None = None, tp_plan: Mapping[str, object] | None = None,
         sequence_parallel: bool = False, loss_parallel: bool = False, block_classes: Sequence[type | str] | None = None,
         activation_checkpointing: Literal["none", "full", "selective"] = "none", compile: bool | str = False,
-        cpu_offload: bool = False,
+        cpu_offload: bool = False, init_on_meta: bool = True,
         pp_schedule: str = "1f1b", pp_microbatches: int | None = None, pp_stages_per_rank: int | None = None,
         pp_layers_per_stage: Sequence[int] | None = None, pp_split: Sequence[str] | None = None,
         cp_shard_keys: Sequence[str] | None = None, cp_positions: Literal["position_ids", "model"] = "position_ids",
-        init_on_meta: bool = True,
         timeout: timedelta | float = STEP_TIMEOUT, init_timeout: timedelta | float = INIT_TIMEOUT,
         heartbeat_timeout: timedelta | float | None = HEARTBEAT_TIMEOUT,
         process_group_backend: str | None = None,
@@ -123,6 +123,7 @@ class NDParallel(ModelParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         self.plan.set_world(self.num_nodes * self.num_processes)  # before any process is launched
+        check_launch(self.cluster_environment, self.num_processes, self.num_nodes)
         super()._configure_launcher()
 
     @override

@@ -5,7 +5,8 @@ every shell command they show is run here or excluded with its reason:
 - ``python -m lightning_nd.plan ...``: run as written (exit 0);
 - ``python -m diagnostics ...``: run with the run folder it names (``outputs/<date>/<time>/...``) replaced by a
   recorded one of the same kind (`tests/data`), or a sweep folder made here;
-- ``python examples/train.py ...``: composed by Hydra exactly as written (each job of a ``-m`` sweep, ``--budget``
+- ``python examples/train.py ...`` (alone or under torchrun; its two-node run is tests/e2e/test_nodes.py): composed
+  by Hydra exactly as written (each job of a ``-m`` sweep, ``--budget``
   as the script reads it), the layout built and planned for its world size with every check a run makes before its
   first batch; each layout they name trains in tests/e2e (the quick start's job, the sweeps, the search, resume);
 - the quick-start commands: run by tests/e2e/test_main_job.py and by CI itself (`.ci/run`);
@@ -59,6 +60,8 @@ def commands() -> list[tuple[str, list[str]]]:
 def kind(argv: list[str]) -> str:
     if argv[0] == "python3":
         return "quick start"
+    if argv[0].endswith("torchrun"):
+        return "torchrun"
     script = argv[1] if len(argv) > 1 else ""
     if script == "-m":
         return argv[2]
@@ -91,7 +94,8 @@ def test_the_docs_build_in_strict_mode(tmp_path):
 
 def test_every_command_is_run_here_or_excluded_with_its_reason():
     kinds = {kind(argv) for _, argv in COMMANDS}
-    assert kinds == {"quick start", "lightning_nd.plan", "diagnostics", "examples/train.py", "excluded"}, kinds
+    assert kinds == {"quick start", "lightning_nd.plan", "diagnostics", "examples/train.py", "torchrun",
+                     "excluded"}, kinds
     from tests.e2e.test_train import quick_start_commands
 
     quick = [shlex.split(c) for c in quick_start_commands()]
@@ -148,15 +152,18 @@ def _jobs(words: list[str]) -> list[list[str]]:
     return jobs
 
 
-@pytest.mark.parametrize("file, argv", [c for c in COMMANDS if kind(c[1]) == "examples/train.py"],
-                         ids=_ids([c for c in COMMANDS if kind(c[1]) == "examples/train.py"]))
+TRAINING = [c for c in COMMANDS if kind(c[1]) in ("examples/train.py", "torchrun")]
+
+
+@pytest.mark.parametrize("file, argv", TRAINING, ids=_ids(TRAINING))
 def test_training_commands_compose_and_plan_as_written(file, argv):
     from examples.train import model_factory
     from lightning_nd.plan.dry_run import dry_run
     from lightning_nd.plan.source import Holder
     from tests.unit.test_conf_schema import _compose
 
-    for overrides in _jobs([word.replace("<date>/<time>", "2026-12-05/07-14-42") for word in argv[2:]]):
+    given = argv[argv.index("examples/train.py") + 1:]  # under torchrun, its own arguments come first
+    for overrides in _jobs([word.replace("<date>/<time>", "2026-12-05/07-14-42") for word in given]):
         cfg = _compose(overrides)
         world = cfg.trainer.devices * cfg.trainer.num_nodes
         if cfg.search.enabled:
