@@ -69,10 +69,7 @@ def main() -> None:
     global_batch = cfg.data.batch_size * args.devices
     found = shortlist(_model(cfg), args.devices, args.devices, 6 * 10**9, cfg.data.seq_len, global_batch,
                       hardware=parse_hardware("cpu"))
-    firsts: dict[str, object] = {}
-    for candidate in found.ordered:
-        firsts.setdefault(describe_sizes(candidate.sizes), candidate)
-    grid = list(firsts.values())[:GRID_MAX]
+    grid = list(found.firsts[:GRID_MAX])
     print(f"{len(grid)} layouts (the planner's order), {args.rounds} interleaved rounds of {args.steps} steps,"
           f" global batch {global_batch}, {args.devices} ranks", flush=True)
     speeds: dict[int, list[float]] = {i: [] for i in range(len(grid))}

@@ -25,12 +25,12 @@ from diagnostics.analysis.compare import compare
 from diagnostics.records import RUN_FILE, RunRecord, find_runs, to_json, write_atomic
 from diagnostics.report.compare_card import write_comparison
 from lightning_nd.cost.hardware import parse_bytes, parse_hardware
+from lightning_nd.layout.dims import DIM_NAMES
 from lightning_nd.plan.search import Candidate, describe_sizes
 from lightning_nd.plan.shortlist import Shortlist, per_rank_batch, shortlist
 from lightning_nd.plan.source import Holder
 
 SCRIPT = Path(__file__).resolve()
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 OWN_KEYS = ("parallel", "search", "hydra.", "trainer.max_steps", "trainer.limit_val_batches", "checkpoint.")
 """Overrides the search sets itself on each measured run (the user's others are passed on)."""
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
@@ -42,7 +42,7 @@ GRACE_S = 5.0
 def layout_overrides(candidate: Candidate) -> list[str]:
     """The command-line overrides that run ``candidate`` (on top of the user's other overrides)."""
     options = candidate.layout.options
-    words = ["parallel=fsdp"] + [f"parallel.{d}={candidate.sizes[d]}" for d in DIMS
+    words = ["parallel=fsdp"] + [f"parallel.{d}={candidate.sizes[d]}" for d in DIM_NAMES
                                  if candidate.sizes[d] != 1 or d == "dp_shard"]
     if candidate.sizes["dp_shard"] > 1:
         words.append(f"parallel.zero_stage={options.zero_stage}")

@@ -20,7 +20,6 @@ fails before anything starts, naming the key. ``diagnostics=off|default|full`` p
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from diagnostics import LayoutCard, RunSummary, all_monitors  # noqa: E402
+from diagnostics.callbacks.sweep_comparison import first_process  # noqa: E402
 from examples.data import TokenDataModule  # noqa: E402
 from examples.lit import CausalLM  # noqa: E402
 from examples.models.gpt import GPT, GPTConfig  # noqa: E402
@@ -86,11 +86,6 @@ def main(cfg: DictConfig) -> float:
         # the sweep's arguments once): each goes on to the next job too.
         logging.getLogger(__name__).exception("This run failed; the sweep goes on (its row says why)")
         return float("nan")
-
-
-def first_process() -> bool:
-    """Rank 0's process (Lightning starts the others with ``LOCAL_RANK`` set; torchrun sets ``RANK``)."""
-    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
 
 
 def monitors(cfg: DictConfig, summary: RunSummary) -> list:

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -37,17 +36,17 @@ from diagnostics.analysis.sampled_split import split_window
 from diagnostics.analysis.trace import TraceStep, trace_steps
 from diagnostics.callbacks.troubleshooting_view import TroubleshootingView
 from diagnostics.collect.gather import gather_floats
-from diagnostics.collect.host import host_processors, host_shares
+from diagnostics.collect.host import device_preset, host_processors, host_shares
 from diagnostics.collect.profiled_step import ProfiledStep
 from diagnostics.collect.step_clock import StepClock, mean_row
 from diagnostics.collect.window_vector import rank_times_of, sequence_length_of, tokens_of, window_vector
 from diagnostics.records import BOTTLENECK_FILE, PHASES, RankTimes, WindowContext, WindowRecord, to_json, write_atomic
 from diagnostics.report.bottleneck_card import bottleneck_markdown, bottleneck_summary, step_phase_figure
 from diagnostics.report.tensorboard import log_figure, log_text, spread
-from lightning_nd.cost.hardware import PRESETS, parse_hardware
+from lightning_nd.cost.hardware import parse_hardware
 from lightning_nd.cost.shape import ModelShape
 from lightning_nd.cost.step_time import flops_per_token
-from lightning_nd.layout.batch import token_shape
+from lightning_nd.layout.batch import whole_tokens
 
 log = logging.getLogger("lightning_nd")
 
@@ -148,11 +147,10 @@ class BottleneckMonitor(Callback):
         self.clock.exclude(self._validation_start, time.perf_counter())
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        shape = token_shape(batch)
-        if shape is not None:
-            cp = self.layout.dims["cp"] if self.layout is not None else 1
-            self._tokens[0] += shape[0] * shape[1] * cp
-            self._tokens[1] = shape[1] * cp
+        seen = whole_tokens(batch, self.layout.dims["cp"] if self.layout is not None else 1)
+        if seen is not None:
+            self._tokens[0] += seen[0]
+            self._tokens[1] = seen[1]
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -260,12 +258,7 @@ class BottleneckMonitor(Callback):
         self.records.append(record)
 
     def _mfu(self, trainer: Trainer, pl_module: LightningModule, tokens_per_s: float | None, seq_len: int) -> float | None:
-        shape, name = self.shape, self.hardware
-        if name is None and pl_module.device.type == "cuda":
-            device = torch.cuda.get_device_name(pl_module.device).lower()
-            name = next((preset for preset in PRESETS if preset in device), None)
-        elif name is None:
-            name = "cpu"
+        shape, name = self.shape, device_preset(pl_module.device, self.hardware)
         if shape is None or name is None or not tokens_per_s or not seq_len:
             return None
         peak = parse_hardware(name).peak_flops * trainer.world_size

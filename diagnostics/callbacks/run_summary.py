@@ -23,6 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from diagnostics.analysis.outcome import classify, reason
 from diagnostics.collect.gather import gather_floats
+from diagnostics.collect.host import device_preset
 from diagnostics.collect.memory import process_memory
 from diagnostics.records import (
     BOTTLENECK_FILE,
@@ -35,10 +36,11 @@ from diagnostics.records import (
     to_json,
     write_atomic,
 )
-from lightning_nd.cost.hardware import PRESETS, parse_hardware
+from lightning_nd.cost.hardware import parse_hardware
 from lightning_nd.cost.layout_cost import cost_layout
 from lightning_nd.cost.shape import Workload
-from lightning_nd.layout.batch import token_shape
+from lightning_nd.layout.batch import whole_tokens
+from lightning_nd.runtime.errors import exception_chain
 
 log = logging.getLogger(__name__)
 CRASHED = ("dead", "failed")
@@ -48,16 +50,8 @@ COST_OPTIONS = ("zero_stage", "activation_checkpointing", "pp_schedule", "pp_mic
 
 def _chain(error: BaseException) -> tuple[tuple[str, ...], str]:
     """Class names (with bases) and messages of the error and of those it was raised from."""
-    names: list[str] = []
-    messages: list[str] = []
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        names += [cls.__name__ for cls in type(current).__mro__]
-        messages.append(str(current))
-        current = current.__cause__ or current.__context__
-    return tuple(names), "\n".join(messages)
+    chain = exception_chain(error)
+    return tuple(cls.__name__ for link in chain for cls in type(link).__mro__), "\n".join(map(str, chain))
 
 
 class RunSummary(Callback):
@@ -109,9 +103,9 @@ class RunSummary(Callback):
             (self.folder(trainer) / RUN_FILE).unlink(missing_ok=True)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        shape = token_shape(batch)
-        if shape is not None:
-            self._seen += shape[0] * shape[1] * (self.layout.dims["cp"] if self.layout is not None else 1)
+        seen = whole_tokens(batch, self.layout.dims["cp"] if self.layout is not None else 1)
+        if seen is not None:
+            self._seen += seen[0]
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step == self._step:  # accumulating: the optimizer has not stepped
@@ -211,14 +205,7 @@ class RunSummary(Callback):
         planned = self.planned
         if planned is None:
             return None, None, None
-        name = self.hardware
-        if name is None and pl_module.device.type == "cuda":
-            import torch
-
-            device = torch.cuda.get_device_name(pl_module.device).lower()
-            name = next((preset for preset in PRESETS if preset in device), None)
-        elif name is None:
-            name = "cpu"
+        name = device_preset(pl_module.device, self.hardware)
         step = None
         if name is not None and self.layout is not None and self.shape is not None:
             cost = cost_layout(self.layout, self.shape, Workload(**planned.workload), optimizer=planned.optimizer,

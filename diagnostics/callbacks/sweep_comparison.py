@@ -19,13 +19,18 @@ from diagnostics.report.compare_card import MARKDOWN_FILE, write_comparison
 log = logging.getLogger(__name__)
 
 
+def first_process() -> bool:
+    """Rank 0's process (Lightning starts the others with ``LOCAL_RANK`` set; torchrun sets ``RANK``)."""
+    return all(os.environ.get(name, "0") == "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK"))
+
+
 class CompareSweep(HydraCallback):
     def __init__(self, tensorboard: bool = True) -> None:
         """``tensorboard``: also write the table as a TensorBoard card in ``<sweep dir>/compare``."""
         self.tensorboard = tensorboard
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        if any(os.environ.get(name, "0") != "0" for name in ("RANK", "LOCAL_RANK", "NODE_RANK")):
+        if not first_process():
             return  # another rank's process: Lightning starts it with the sweep's arguments, it runs the sweep too
         folder = Path(config.hydra.sweep.dir)
         jobs = [path for path in folder.iterdir() if (path / ".hydra").is_dir()] if folder.is_dir() else []

@@ -8,6 +8,8 @@ import socket
 
 import torch
 
+from lightning_nd.cost.hardware import PRESETS
+
 
 def host_processors(device: torch.device) -> tuple[str, frozenset[int], str | None]:
     """(host name, the CPU cores this process may run on, its GPU's UUID on CUDA else None)."""
@@ -15,6 +17,17 @@ def host_processors(device: torch.device) -> tuple[str, frozenset[int], str | No
         range(os.cpu_count() or 1))
     gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
     return socket.gethostname(), cores, gpu
+
+
+def device_preset(device: torch.device, given: str | None = None) -> str | None:
+    """The cost model's hardware preset for ``device``: ``given`` when set, ``cpu`` on CPU, the preset a CUDA
+    device's name contains (``h100`` in "NVIDIA H100 80GB HBM3"), else None."""
+    if given is not None:
+        return given
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    return next((preset for preset in PRESETS if preset in name), None)
 
 
 Place = tuple[str, frozenset[int], "str | None"]

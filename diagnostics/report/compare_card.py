@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from diagnostics.analysis.compare import Comparison, Row
+from diagnostics.analysis.memory import human_bytes
 from diagnostics.records.codec import to_dict
 
 CARD_TAG = "diagnostics/compare"
@@ -17,12 +18,7 @@ OUTCOME = {"ok": "ok", "refused": "REFUSED", "oom": "OUT OF MEMORY", "hang": "HA
 
 
 def _bytes(count: float | None) -> str:
-    if count is None:
-        return "-"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if count >= size:
-            return f"{count / size:.3g} {unit}"
-    return f"{count:.0f} B"
+    return human_bytes(count) if count is not None else "-"
 
 
 def _seconds(value: float | None) -> str:

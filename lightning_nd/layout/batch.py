@@ -27,6 +27,13 @@ def token_shape(batch: object) -> tuple[int, int] | None:
     return None
 
 
+def whole_tokens(batch: object, cp: int) -> tuple[int, int] | None:
+    """(tokens, full sequence length) of a rank's batch whose sequence is sharded over ``cp`` ranks: the tokens
+    its batch rank trains this step, counted once for the cp group."""
+    shape = token_shape(batch)
+    return (shape[0] * shape[1] * cp, shape[1] * cp) if shape is not None else None
+
+
 def sequence_length(batch: object) -> int | None:
     """The sequence length of a batch: dim 1 of its first integer [batch, seq] tensor (token ids)."""
     shape = token_shape(batch)

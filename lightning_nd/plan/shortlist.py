@@ -28,13 +28,19 @@ ZERO_STAGES = (1, 2, 3)
 
 @dataclass(frozen=True)
 class Shortlist:
-    ordered: tuple[Candidate, ...]
-    """Fitting candidates, best variant of each set of sizes first (by predicted step time), then the other
-    variants by predicted step time."""
+    firsts: tuple[Candidate, ...]
+    """The best variant of each set of dim sizes that fits, by predicted step time."""
+    rest: tuple[Candidate, ...]
+    """The other fitting variants, by predicted step time."""
     dropped: tuple[Candidate, ...]
     """Predicted not to fit, even with full recomputation."""
     skipped: Counter
     """Enumerated sizes that are not valid layouts, by reason."""
+
+    @property
+    def ordered(self) -> tuple[Candidate, ...]:
+        """What a search measures first: one variant per set of sizes, then the others."""
+        return self.firsts + self.rest
 
     @property
     def planned(self) -> int:
@@ -90,8 +96,8 @@ def shortlist(module: nn.Module, devices: int, gpus_per_node: int, memory_bytes:
     firsts: dict[str, Candidate] = {}
     for candidate in fitting:
         firsts.setdefault(describe_sizes(candidate.sizes), candidate)
-    rest = [c for c in fitting if all(c is not first for first in firsts.values())]
-    return Shortlist(tuple([*firsts.values(), *rest]), dropped, skipped)
+    rest = tuple(c for c in fitting if all(c is not first for first in firsts.values()))
+    return Shortlist(tuple(firsts.values()), rest, dropped, skipped)
 
 
 def _predicted(candidate: Candidate) -> float:

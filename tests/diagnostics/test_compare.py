@@ -147,7 +147,7 @@ def test_the_command_writes_the_table_json_and_card_and_its_status_says_if_one_w
     printed = capsys.readouterr().out
     assert "Best: `dp_shard=4` (run 0), 100 tokens/s." in printed and "Only one run was measured" in printed
     assert "| 1: parallel=hang | `parallel=hang` | HANG: rank 3 (tp 1) never joined all_reduce. |" in printed
-    assert "| **0: parallel=fsdp** | `dp_shard=4` | ok | 100 | 100 ms | 2 ms (0.02x) | 400 MB / 390 MB RSS |" in printed
+    assert "| **0: parallel=fsdp** | `dp_shard=4` | ok | 100 | 100 ms | 2 ms (0.02x) | 381.5 MiB / 371.9 MiB RSS |" in printed
     assert (tmp_path / "compare.md").read_text() == printed.rstrip("\n") + "\n"
     assert main(["compare", str(tmp_path), "--json", "--no-tensorboard"]) == 0
     said = json.loads(capsys.readouterr().out)

@@ -13,13 +13,14 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+
+from tests.launcher import free_port
 
 NAMES = ("chromium", "chromium-browser", "google-chrome")
 DEEP_TEXT = """(() => { const out = [];
@@ -47,12 +48,6 @@ def ensure_chromium() -> tuple[str | None, str]:
             return None, f"`{' '.join(command)}` failed: {(done.stdout + done.stderr)[-500:]}"
     found = next((shutil.which(name) for name in NAMES if shutil.which(name)), None)
     return found, "" if found else "apt-get installed chromium but no browser binary is on PATH"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _wait_for(url: str, timeout: float) -> bytes:

@@ -13,6 +13,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.launcher import free_port
+
 CONF = """ClusterName=lightning_nd_test
 SlurmctldHost={host}
 SlurmUser=root
@@ -57,12 +59,6 @@ def install() -> str:
     return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextmanager
 def cluster(folder: Path):
     """Yields (the environment to run sbatch with, "") or (None, why it could not start)."""
@@ -74,7 +70,7 @@ def cluster(folder: Path):
         (folder / name).mkdir(parents=True, exist_ok=True)
     host = socket.gethostname().split(".")[0]
     conf = folder / "slurm.conf"
-    conf.write_text(CONF.format(host=host, folder=folder, port=_free_port(), port_d=_free_port(),
+    conf.write_text(CONF.format(host=host, folder=folder, port=free_port(), port_d=free_port(),
                                 cpus=os.cpu_count() or 1))
     environment = {**os.environ, "SLURM_CONF": str(conf)}
     started: list[str] = []

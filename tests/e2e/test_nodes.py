@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.browser import free_port
 from tests.e2e.test_train import REPO, events
+from tests.launcher import free_port
 
 STEPS = ["trainer.max_steps=4", "trainer.limit_val_batches=0", "diagnostics=off", "checkpoint.every_n_train_steps=2"]
 

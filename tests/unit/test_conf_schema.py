@@ -105,6 +105,7 @@ def test_the_many_dim_layouts_plan_for_the_world_they_name(option, model, world)
     import torch
 
     from examples.train import model_factory
+    from lightning_nd.layout.dims import DIM_NAMES
     from lightning_nd.plan.dry_run import dry_run
     from lightning_nd.plan.source import Holder
 
@@ -112,7 +113,7 @@ def test_the_many_dim_layouts_plan_for_the_world_they_name(option, model, world)
     with torch.device("meta"):
         built = model_factory(cfg.model)()
     options = OmegaConf.to_container(cfg.parallel, resolve=True)
-    sizes = {d: options.pop(d) for d in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    sizes = {d: options.pop(d) for d in DIM_NAMES}
     layout = dry_run(Holder(built), world, sizes, options, seq_len=cfg.data.seq_len, micro_batch=cfg.data.batch_size)
     assert layout.dims["world_size"] == world and all(layout.dims[d] == 2 for d in ("pp", "dp_shard", "tp"))
 

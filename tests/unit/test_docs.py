@@ -26,12 +26,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from lightning_nd.layout.dims import DIM_NAMES
+
 REPO = Path(__file__).resolve().parents[2]
 PAGES = REPO / "docs" / "pages"
 EXCLUDED = {"benchmarks/": "a benchmark: minutes of processes on 2 cores; docs/pages/performance.md has its numbers"}
 RECORDED = {"hang": REPO / "tests" / "data" / "records" / "hang_pp2_dp2",
             "nccl": REPO / "tests" / "data" / "nccl" / "single_node_nvlink"}
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
 def doc_files() -> list[Path]:
@@ -175,7 +176,7 @@ def test_training_commands_compose_and_plan_as_written(file, argv):
         with torch.device("meta"):
             built = model_factory(cfg.model)()
         options = OmegaConf.to_container(cfg.parallel, resolve=True)
-        sizes = {d: options.pop(d) for d in DIMS}
+        sizes = {d: options.pop(d) for d in DIM_NAMES}
         layout = dry_run(Holder(built), world, sizes, options, seq_len=cfg.data.seq_len,
                          micro_batch=cfg.data.batch_size)
         assert layout.dims["world_size"] == world

@@ -13,13 +13,13 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_nd.cost.hardware import parse_hardware
+from lightning_nd.layout.dims import DIM_NAMES
 from lightning_nd.plan.dry_run import dry_run
 from lightning_nd.plan.search import describe_sizes
 from lightning_nd.plan.shortlist import per_rank_batch, shortlist
 from lightning_nd.plan.source import Holder
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
 def _compose(overrides: list[str]):
@@ -81,9 +81,9 @@ def test_each_candidates_overrides_compose_into_the_layout_the_planner_costed(pl
         run = _compose([*overrides, "trainer.devices=4"])
         assert run.data.batch_size == per_rank_batch(candidate)
         options = OmegaConf.to_container(run.parallel, resolve=True)
-        sizes = {d: options.pop(d) for d in DIMS}
+        sizes = {d: options.pop(d) for d in DIM_NAMES}
         layout = dry_run(_model(run), 4, sizes, options, seq_len=run.data.seq_len, micro_batch=run.data.batch_size)
-        assert {d: layout.dims[d] for d in DIMS} == {d: candidate.layout.dims[d] for d in DIMS}, overrides
+        assert {d: layout.dims[d] for d in DIM_NAMES} == {d: candidate.layout.dims[d] for d in DIM_NAMES}, overrides
         mine, theirs = layout.options.to_dict(), candidate.layout.options.to_dict()
         for key in ("zero_stage", "activation_checkpointing", "sequence_parallel", "pp_schedule", "pp_microbatches"):
             if key != "zero_stage" or candidate.sizes["dp_shard"] > 1:
