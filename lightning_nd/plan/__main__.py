@@ -15,14 +15,17 @@ No process group is started. Exit status 2 on a bad layout (the message on stder
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
+from typing import Any
 
+from lightning_nd.cost.hardware import parse_bytes
 from lightning_nd.layout.describe import human_bytes, layout_markdown
+from lightning_nd.layout.record import Layout
 from lightning_nd.plan.dry_run import dry_run, parse_layout
 from lightning_nd.plan.planner import add_arguments as add_planner_arguments
-from lightning_nd.cost.hardware import parse_bytes
 from lightning_nd.plan.planner import cost_markdown, cost_section, fit_line, layout_precision, layout_step, run_planner
 from lightning_nd.plan.source import build_model, storage_line
 
@@ -46,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, help="sequence length: also run the checks a batch triggers")
     parser.add_argument("--micro-batch", type=int, help="samples per rank in one batch (with --seq-len); for the"
                                                         " planner, samples per forward (default 1)")
+    parser.add_argument("--check", action="store_true", help="also set up every distinct rank for real and run one"
+                        " training step on fake tensors (torch's fake process group, this one CPU process); exit 1 on"
+                        " the first error, named with its rank and module (default --seq-len 1024, --micro-batch the"
+                        " microbatch count)")
     parser.add_argument("--json", action="store_true", help="print the Layout (and its cost) as one JSON document")
     add_planner_arguments(parser)
     return parser
@@ -71,9 +78,12 @@ def run(args: argparse.Namespace) -> int:
         return run_planner(args, module, json.loads(args.options))
     options = json.loads(args.options)
     workload, implied = layout_step(args, options)
-    layout = dry_run(module, args.devices, parse_layout(args.layout or ""), {**implied, **options},
-                     precision=precision, gpus_per_node=args.gpus_per_node, seq_len=args.seq_len,
+    sizes = parse_layout(args.layout or "")
+    layout = dry_run(module, args.devices, sizes, {**implied, **options},
+                     precision=precision, gpus_per_node=args.gpus_per_node, seq_len=None if args.check else args.seq_len,
                      micro_batch=workload.batch if workload is not None else args.micro_batch)
+    if args.check:
+        return check(args, module, layout, {**sizes, **implied, **options}, precision)
     cost = cost_section(layout, module, args, workload)
     memory_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None
     fits = cost is None or memory_bytes is None or cost.peak.peak_bytes <= memory_bytes
@@ -93,6 +103,20 @@ def run(args: argparse.Namespace) -> int:
             print("\n" + fit_line(cost, memory_bytes, workload))
     print(f"Planned in {time.perf_counter() - start:.1f} s; no process group was started.", file=sys.stderr)
     return 0 if fits else 1
+
+
+def check(args: argparse.Namespace, module: Any, layout: Layout, arguments: dict[str, Any], precision: str) -> int:
+    """`--check`: the one entry into `lightning_nd.check` (above the strategy; imported only here)."""
+    from lightning_nd.check import check_layout, check_markdown
+
+    if args.layout is None:
+        raise ValueError("`--check` runs one layout. HINT: add `--layout tp=...,pp=...`.")
+    print(f"Checking the ranks of {args.devices} on fake tensors ...", file=sys.stderr)
+    result = check_layout(module, layout, arguments, precision=precision, gpus_per_node=args.gpus_per_node,
+                          seq_len=args.seq_len or 1024, micro_batch=args.micro_batch,
+                          progress=lambda line: print(line, file=sys.stderr))
+    print(json.dumps(dataclasses.asdict(result)) if args.json else check_markdown(result))
+    return result.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,8 +161,8 @@ class NDParallel(ModelParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        meta = self._init_on_meta if empty_init is None else empty_init
-        with torch.device("meta") if meta else nullcontext(), self.precision_plugin.tensor_init_context():
+        meta = torch.device("meta") if (self._init_on_meta if empty_init is None else empty_init) else nullcontext()
+        with meta, self.precision_plugin.tensor_init_context():
             yield
 
     @override
@@ -171,10 +171,8 @@ class NDParallel(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.plan.apply(self.model, self.device_mesh, self._placement(), trainer.log_dir if trainer.loggers else None)
-        # With CPU offload FSDP keeps the shards in host memory and moves them itself.
-        device = torch.device("cpu") if self.config.cpu_offload else self.root_device
-        # Ranks that hold the same shard must draw the same numbers: one seed for all, from rank 0.
-        materialize(self.model, device, seed=self.broadcast(torch.initial_seed() % 2**31))
+        device = torch.device("cpu") if self.config.cpu_offload else self.root_device  # offload: FSDP moves them
+        self._materialize(device)
         if not self.config.cpu_offload:
             self.model_to_device()
         self.steps.model_ready(self.model, self.report, self.plan.layout, self.precision_plugin, self.root_device)
@@ -186,6 +184,10 @@ class NDParallel(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, device)
         self.step_events.start_waiting()
+
+    def _materialize(self, device: torch.device) -> None:
+        """Meta shards become tensors (fake ones under `lightning_nd.check`); one seed for all, from rank 0."""
+        materialize(self.model, device, seed=self.broadcast(torch.initial_seed() % 2**31))
 
     # ---- every step, in the order it runs ---------------------------------------------------------
 
@@ -248,9 +250,7 @@ class NDParallel(ModelParallelStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         # Counted over every rank (Lightning compares the sum with world_size), not over `reduce`'s batch ranks.
-        import torch.distributed as dist
-
-        flag = self.reduce(torch.tensor(int(decision), device=self.root_device), dist.group.WORLD, "sum")
+        flag = self.reduce(torch.tensor(int(decision), device=self.root_device), torch.distributed.group.WORLD, "sum")
         return bool(flag == self.world_size) if all else bool(flag)
 
     # ---- checkpoints and failures ----------------------------------------------------------------

@@ -13,6 +13,7 @@ takes that too, so Hugging Face does not read the zigzag positions as packed seq
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ from torch import nn
 from torch.distributed.distributed_c10d import ProcessGroup
 from torch.distributed.fsdp import FSDPModule
 
+from lightning_nd.layout.batch import tensors_of
 from lightning_nd.layout.positions import forward_signature
 from lightning_nd.nn.ring_attention import ring_attention
-from lightning_nd.layout.batch import tensors_of
+
 
 @dataclass
 class _Region:
@@ -35,8 +37,16 @@ class _Region:
     routed: int = 0
 
 
-_active: list[_Region] = []
+class _Regions(threading.local):
+    """Each thread's open regions (the `--check` runs ranks as threads of one process)."""
+
+    def __init__(self) -> None:
+        self.open: list[_Region] = []
+
+
+_threads = _Regions()
 _outside: list = []  # F.scaled_dot_product_attention and the MHA fast path's switch before the outermost region
+_depth = [0]  # regions open in all threads: the switch is made by the first and undone by the last
 
 
 @contextmanager
@@ -48,17 +58,19 @@ def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, exp
     model attended only within this rank's shard (eager/flash attention, or SDPA imported by name).
     """
     region = _Region(group, positions, report)
-    if not _active:
+    if not _depth[0]:
         _outside.append((F.scaled_dot_product_attention, torch.backends.mha.get_fastpath_enabled()))
         F.scaled_dot_product_attention = _routed_sdpa
         # `nn.MultiheadAttention`'s inference fast path is a fused kernel that never calls SDPA.
         torch.backends.mha.set_fastpath_enabled(False)
-    _active.append(region)
+    _depth[0] += 1
+    _threads.open.append(region)
     try:
         yield
     finally:
-        _active.pop()
-        if not _active:
+        _threads.open.pop()
+        _depth[0] -= 1
+        if not _depth[0]:
             F.scaled_dot_product_attention, fastpath = _outside.pop()
             torch.backends.mha.set_fastpath_enabled(fastpath)
     if expect_attention and region.routed == 0:
@@ -72,12 +84,12 @@ def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, exp
 
 def current_positions() -> torch.Tensor | None:
     """The global positions of this rank's tokens inside the region, else None."""
-    return _active[-1].positions if _active else None
+    return _threads.open[-1].positions if _threads.open else None
 
 
 def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                  **kwargs):
-    region = _active[-1] if _active else None
+    region = _threads.open[-1] if _threads.open else None
     if region is None or query.shape[-2] != region.positions.numel():  # not attention over this shard
         return _outside[-1][0](query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                scale=scale, enable_gqa=enable_gqa, **kwargs)
