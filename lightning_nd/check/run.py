@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
@@ -73,20 +74,29 @@ class CheckResult:
 
 
 def module_names(module: nn.Module) -> dict[int, str]:
-    return {id(sub): name or type(module).__name__ for name, sub in module.named_modules()}
+    return {id(sub): name for name, sub in module.named_modules()}
 
 
 def failing_module(error: BaseException, names: Mapping[int, str]) -> str | None:
-    """The innermost module of ``names`` whose code is on the error's traceback (any link of its chain)."""
-    found: str | None = None
+    """Where the error came from: the innermost module of ``names`` on its traceback (any link of its chain), as
+    ``name (Class)``, or the LightningModule's own method (``Class.training_step``) when no module inside it ran."""
     for link in reversed(exception_chain(error)):
+        found: str | None = None
         for frame, _ in traceback.walk_tb(link.__traceback__):
             owner = frame.f_locals.get("self")
-            if isinstance(owner, nn.Module) and id(owner) in names:
-                found = names[id(owner)]
+            if isinstance(owner, nn.Module) and id(owner) in names and (names[id(owner)] or _own_code(owner, frame)):
+                name = names[id(owner)]
+                found = f"{name} ({type(owner).__name__})" if name else f"{type(owner).__name__}.{frame.f_code.co_name}"
         if found is not None:
             return found
-    return found
+    return None
+
+
+def _own_code(module: nn.Module, frame: FrameType) -> bool:
+    """Whether ``frame`` runs a method the user's LightningModule defines (not Lightning's, not the check's)."""
+    function = getattr(type(module), frame.f_code.co_name, None)
+    return getattr(function, "__code__", None) is frame.f_code and not function.__module__.startswith(  # type: ignore
+        ("lightning.", "lightning_nd."))
 
 
 def token_batches(model: nn.Module, seq_len: int, micro_batch: int, batch_ranks: int) -> DataLoader:

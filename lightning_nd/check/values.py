@@ -1,11 +1,13 @@
 """What a fake tensor reads as when code asks for its value.
 
-A fake tensor has a shape and no values. A step asks for a value in three ways. A logged number (``self.log``, a
-float read to combine microbatches or show it) does not change what runs: it reads as 0.0 here. A count made of
-positions (``torch.arange``: the pipeline's microbatch numbers, which the schedule splits and the loss reads with
-``int()``) does not depend on the weights: it keeps its real values. Control flow on data (``if loss.isnan()``, token
-counts per expert, ``.tolist()`` of routing) cannot be guessed without risking a wrong verdict, so it stops the
-check of that rank and is reported as not checked (`DataDependentOutputException`, with the module that asked).
+A fake tensor has a shape and no values; a step asks for values in three ways. What is computed from the batch
+alone, and integer or boolean tensors made from nothing (positions, masks, the pipeline's microbatch numbers made with
+``torch.arange``), does not depend on the weights: it is made for real, so code that reads it (Hugging Face decides
+from an all-ones mask that it may skip the mask, and treats any fake tensor as traced) takes the cluster's path. A
+logged number (``self.log``, a float read to combine microbatches or show it) does not change what runs: it reads as
+0.0. Control flow on values computed from the weights (``if loss.isnan()``, token counts per expert) cannot be
+guessed without risking a wrong verdict, so it stops the check of that rank and is reported as not checked
+(`DataDependentOutputException`, with the module that asked).
 """
 
 from __future__ import annotations
@@ -16,28 +18,39 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
-from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, is_fake, unset_fake_temporarily
 
 ARANGE = (torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step)
 
 
 class CheckTensorMode(FakeTensorMode):
-    """`FakeTensorMode` in which a floating-point scalar read (``.item()``, ``float()``) of a value torch's constant
-    propagation does not know (an optimizer's step count it does) gives 0.0, and ``arange`` keeps its values (the
-    propagation then carries them through splits and views)."""
+    """`FakeTensorMode` in which operations on real tensors only (and ``arange``) run for real, and a floating-point
+    scalar read (``.item()``, ``float()``) of a value torch's constant propagation does not know (an optimizer's step
+    count it does) gives 0.0."""
 
     def dispatch(self, func: Any, types: Sequence[type], args: Sequence[object] = (),
                  kwargs: Mapping[str, object] | None = None) -> object:
-        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], torch.Tensor) and (
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and isinstance(args[0], FakeTensor) and (
                 args[0].is_floating_point() and getattr(args[0], "constant", None) is None):
             return 0.0
-        if func in ARANGE:
+        if func in ARANGE or (torch.Tag.nondeterministic_seeded not in func.tags and _real_data(args, kwargs)):
             with unset_fake_temporarily():
-                real = func(*args, **(kwargs or {}))
-            fake = self.from_tensor(real)
-            fake.constant = real
-            return fake
-        return super().dispatch(func, types, args, kwargs or {})
+                return func(*args, **kwargs)
+        return super().dispatch(func, types, args, kwargs)
+
+
+def _real_data(args: Sequence[object], kwargs: Mapping[str, object]) -> bool:
+    """Tensors among the arguments (one level into lists), none of them fake or on the meta device (a model's weights
+    before they are made); or none, making integers or booleans (ids, masks, counts: never weights)."""
+    seen = False
+    for value in (*args, *kwargs.values()):
+        for item in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(item, FakeTensor) or (isinstance(item, torch.Tensor) and item.is_meta):
+                return False
+            seen = seen or isinstance(item, torch.Tensor)
+    dtype = kwargs.get("dtype")
+    return seen or dtype in (torch.bool, torch.int32, torch.int64)
 
 
 @contextmanager

@@ -100,7 +100,7 @@ class FakeWorld:
             self._waits[me] = (src, channel)
             try:
                 while not box:
-                    if src in self.failed:
+                    if self.hang is None and src in self.failed:
                         raise PeerFailed(f"rank {src} failed before sending to rank {me}")
                     if self.hang is None and self._stuck():
                         self.hang = "; ".join(f"rank {r} waits for rank {peer}"

@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     if args.params is not None and args.layout is not None:
         raise ValueError("`--params` plans model state without a model, `--layout` plans a model's layout."
                          " HINT: drop `--layout` (and add `--gpu-memory`), or give the model instead of `--params`.")
+    if args.check and args.layout is None:
+        raise ValueError("`--check` runs one layout. HINT: add `--layout tp=...,pp=...`.")
     precision = layout_precision(args)
     module = build_model(args.model, args.hf_config, args.hf_model_type, json.loads(args.hf_kwargs), precision) if (
         args.params is None) else None
@@ -79,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
     options = json.loads(args.options)
     workload, implied = layout_step(args, options)
     sizes = parse_layout(args.layout or "")
-    layout = dry_run(module, args.devices, sizes, {**implied, **options},
-                     precision=precision, gpus_per_node=args.gpus_per_node, seq_len=None if args.check else args.seq_len,
+    layout = dry_run(module, args.devices, sizes, {**implied, **options}, precision=precision,  # --check: batch at its step
+                     gpus_per_node=args.gpus_per_node, seq_len=None if args.check else args.seq_len,
                      micro_batch=workload.batch if workload is not None else args.micro_batch)
     if args.check:
         return check(args, module, layout, {**sizes, **implied, **options}, precision)
@@ -109,8 +111,6 @@ def check(args: argparse.Namespace, module: Any, layout: Layout, arguments: dict
     """`--check`: the one entry into `lightning_nd.check` (above the strategy; imported only here)."""
     from lightning_nd.check import check_layout, check_markdown
 
-    if args.layout is None:
-        raise ValueError("`--check` runs one layout. HINT: add `--layout tp=...,pp=...`.")
     print(f"Checking the ranks of {args.devices} on fake tensors ...", file=sys.stderr)
     result = check_layout(module, layout, arguments, precision=precision, gpus_per_node=args.gpus_per_node,
                           seq_len=args.seq_len or 1024, micro_batch=args.micro_batch,

@@ -63,6 +63,14 @@ _built: dict[tuple, NDMesh] = {}
 """Meshes built in this process, by device type and shape: a later run of the same shape reuses one."""
 
 
+def _alive(mesh: NDMesh, groups: object) -> bool:
+    """Every group of ``mesh`` is still registered in this process's (or this thread's) world."""
+    try:
+        return all(group in groups for name in mesh.names for group in mesh[name].get_all_groups())  # type: ignore
+    except RuntimeError:  # its names were unregistered (the groups destroyed)
+        return False
+
+
 def build_mesh(dims: ParallelDims, device_type: str) -> NDMesh:
     """The world mesh (needs an initialised default process group) with every named sub-mesh.
 
@@ -75,8 +83,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> NDMesh:
 
     key = (device_type, dims.shape, dims.ep)
     cached = _built.get(key)
-    if cached is not None and all(group in _world.pg_map for name in cached.names
-                                  for group in cached[name].get_all_groups()):
+    if cached is not None and _alive(cached, _world.pg_map):
         return cached
     _built[key] = _new_mesh(dims, device_type)
     return _built[key]
