@@ -6,7 +6,10 @@ dry run builds the model on the meta device, so it cannot do without that import
 ``torch.distributed.tensor``, FSDP and dynamo for transformers itself. The last row is what the dry run adds
 over that floor: our imports, building the model, planning and printing.
 
-    python benchmarks/dry_run.py [--rounds 5]
+    python benchmarks/dry_run.py [--rounds 5] [--check]
+
+With ``--check`` it also times ``--check`` on the same layout (``--seq-len 4096``, the default 8 microbatches of
+one sample): its four pipeline stages set up and stepped on fake tensors, whole process, and its peak memory.
 
 Each round runs the three commands once, in a rotating order; medians over the rounds. The dry run's own
 timing line (planning alone) and whether it loaded Lightning are reported from one extra run.
@@ -52,7 +55,9 @@ def timed(command: list[str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
-    rounds = parser.parse_args().rounds
+    parser.add_argument("--check", action="store_true", help="also time `--check` of the 70B layout once")
+    options = parser.parse_args()
+    rounds = options.rounds
     dry, bare, floor = [], [], []
     commands = [(dry, DRY_RUN), (bare, IMPORT), (floor, FLOOR)]
     for round_ in range(rounds):
@@ -73,6 +78,22 @@ def main() -> None:
     print(f"\nThe dry run's own line: \"{planned}\"; Lightning loaded: {loaded[0]}, pipelining loaded: {loaded[1]}.")
     print(f"All samples: dry run {[round(s, 2) for s in dry]}, import {[round(s, 2) for s in bare]},"
           f" with Llama {[round(s, 2) for s in floor]}")
+    if options.check:
+        time_check()
+
+
+def time_check() -> None:
+    """``--check`` of the 70B layout: wall time of the whole process and its peak resident memory (aim: 60 s)."""
+    import resource
+
+    start = time.perf_counter()
+    done = subprocess.run([*DRY_RUN, "--seq-len", "4096", "--check"], cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20
+    verdict = next((line for line in done.stdout.splitlines() if line.startswith(("Every", "First", "No failure"))),
+                   done.stderr[-500:])
+    print(f"\n`--check`, 70B Llama on 64 ranks: {wall:.1f} s wall (aim: under 60), peak {peak:.2f} GB, exit"
+          f" {done.returncode}: {verdict}")
 
 
 if __name__ == "__main__":
