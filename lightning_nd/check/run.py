@@ -127,12 +127,13 @@ def check_layout(module: nn.Module, layout: Layout, arguments: Mapping[str, Any]
 
     def one_rank(rank: int) -> None:
         outcome, start = outcomes[rank], time.perf_counter()
-        lightning = copy.deepcopy(module)
-        loaded = not isinstance(lightning, LightningModule)
-        if loaded:
-            lightning = NextToken(lightning.model)
-        names = module_names(lightning)
+        names: dict[int, str] = {}
         try:
+            lightning = copy.deepcopy(module)
+            loaded = not isinstance(lightning, LightningModule)
+            if loaded:
+                lightning = NextToken(lightning.model)
+            names = module_names(lightning)
             strategy = CheckedParallel(CheckTensorMode(allow_non_fake_inputs=True), loaded, **arguments)
             trainer = Trainer(accelerator="cpu", devices=per_node, num_nodes=world // per_node,
                               plugins=[FakeCluster(rank, world, per_node)], precision=precision or "32-true",

@@ -117,7 +117,7 @@ class FakeWorld:
     def _stuck(self) -> bool:
         """Every rank still running waits, and none has what it waits for (woken, it has not taken it yet)."""
         return len(self._waits) == self._live and not any(
-            self._boxes[(src, rank, channel)] for rank, (src, channel) in self._waits.items())
+            self._boxes[(src, rank, channel)] or src in self.failed for rank, (src, channel) in self._waits.items())
 
     @contextmanager
     def _patched(self) -> Iterator[None]:

@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
                      gpus_per_node=args.gpus_per_node, seq_len=None if args.check else args.seq_len,
                      micro_batch=workload.batch if workload is not None else args.micro_batch)
     if args.check:
+        args.micro_batch = workload.batch if workload is not None and args.global_batch else args.micro_batch
         return check(args, module, layout, {**sizes, **implied, **options}, precision)
     cost = cost_section(layout, module, args, workload)
     memory_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None

@@ -187,7 +187,7 @@ class NDParallel(ModelParallelStrategy):
 
     def _materialize(self, device: torch.device) -> None:
         """Meta shards become tensors (fake ones under `lightning_nd.check`); one seed for all, from rank 0."""
-        materialize(self.model, device, seed=self.broadcast(torch.initial_seed() % 2**31))
+        materialize(self.model, device, seed=self.broadcast(torch.initial_seed() % 2**31))  # type: ignore[arg-type]
 
     # ---- every step, in the order it runs ---------------------------------------------------------
 
