@@ -45,8 +45,6 @@ class _Regions(threading.local):
 
 
 _threads = _Regions()
-_everywhere: list[_Region] = []  # every thread's, in opening order: autograd's device thread recomputes a checkpointed
-# block on CUDA, inside the step's region though it opened none
 _outside: list = []  # F.scaled_dot_product_attention and the MHA fast path's switch before the outermost region
 _depth = [0]  # regions open in all threads: the switch is made by the first and undone by the last
 
@@ -67,12 +65,10 @@ def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, exp
         torch.backends.mha.set_fastpath_enabled(False)
     _depth[0] += 1
     _threads.open.append(region)
-    _everywhere.append(region)
     try:
         yield
     finally:
         _threads.open.pop()
-        _everywhere.remove(region)
         _depth[0] -= 1
         if not _depth[0]:
             F.scaled_dot_product_attention, fastpath = _outside.pop()
@@ -86,22 +82,14 @@ def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, exp
         )
 
 
-def _current() -> _Region | None:
-    """This thread's innermost region, else (a thread that opened none, as autograd's) the last one opened."""
-    if _threads.open:
-        return _threads.open[-1]
-    return _everywhere[-1] if _everywhere else None
-
-
 def current_positions() -> torch.Tensor | None:
     """The global positions of this rank's tokens inside the region, else None."""
-    region = _current()
-    return region.positions if region is not None else None
+    return _threads.open[-1].positions if _threads.open else None
 
 
 def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                  **kwargs):
-    region = _current()
+    region = _threads.open[-1] if _threads.open else None
     if region is None or query.shape[-2] != region.positions.numel():  # not attention over this shard
         return _outside[-1][0](query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                scale=scale, enable_gqa=enable_gqa, **kwargs)
