@@ -9,30 +9,19 @@ stages beside it on its own coordinates, so each checked pipeline is whole.
 
 from __future__ import annotations
 
-from lightning_nd.layout.dims import MESH_DIMS
+from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.record import Layout
+from lightning_nd.layout.roles import role_groups
 
 
 def pipelines_to_check(layout: Layout) -> list[list[int]]:
     """The global ranks of each checked pipeline, stage 0 first: one, or two when shard shapes differ."""
-    sizes = {name: layout.dims[name] for name in MESH_DIMS}
-    corners = [{name: 0 for name in MESH_DIMS if name != "pp"},
-               {name: sizes[name] - 1 for name in MESH_DIMS if name != "pp"}]
-    pipelines: list[list[int]] = []
-    for corner in corners:
-        ranks = [_rank({**corner, "pp": stage}, sizes) for stage in range(sizes["pp"])]
-        if not pipelines or any(_shapes(layout, rank) != _shapes(layout, first)
-                                for rank, first in zip(ranks, pipelines[0])):
-            pipelines.append(ranks)
-    return pipelines
+    sizes = {name: layout.dims[name] for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")}
+    groups = role_groups(ParallelDims(**sizes, world_size=len(layout.ranks)), "pp")
+    first, last = groups[0], groups[-1]
+    differ = any(_shapes(layout, a) != _shapes(layout, b) for a, b in zip(first, last))
+    return [first, last] if differ else [first]
 
 
 def _shapes(layout: Layout, rank: int) -> list[tuple[str, tuple[int, ...]]]:
     return [(param.name, param.local_shape) for param in layout.rank(rank).params]
-
-
-def _rank(coordinates: dict[str, int], sizes: dict[str, int]) -> int:
-    rank = 0
-    for name in MESH_DIMS:
-        rank = rank * sizes[name] + coordinates[name]
-    return rank
