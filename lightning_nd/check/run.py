@@ -96,7 +96,7 @@ def _own_code(module: nn.Module, frame: FrameType) -> bool:
     """Whether ``frame`` runs a method the user's LightningModule defines (not Lightning's, not the check's)."""
     function = getattr(type(module), frame.f_code.co_name, None)
     return getattr(function, "__code__", None) is frame.f_code and not function.__module__.startswith(  # type: ignore
-        ("lightning.", "lightning_nd."))
+        ("lightning.", "lightning_nd.", "torch."))
 
 
 def token_batches(model: nn.Module, seq_len: int, micro_batch: int, batch_ranks: int) -> DataLoader:
