@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lightning_nd.check.run import CheckResult
+from lightning_nd.check.run import CheckResult, RankOutcome
 from lightning_nd.layout.dims import MESH_DIMS
 
 VERDICTS = {
@@ -11,6 +11,7 @@ VERDICTS = {
     "hang": "hung",
     "waited": "stopped: the rank it waits for failed",
     "unchecked": "not checked past a value computed from the weights",
+    "nostep": "set up, but no optimizer step ran",
 }
 
 
@@ -28,11 +29,19 @@ def check_markdown(result: CheckResult) -> str:
         lines += ["", f"First failure: rank {failure.rank}{where}:", "", f"    {failure.error}"]
     elif result.unchecked:
         first = min(result.unchecked, key=lambda o: o.order)
-        lines += ["", f"No failure, but rank {first.rank} could not be checked to the end: its step reads a value"
-                  f" computed from the weights{' in `' + first.module + '`' if first.module else ''} ({first.error}),"
-                  " which a fake tensor does not have; what ran before it was checked. HINT: run a few steps of the"
-                  " layout on a small world (fewer layers, the same dims) for the rest."]
+        lines += ["", _not_checked(first)]
     else:
         lines += ["", "Every checked rank set up and ran one training step. Ranks not listed hold shards of the same"
                   " shapes as a listed rank of their stage."]
     return "\n".join(lines)
+
+
+def _not_checked(first: RankOutcome) -> str:
+    if first.status == "nostep":
+        return (f"No failure, but rank {first.rank} ran no training step ({first.error}): only its setup was checked."
+                " HINT: give the check a dataloader with a batch for every rank, and a `training_step` that returns"
+                " the loss.")
+    where = f" in `{first.module}`" if first.module else ""
+    return (f"No failure, but rank {first.rank} could not be checked to the end: its step reads a value computed from"
+            f" the weights{where} ({first.error}), which a fake tensor does not have; what ran before it was checked."
+            " HINT: run a few steps of the layout on a small world (fewer layers, the same dims) for the rest.")

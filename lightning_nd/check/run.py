@@ -31,6 +31,7 @@ from lightning_nd.check.strategy import CheckedParallel, FakeCluster
 from lightning_nd.check.values import CheckTensorMode, logging_outside_fake_tensors
 from lightning_nd.check.world import FakeWorld, Hang, PeerFailed
 from lightning_nd.layout.record import Layout
+from lightning_nd.parallel.context.region import regions_of_this_thread_only
 from lightning_nd.runtime.errors import exception_chain, first_line
 
 NOT_COMPUTABLE = ("DataDependentOutputException", "DynamicOutputShapeException", "GuardOnDataDependentSymNode")
@@ -44,7 +45,8 @@ class RankOutcome:
     seconds: float = 0.0
     status: str = "ok"
     """ok, failed (the step or setup raised), hang (waited for an object nobody sends), waited (its peer failed
-    first) or unchecked (the step needed a value computed from the weights)."""
+    first), unchecked (the step needed a value computed from the weights) or nostep (fit ended without an optimizer
+    step: an empty dataloader, a `training_step` that returned None)."""
     error: str = ""
     module: str | None = None
     order: int = 0
@@ -65,7 +67,7 @@ class CheckResult:
 
     @property
     def unchecked(self) -> list[RankOutcome]:
-        return [o for o in self.outcomes if o.status == "unchecked"]
+        return [o for o in self.outcomes if o.status in ("unchecked", "nostep")]
 
     @property
     def exit_code(self) -> int:
@@ -128,6 +130,7 @@ def check_layout(module: nn.Module, layout: Layout, arguments: Mapping[str, Any]
     def one_rank(rank: int) -> None:
         outcome, start = outcomes[rank], time.perf_counter()
         names: dict[int, str] = {}
+        regions_of_this_thread_only()  # another rank's context-parallel region is not this rank's
         try:
             lightning = copy.deepcopy(module)
             loaded = not isinstance(lightning, LightningModule)
@@ -145,6 +148,9 @@ def check_layout(module: nn.Module, layout: Layout, arguments: Mapping[str, Any]
             trainer.fit(lightning, None if own_loader else token_batches(
                 getattr(lightning, "model", lightning), seq_len, batch, layout.dims["dp_replicate"]
                 * layout.dims["dp_shard"]))
+            if trainer.global_step != 1:
+                outcome.status, outcome.order = "nostep", next(failures)
+                outcome.error = f"fit ended after {trainer.global_step} optimizer steps, not 1"
         except BaseException as error:  # kept in the outcome (the world ends the thread): the first one is shown
             chain = exception_chain(error)
             kinds = {type(link).__name__ for link in chain}

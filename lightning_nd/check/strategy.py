@@ -45,6 +45,11 @@ class CheckedParallel(NDParallel):
                 super()._materialize(device)
 
     @override
+    def model_to_device(self) -> None:
+        """Nothing to move: `_materialize` made the shards on the root device. Moving them again would swap each
+        fake parameter, which torch refuses for one its fake mode still remembers (Qwen3 under tp)."""
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.fake_mode:
             return super().training_step(*args, **kwargs)

@@ -64,12 +64,14 @@ class FakeWorld:
             threads = [threading.Thread(target=self._as_rank, args=(rank, body), name=f"rank {rank}", daemon=True)
                        for rank in ranks]
             self._live = len(threads)
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join()
-            for name in self._names:
-                dist.distributed_c10d._unregister_process_group(name)
+            try:
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+            finally:
+                for name in self._names:
+                    dist.distributed_c10d._unregister_process_group(name)
 
     def _as_rank(self, rank: int, body: Callable[[int], None]) -> None:
         with self._turn:

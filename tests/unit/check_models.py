@@ -36,3 +36,10 @@ class TwiceInAStep(LightningModule):
 def experts() -> Llama:
     """A Llama of MoE layers: its step reads how many tokens each expert got, a value a fake tensor does not have."""
     return Llama(LlamaConfig(num_experts=4))
+
+
+class NoBatches(TwiceInAStep):
+    """Its own dataloader has no batch (a filter that dropped every sample): fit ends without a step."""
+
+    def train_dataloader(self) -> list:
+        return []

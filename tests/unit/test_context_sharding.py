@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lightning_nd.layout.batch import sequence_length
+from lightning_nd.parallel.context.region import (
+    attach_position_hooks,
+    context_parallel_region,
+    current_positions,
+    inject_positions,
+    regions_of_this_thread_only,
+)
 from lightning_nd.parallel.context.sharding import shard_batch, shard_positions, shard_sequence
-from lightning_nd.parallel.context.region import (attach_position_hooks, context_parallel_region, current_positions,
-                                                 inject_positions)
 from tests.models import build
 
 
@@ -70,6 +77,32 @@ def test_regions_nest_and_always_restore_sdpa():
             assert current_positions().tolist() == [0, 1, 2, 3]
             raise KeyError("a failing step")
     assert F.scaled_dot_product_attention is original and current_positions() is None
+
+
+def test_a_thread_that_opened_no_region_sees_the_steps_unless_it_keeps_to_its_own():
+    """On CUDA, autograd's device thread recomputes a checkpointed block during backward, inside the region the
+    training thread opened; each rank thread of `lightning_nd.check` sees only its own."""
+    seen: dict[str, object] = {}
+
+    def autograd_thread() -> None:
+        seen["autograd"] = current_positions()
+
+    def check_rank() -> None:
+        regions_of_this_thread_only()
+        seen["rank"] = current_positions()
+
+    with context_parallel_region(None, torch.arange(4)):
+        with context_parallel_region(None, torch.arange(2)):
+            for target in (autograd_thread, check_rank):
+                thread = threading.Thread(target=target)
+                thread.start()
+                thread.join()
+            assert seen["autograd"].tolist() == [0, 1] and seen["rank"] is None
+        thread = threading.Thread(target=autograd_thread)
+        thread.start()
+        thread.join()
+        assert seen["autograd"].tolist() == [0, 1, 2, 3]
+    assert current_positions() is None
 
 
 def test_a_forward_step_without_routed_attention_is_refused():

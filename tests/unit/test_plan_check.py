@@ -17,10 +17,11 @@ LLAMA = ("--model", "examples.models.llama:Llama")
 
 
 def _check(capsys, *argv: str) -> tuple[int, str]:
-    threads = threading.active_count()
+    before = set(threading.enumerate())
     code = main([*argv, "--check"])
     out, err = capsys.readouterr()
-    assert not dist.is_initialized() and threading.active_count() == threads, "the fake world left nothing behind"
+    left = set(threading.enumerate()) - before  # threads of the test worker itself may end meanwhile
+    assert not dist.is_initialized() and not left, f"the fake world left nothing behind: {left}"
     return code, out + err
 
 
@@ -66,6 +67,26 @@ def test_a_step_that_reads_routing_counts_is_not_checked_and_not_failed(capsys):
                         "--seq-len", "32")
     assert code == 3, text
     assert "No failure, but rank 0 could not be checked to the end" in text and "`model.layers.0.mlp (MoE)`" in text
+
+
+def test_a_step_that_steps_nothing_is_not_called_checked(capsys):
+    code, text = _check(capsys, "--model", "tests.unit.check_models:NoBatches", "--devices", "2", "--layout",
+                        "dp_shard=2", "--seq-len", "16")
+    assert code == 3, text
+    assert "rank 0 ran no training step (fit ended after 0 optimizer steps, not 1)" in text
+
+
+def test_a_hugging_face_model_given_with_weights_checks_under_interleaved_pp_and_tp(capsys):
+    """Qwen3's per-head ``q_norm`` (whole on every tp rank, gradient summed) under an interleaved schedule: the
+    check once refused it falsely, moving fake parameters the fake mode still remembered."""
+    config = {"num_hidden_layers": 4, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64}
+    code, text = _check(capsys, "--hf-model-type", "qwen3", "--hf-kwargs", json.dumps(config), "--devices", "4",
+                        "--layout", "pp=2,tp=2", "--options",
+                        '{"pp_schedule": "interleaved_1f1b", "pp_stages_per_rank": 2}', "--seq-len", "16",
+                        "--micro-batch", "4")
+    assert code == 0, text
+    assert text.count("set up, one step (forward, backward, optimizer)") == 2
 
 
 def test_check_needs_a_layout(capsys):

@@ -38,13 +38,15 @@ class _Region:
 
 
 class _Regions(threading.local):
-    """Each thread's open regions (the `--check` runs ranks as threads of one process)."""
+    """Each thread's open regions (`lightning_nd.check` runs ranks as threads of one process)."""
 
     def __init__(self) -> None:
         self.open: list[_Region] = []
+        self.own_only = False
 
 
 _threads = _Regions()
+_everywhere: list[_Region] = []  # every thread's, in opening order, for a thread that opened none (see `_current`)
 _outside: list = []  # F.scaled_dot_product_attention and the MHA fast path's switch before the outermost region
 _depth = [0]  # regions open in all threads: the switch is made by the first and undone by the last
 
@@ -65,10 +67,12 @@ def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, exp
         torch.backends.mha.set_fastpath_enabled(False)
     _depth[0] += 1
     _threads.open.append(region)
+    _everywhere.append(region)
     try:
         yield
     finally:
         _threads.open.pop()
+        del _everywhere[next(i for i, open_ in enumerate(_everywhere) if open_ is region)]
         _depth[0] -= 1
         if not _depth[0]:
             F.scaled_dot_product_attention, fastpath = _outside.pop()
@@ -82,14 +86,29 @@ def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, exp
         )
 
 
+def regions_of_this_thread_only() -> None:
+    """From now on this thread sees only the regions it opens itself (each rank thread of `lightning_nd.check`)."""
+    _threads.own_only = True
+
+
+def _current() -> _Region | None:
+    """This thread's innermost region; in a thread that opened none, the last one any thread opened: on CUDA,
+    autograd's device thread runs backward, and with it the recomputation of a checkpointed block, inside the
+    step's region that the training thread opened."""
+    if _threads.open:
+        return _threads.open[-1]
+    return _everywhere[-1] if _everywhere and not _threads.own_only else None
+
+
 def current_positions() -> torch.Tensor | None:
     """The global positions of this rank's tokens inside the region, else None."""
-    return _threads.open[-1].positions if _threads.open else None
+    region = _current()
+    return region.positions if region is not None else None
 
 
 def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
                  **kwargs):
-    region = _threads.open[-1] if _threads.open else None
+    region = _current()
     if region is None or query.shape[-2] != region.positions.numel():  # not attention over this shard
         return _outside[-1][0](query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                                scale=scale, enable_gqa=enable_gqa, **kwargs)
