@@ -32,6 +32,7 @@ from lightning_nd.check.values import CheckTensorMode, logging_outside_fake_tens
 from lightning_nd.check.world import FakeWorld, Hang, PeerFailed
 from lightning_nd.layout.record import Layout
 from lightning_nd.parallel.context.region import regions_of_this_thread_only
+from lightning_nd.parallel.pipeline.stage import StageModule
 from lightning_nd.runtime.errors import exception_chain, first_line
 
 NOT_COMPUTABLE = ("DataDependentOutputException", "DynamicOutputShapeException", "GuardOnDataDependentSymNode")
@@ -75,23 +76,35 @@ class CheckResult:
         return 1 if self.first_failure is not None else 3 if self.unchecked else 0
 
 
-def module_names(module: nn.Module) -> dict[int, str]:
-    return {id(sub): name for name, sub in module.named_modules()}
+def module_names(module: nn.Module) -> dict[int, tuple[str, type]]:
+    """Each module of ``module`` by id: its name and class (fit may wrap it, pp copies it)."""
+    return {id(sub): (name, type(sub)) for name, sub in module.named_modules()}
 
 
-def failing_module(error: BaseException, names: Mapping[int, str]) -> str | None:
+def failing_module(error: BaseException, names: Mapping[int, tuple[str, type]]) -> str | None:
     """Where the error came from: the innermost module of ``names`` on its traceback (any link of its chain), as
-    ``name (Class)``, or the LightningModule's own method (``Class.training_step``) when no module inside it ran."""
+    ``name (Class)``, or the LightningModule's own method (``Class.training_step``) when no module inside it ran.
+    A pipeline stage's modules (copies made by the split) are named as the originals of ``names``."""
+    names = dict(names)
     for link in reversed(exception_chain(error)):
         found: str | None = None
         for frame, _ in traceback.walk_tb(link.__traceback__):
             owner = frame.f_locals.get("self")
-            if isinstance(owner, nn.Module) and id(owner) in names and (names[id(owner)] or _own_code(owner, frame)):
-                name = names[id(owner)]
+            if isinstance(owner, StageModule) and id(owner.module) not in names:
+                names.update(_stage_names(owner, names))
+            if isinstance(owner, nn.Module) and id(owner) in names and (names[id(owner)][0] or _own_code(owner, frame)):
+                name = names[id(owner)][0]
                 found = f"{name} ({type(owner).__name__})" if name else f"{type(owner).__name__}.{frame.f_code.co_name}"
         if found is not None:
             return found
     return None
+
+
+def _stage_names(stage: StageModule, names: Mapping[int, tuple[str, type]]) -> dict[int, tuple[str, type]]:
+    """The stage's modules under the names their originals have: the split copies the model its units live in."""
+    prefix = min((name for name, kind in names.values() if kind is type(stage.module)), key=len, default="")
+    return {id(sub): (".".join(part for part in (prefix, name) if part), type(sub))
+            for name, sub in stage.module.named_modules()}
 
 
 def _own_code(module: nn.Module, frame: FrameType) -> bool:
@@ -129,7 +142,7 @@ def check_layout(module: nn.Module, layout: Layout, arguments: Mapping[str, Any]
 
     def one_rank(rank: int) -> None:
         outcome, start = outcomes[rank], time.perf_counter()
-        names: dict[int, str] = {}
+        names: dict[int, tuple[str, type]] = {}
         regions_of_this_thread_only()  # another rank's context-parallel region is not this rank's
         try:
             lightning = copy.deepcopy(module)

@@ -54,6 +54,9 @@ def test_uneven_shards_check_the_last_coordinates_too(capsys):
     pytest.param(("--model", "tests.unit.check_models:max_norm_embedding", "--devices", "4", "--layout",
                   "tp=2,dp_shard=2"), 0, "model.embed_tokens (Embedding)",
                  "aten.embedding_renorm_.default does not have a sharding strategy", id="kernel-refuses-placement"),
+    pytest.param(("--model", "tests.unit.check_models:max_norm_embedding", "--devices", "4", "--layout",
+                  "pp=2,tp=2", "--micro-batch", "4"), 0, "model.embed_tokens (Embedding)",
+                 "aten.embedding_renorm_.default does not have a sharding strategy", id="kernel-refuses-in-a-stage"),
 ])
 def test_first_step_failures_are_named_with_rank_and_module(capsys, argv, rank, where, words):
     code, text = _check(capsys, *argv, "--seq-len", "32") if "--seq-len" not in argv else _check(capsys, *argv)
