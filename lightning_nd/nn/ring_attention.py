@@ -2,17 +2,19 @@
 
 Each rank holds a slice of the sequence (its query, key and value rows, and their positions).
 Ring: K and V travel around the cp group one hop per step; every rank attends its queries to each
-visiting block and merges the partial results with their log-sum-exp (online softmax). All-gather:
-K and V are gathered once and each rank attends to all of them. Both are exact (not approximations)
-and differentiable; causal masking uses the true positions, so any sharding (contiguous or
-head-tail "zigzag") is correct.
+visiting block with a fused kernel that returns the block's log-sum-exp (`attention_blocks.py`) and merges
+the partial results by it (online softmax). Under a causal mask, the parts of a block that lie above the
+diagonal are not computed (`block_pairs.py`), but the hop still happens, so the ring stays whole. For backward
+a rank keeps only its q, k, v, the output and the log-sum-exp (what one device's fused kernel keeps, divided
+by cp): the backward sends K/V around the ring again and recomputes block by block, each block's dK/dV
+travelling with it and arriving home after one more hop. Each hop is posted before the block is computed and
+waited for after it, so the transfer overlaps the kernel where the backend sends asynchronously (NCCL; gloo's
+transport threads on CPU). K and V travel as one stacked tensor.
 
-Two rules keep the backward right (both measured on gloo): every rotation stays in the autograd graph,
-even when a block is fully masked (a skipped send would deadlock the backward ring), and K and V
-travel as one stacked tensor (two collectives whose backward order can differ give wrong gradients).
-Each hop is posted before the current block is computed and waited for after it, in forward and (the
-gradients going back) in backward, so the transfer overlaps the block's matmuls where the backend
-sends asynchronously (NCCL; gloo's transport threads on CPU).
+All-gather: K and V are gathered once and each rank attends to all of them with plain matmuls under autograd,
+which keep the scores [S_local, S] for backward: simpler, one collective, and far more memory at long sequences.
+Both are exact (not approximations); causal masking uses the true positions, so any sharding (contiguous or
+head-tail "zigzag") is correct.
 """
 
 from __future__ import annotations
@@ -25,82 +27,116 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroup
 
+from lightning_nd.nn.attention_blocks import block_backward, block_forward
+from lightning_nd.nn.block_pairs import Pair, block_pairs
 from lightning_nd.runtime.profiling import comm_label
 
 
 class _Hop:
-    """One ring hop in flight: its requests and buffers, shared by the start and the finish of the hop
-    (forward: start sends K/V on, finish waits; backward: finish sends the gradient back, start waits)."""
+    """One ring hop in flight: its requests and buffers (kept alive until the hop is waited for)."""
 
-    def __init__(self, group: ProcessGroup, report: Callable[[str, dict], None] | None = None) -> None:
-        self.group, self.report = group, report
-        self.peers: tuple[int, int] = (0, 0)
-        self.requests: list = []
-        self.sending: torch.Tensor | None = None
-        self.received: torch.Tensor | None = None
+    def __init__(self, group: ProcessGroup, tensor: torch.Tensor, report: Callable[[str, dict], None] | None,
+                 tag: int) -> None:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.report = report
+        self.peers = (dist.get_global_rank(group, (rank + 1) % size), dist.get_global_rank(group, (rank - 1) % size))
+        self.sending = tensor.contiguous()  # gloo sends and receives contiguous buffers only
+        self.received = torch.empty_like(self.sending)
+        with comm_label("cp", "ring_post"):
+            self.requests = dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, self.sending, self.peers[0], group, tag),
+                dist.P2POp(dist.irecv, self.received, self.peers[1], group, tag),
+            ])
+        self._tell("issued")
+
+    def wait(self) -> torch.Tensor:
+        """The tensor from the previous rank."""
+        with comm_label("cp", "ring_wait"):
+            for request in self.requests:
+                request.wait()
+        self._tell("completed")
+        return self.received
+
+    def _tell(self, state: str) -> None:
+        """Report the send and the receive to whoever listens (the flight recorder does not record p2p on gloo)."""
+        if self.report is not None:
+            size = self.sending.numel() * self.sending.element_size()
+            for op, peer in zip(("send", "recv"), self.peers):
+                self.report("p2p", {"op": op, "peer": peer, "bytes": size, "state": state,
+                                    "time_s": time.perf_counter()})
 
 
-class _StartHop(torch.autograd.Function):
-    """Post the send of ``tensor`` to the next rank and the receive from the previous; return at once
-    (an empty placeholder), so the caller computes while the bytes travel."""
+KV_TAG, GRAD_TAG = 0, 1  # K/V going round (forward, and again in backward); their gradients following them
+
+
+class _Ring(torch.autograd.Function):
+    """Ring attention with a backward of its own: forward keeps this rank's q, k, v, the output and the
+    log-sum-exp, nothing per block; backward sends K/V around the ring again and recomputes block by block, each
+    block's dK/dV travelling with it and arriving home after the last hop."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, hop: _Hop) -> torch.Tensor:
-        ctx.hop = hop
-        _post(hop, tensor, step=1)
-        return tensor.new_empty(0)
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                every: torch.Tensor, group: ProcessGroup, causal: bool, scale: float,
+                report: Callable[[str, dict], None] | None) -> torch.Tensor:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        dtype = torch.promote_types(q.dtype, torch.float32)  # the merge runs in fp32 whatever the inputs
+        out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
+        kv = torch.stack([k, v])  # one tensor per hop: K and V travel together
+        for step in range(size):
+            hop = _Hop(group, kv, report, KV_TAG) if step + 1 < size else None  # travels while this block computes
+            for pair in block_pairs(positions, every[(rank - step) % size], causal):
+                block_out, block_lse = block_forward(q[:, :, pair.q], kv[0][:, :, pair.k], kv[1][:, :, pair.k],
+                                                     causal=pair.kind == "causal", scale=scale, mask=_on(pair, q))
+                _merge_into(out, lse, pair.q, block_out, block_lse)
+            if hop is not None:
+                kv = hop.wait()
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = (positions, every, group, causal, scale, report)
+        return out
 
     @staticmethod
-    def backward(ctx, _: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _wait(ctx.hop), None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        positions, every, group, causal, scale, report = ctx.ring
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+        kv, grads = torch.stack([k, v]), None
+        for step in range(size):
+            hop = _Hop(group, kv, report, KV_TAG) if step + 1 < size else None
+            block_grad = torch.zeros((2, *k.shape), dtype=lse.dtype, device=k.device)
+            for pair in block_pairs(positions, every[(rank - step) % size], causal):
+                rows = pair.q
+                dq_part, dk_part, dv_part = block_backward(
+                    grad[:, :, rows], q[:, :, rows], kv[0][:, :, pair.k], kv[1][:, :, pair.k], out[:, :, rows],
+                    lse[:, :, rows], causal=pair.kind == "causal", scale=scale, mask=_on(pair, q))
+                dq[:, :, rows] += dq_part
+                block_grad[0][:, :, pair.k] += dk_part
+                block_grad[1][:, :, pair.k] += dv_part
+            if grads is not None:
+                block_grad += grads.wait()  # what the ranks before this one added to this block's dK/dV
+            if hop is not None:
+                kv = hop.wait()
+            grads = _Hop(group, block_grad, report, GRAD_TAG) if size > 1 else None
+            home = block_grad
+        if grads is not None:
+            home = grads.wait()  # this rank's own block, after its last hop
+        return (dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), *([None] * 6))
 
 
-class _FinishHop(torch.autograd.Function):
-    """Wait for the hop; in backward, post the gradient's way back and return at once."""
-
-    @staticmethod
-    def forward(ctx, placeholder: torch.Tensor, hop: _Hop) -> torch.Tensor:
-        ctx.hop = hop
-        return _wait(hop)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        _post(ctx.hop, grad, step=-1)
-        return grad.new_empty(0), None
+def _on(pair: Pair, q: torch.Tensor) -> torch.Tensor | None:
+    return pair.mask.to(q.device) if pair.mask is not None else None
 
 
-def _post(hop: _Hop, tensor: torch.Tensor, step: int) -> None:
-    size, rank = dist.get_world_size(hop.group), dist.get_rank(hop.group)
-    send_to = dist.get_global_rank(hop.group, (rank + step) % size)
-    recv_from = dist.get_global_rank(hop.group, (rank - step) % size)
-    hop.sending = tensor.contiguous()  # gloo sends and receives contiguous buffers only; kept alive until done
-    hop.received = torch.empty_like(hop.sending)
-    with comm_label("cp", "ring_post"):
-        hop.requests = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, hop.sending, send_to, hop.group),
-            dist.P2POp(dist.irecv, hop.received, recv_from, hop.group),
-        ])
-    hop.peers = (send_to, recv_from)
-    _tell(hop, "issued")
-
-
-def _tell(hop: _Hop, state: str) -> None:
-    """Report the hop's send and receive to whoever listens (the flight recorder does not record p2p on gloo)."""
-    if hop.report is not None:
-        assert hop.sending is not None, "told only while the hop is posted"
-        size = hop.sending.numel() * hop.sending.element_size()
-        for op, peer in zip(("send", "recv"), hop.peers):
-            hop.report("p2p", {"op": op, "peer": peer, "bytes": size, "state": state, "time_s": time.perf_counter()})
-
-
-def _wait(hop: _Hop) -> torch.Tensor:
-    with comm_label("cp", "ring_wait"):
-        for request in hop.requests:
-            request.wait()
-    _tell(hop, "completed")
-    received, hop.requests, hop.sending, hop.received = hop.received, [], None, None
-    assert received is not None, "waited only on a posted hop"
-    return received
+def _merge_into(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor,
+                block_lse: torch.Tensor) -> None:
+    """Fold one block's softmax-normalised result for queries ``rows`` into the running one, by log-sum-exp."""
+    merged = torch.logaddexp(lse[:, :, rows], block_lse.to(lse.dtype))
+    finite = merged.clamp_min(torch.finfo(merged.dtype).min)  # a row no key reached so far stays 0, not NaN
+    out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - finite)[..., None]
+                       + block_out.to(out.dtype) * torch.exp(block_lse.to(lse.dtype) - finite)[..., None])
+    lse[:, :, rows] = merged
 
 
 def _gather_positions(positions: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -125,15 +161,6 @@ def _block(q, kv, q_pos, k_pos, causal: bool, scale: float) -> tuple[torch.Tenso
     return torch.matmul(probs, v), lse
 
 
-def _merge(out, lse, block_out, block_lse):
-    """Combine two softmax-normalised partial results by their log-sum-exp."""
-    if out is None:
-        return block_out, block_lse
-    new_lse = torch.logaddexp(lse, block_lse)
-    finite = new_lse.clamp_min(torch.finfo(new_lse.dtype).min)
-    return out * torch.exp(lse - finite) + block_out * torch.exp(block_lse - finite), new_lse
-
-
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     batch, heads, seq, dim = q.shape
     return q.view(batch, kv_heads, heads // kv_heads, seq, dim)
@@ -148,7 +175,8 @@ def _checked_scale(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions:
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value heads.")
     if positions.shape != (q.shape[2],):
-        raise ValueError(f"`positions` must hold one position per local token ({q.shape[2]}), got {tuple(positions.shape)}.")
+        raise ValueError(f"`positions` must hold one position per local token ({q.shape[2]}), got"
+                         f" {tuple(positions.shape)}.")
     return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
 
 
@@ -162,30 +190,20 @@ def ring_attention(
     causal: bool = True,
     scale: float | None = None,
     report: Callable[[str, dict], None] | None = None,
+    every_position: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact attention of this rank's queries to the keys of every rank in ``group``, passing K/V around a ring.
 
     ``q`` [B, H, S_local, D], ``k``/``v`` [B, Hkv, S_local, D] (grouped-query when Hkv < H), ``positions``
     [S_local]: the global sequence position of each local token (the same on every rank for its rows).
-    ``report(kind, fields)``, when given, hears of each hop's send and receive, issued and completed.
+    ``every_position`` [cp, S_local]: every rank's positions, when the caller knows them (else one small
+    all-gather finds them). ``report(kind, fields)``, when given, hears of each hop's send and receive, issued
+    and completed.
     """
     scale = _checked_scale(q, k, v, positions, scale)
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    every_position = _gather_positions(positions, group).view(size, -1)
-    grouped_q = _grouped(q, k.shape[1])
-    kv = torch.stack([k, v])
-    out = lse = None
-    for step in range(size):
-        # The next hop travels while this block is computed: one stacked tensor per hop, kept in the
-        # graph even when the block is fully masked. Backward overlaps the same way, in reverse.
-        hop = _Hop(group, report) if step + 1 < size else None
-        placeholder = _StartHop.apply(kv, hop) if hop else None
-        source = (rank - step) % size
-        out, lse = _merge(out, lse, *_block(grouped_q, kv, positions, every_position[source], causal, scale))
-        if hop:
-            kv = _FinishHop.apply(placeholder, hop)
-    assert out is not None, "the ring has at least one step"
-    return out.to(q.dtype).reshape(q.shape)
+    if every_position is None:
+        every_position = _gather_positions(positions, group).view(dist.get_world_size(group), -1)
+    return _Ring.apply(q, k, v, positions.cpu(), every_position.cpu(), group, causal, scale, report)
 
 
 def all_gather_attention(

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.distributed_c10d import ProcessGroup
@@ -27,14 +28,26 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_nd.layout.batch import tensors_of
 from lightning_nd.layout.positions import forward_signature
 from lightning_nd.nn.ring_attention import ring_attention
+from lightning_nd.parallel.context.sharding import shard_positions
 
 
-@dataclass
+@dataclass(eq=False)
 class _Region:
     group: ProcessGroup
     positions: torch.Tensor
     report: Callable[[str, dict], None] | None = None
     routed: int = 0
+    _every: torch.Tensor | None = None
+
+    def every_position(self) -> torch.Tensor | None:
+        """Every cp rank's positions when this rank's are its head-tail shard (`shard_batch`'s): the ring then
+        needs no all-gather to learn them."""
+        if self._every is None:
+            size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+            seq = self.positions.numel() * size
+            if seq % (2 * size) == 0 and torch.equal(self.positions.cpu(), shard_positions(seq, size, rank)):
+                self._every = torch.stack([shard_positions(seq, size, other) for other in range(size)])
+        return self._every
 
 
 class _Regions(threading.local):
@@ -122,8 +135,8 @@ def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
         raise ValueError(f"Context parallelism does not support attention dropout (dropout_p={dropout_p}). HINT: set"
                          " the model's attention dropout to 0 (e.g. `attention_dropout=0.0`), or use cp=1.")
     region.routed += 1
-    return ring_attention(query, key, value, region.positions.to(query.device), region.group, causal=is_causal,
-                          scale=scale, report=region.report)
+    return ring_attention(query, key, value, region.positions, region.group, causal=is_causal, scale=scale,
+                          report=region.report, every_position=region.every_position())
 
 
 def inject_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
