@@ -1,19 +1,28 @@
-"""Context parallelism at a long sequence on CPU: attention memory per rank for cp=1, 2, 4, and the
-balance of causal attention work for contiguous vs zigzag sequence sharding.
+"""Context parallelism on CPU: what ring attention keeps for backward per rank, against one device running the
+fused kernel, at S = 2K, 8K, 16K and cp = 1, 2, 4; the causal work per rank; the time per rank at cp = 2.
 
-    python benchmarks/context_parallel.py
+    python benchmarks/context_parallel.py              # 4 CPU processes, about 4 minutes
+    python benchmarks/context_parallel.py --quick      # S = 2K only
 
-Memory: ring attention's forward and backward over one sequence of SEQ tokens (8 heads, 2 kv-heads,
-head dim 64, fp32) on each rank of a cp group holding a zigzag shard; what autograd keeps for backward
-(the attention's activation memory, which dominates at long sequences) is counted by a saved-tensors
-hook, unique storages once, and the worst rank is reported. Work: query-key pairs a rank must score
-under the causal mask (proportional to its attention FLOPs when masked blocks are skipped), max over
-ranks / mean over ranks at cp=4.
+Attention of one sequence (8 heads, 2 kv-heads, head dim 64, fp32), causal, head-tail shards, forward and
+backward. Memory kept for backward: a saved-tensors hook records every tensor autograd keeps, each storage
+once, the inputs (q, k, v) included, K/V at the size they are stored (not expanded to the query heads); the worst
+rank is reported. "fused/cp" is one device running torch's fused CPU kernel on the whole sequence (SDPA, flash
+backend, grouped-query), divided by cp: the target is ring <= 1.15x of it. "model" is `lightning_nd.cost`'s
+attention memory per rank (`attention_saved`) for the same tokens, against the measured.
+
+Work: query-key pairs each rank's kernels score (`nn/block_pairs.py`: the diagonal sub-chunks by the causal
+kernel, blocks above the diagonal skipped), max over mean (target <= 1.05 at cp = 4). Time: per-rank CPU time
+of forward and backward at cp = 2, S = 8K, the median of interleaved repeats (both ranks run each repeat
+together), and the slowest rank over the fastest (target <= 1.10).
 """
 
 from __future__ import annotations
 
+import argparse
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,21 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.launch import run_on_ranks  # noqa: E402
 
 WORLD_SIZE = 4
-SEQ, HEADS, KV_HEADS, HEAD_DIM = 2048, 8, 2, 64
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+REPEATS = 5
 
 
-def saved_bytes(cp: int, group) -> int:
-    """Bytes autograd keeps for backward in this rank's ring attention over its shard."""
-    from lightning_nd.nn.ring_attention import ring_attention
-    from lightning_nd.parallel.context.sharding import shard_positions
-
-    rank = dist.get_rank(group)
-    positions = shard_positions(SEQ, cp, rank, "zigzag")
-    generator = torch.Generator().manual_seed(0)
-    full_q = torch.randn(1, HEADS, SEQ, HEAD_DIM, generator=generator)
-    full_kv = torch.randn(2, 1, KV_HEADS, SEQ, HEAD_DIM, generator=generator)
-    q = full_q[:, :, positions].clone().requires_grad_()
-    k, v = (t[:, :, positions].clone().requires_grad_() for t in full_kv)
+def kept(run) -> int:
+    """Bytes autograd keeps for backward while ``run()`` builds its graph; then runs the backward."""
     seen: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -47,35 +47,108 @@ def saved_bytes(cp: int, group) -> int:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        out = ring_attention(q, k, v, positions, group, causal=True)
+        out = run()
     out.square().mean().backward()
     return sum(seen.values())
 
 
-def main() -> None:
-    from lightning_nd.parallel.context.sharding import attention_flops_per_rank
+def sequence(seq: int, positions: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """q, k, v of one sequence (the rows at ``positions``), as leaves."""
+    generator = torch.Generator().manual_seed(0)
+    full = [torch.randn(1, heads, seq, HEAD_DIM, generator=generator) for heads in (HEADS, KV_HEADS, KV_HEADS)]
+    return [(t if positions is None else t[:, :, positions]).clone().requires_grad_() for t in full]
 
+
+def fused_one_device(seq: int) -> int:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = sequence(seq)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return kept(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                             enable_gqa=True))
+
+
+def ring(seq: int, cp: int, group) -> int:
+    from lightning_nd.nn.ring_attention import ring_attention
+    from lightning_nd.parallel.context.sharding import shard_positions
+
+    positions = shard_positions(seq, cp, dist.get_rank(group))
+    q, k, v = sequence(seq, positions)
+    return kept(lambda: ring_attention(q, k, v, positions, group, causal=True))
+
+
+def model_bytes(seq: int, cp: int) -> int:
+    from lightning_nd.cost.activations import attention_saved
+    from lightning_nd.cost.shape import ModelShape
+
+    shape = ModelShape(hidden=HEADS * HEAD_DIM, layers=1, heads=HEADS, kv_heads=KV_HEADS, intermediate=0, vocab=0,
+                       params=0)
+    return sum(seq // cp * saved.elements * saved.bytes for saved in attention_saved(shape, 4, cp))
+
+
+def work(seq: int, cp: int) -> list[int]:
+    from lightning_nd.nn.block_pairs import block_pairs
+    from lightning_nd.parallel.context.sharding import shard_positions
+
+    shards = [shard_positions(seq, cp, rank) for rank in range(cp)]
+    return [sum(pair.work for source in shards for pair in block_pairs(shards[rank], source, causal=True))
+            for rank in range(cp)]
+
+
+def cpu_seconds(seq: int, cp: int, group) -> float:
+    from lightning_nd.nn.ring_attention import ring_attention
+    from lightning_nd.parallel.context.sharding import shard_positions
+
+    positions = shard_positions(seq, cp, dist.get_rank(group))
+    q, k, v = sequence(seq, positions)
+    dist.barrier()
+    start = time.process_time()
+    ring_attention(q, k, v, positions, group, causal=True).square().mean().backward()
+    return time.process_time() - start
+
+
+def worst(value: float) -> float:
+    measured = torch.tensor(float(value))
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX)
+    return float(measured)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    seqs = (2048,) if parser.parse_args().quick else (2048, 8192, 16384)
+    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    singles = [dist.new_group([r]) for r in range(WORLD_SIZE)]
+    groups = {1: singles[rank], 2: pairs[rank // 2], 4: dist.group.WORLD}
     rows = []
-    for cp in (1, 2, 4):
-        group = dist.new_group(list(range(cp)))
-        measured = torch.tensor(saved_bytes(cp, group) if rank < cp else 0)
-        dist.all_reduce(measured, op=dist.ReduceOp.MAX)
-        rows.append((cp, int(measured)))
+    for seq in seqs:
+        fused = worst(fused_one_device(seq) if rank == 0 else 0)
+        for cp in (1, 2, 4):
+            measured = worst(ring(seq, cp, groups[cp]))
+            rows.append((seq, cp, measured, fused / cp, model_bytes(seq, cp)))
+    timed_seq = seqs[-1] if len(seqs) == 1 else 8192
+    times = [cpu_seconds(timed_seq, 2, groups[2]) for _ in range(REPEATS)]
+    medians = [torch.zeros(1) for _ in range(WORLD_SIZE)]
+    dist.all_gather(medians, torch.tensor([statistics.median(times)]))
     if rank == 0:
-        base = rows[0][1]
-        print(f"\nattention memory kept for backward, seq={SEQ}, worst rank")
-        print(f"{'cp':>3} {'bytes/rank':>14} {'x of cp=1':>10} {'1/cp':>6}")
-        for cp, measured in rows:
-            print(f"{cp:>3} {measured:>14,} {measured / base:>10.3f} {1 / cp:>6.3f}")
-        print(f"\ncausal attention work per rank at cp={WORLD_SIZE}, seq={SEQ} (query-key pairs scored)")
-        for sharding in ("contiguous", "zigzag"):
-            work = attention_flops_per_rank(SEQ, WORLD_SIZE, sharding)
-            print(f"{sharding:>10}: {work}  max/mean {max(work) * len(work) / sum(work):.3f}")
-        zigzag = attention_flops_per_rank(SEQ, WORLD_SIZE, "zigzag")
-        print(f"memory cp=4 vs cp=1: {rows[-1][1] / base:.3f} (expect ~0.25); zigzag max/mean work:"
-              f" {max(zigzag) * len(zigzag) / sum(zigzag):.3f} (expect ~1.0)")
+        print("\nAttention memory kept for backward per rank (worst rank), MB;"
+              " fused/cp: one device's fused kernel / cp")
+        print(f"{'S':>6} {'cp':>3} {'ring':>9} {'fused/cp':>9} {'ring/(fused/cp)':>16} {'model':>9} {'model/ring':>11}")
+        for seq, cp, measured, target, model in rows:
+            print(f"{seq:>6} {cp:>3} {measured / 2**20:>9.2f} {target / 2**20:>9.2f} {measured / target:>16.3f}"
+                  f" {model / 2**20:>9.2f} {model / measured:>11.3f}")
+        print(f"\nCausal work per rank (query-key pairs scored), S = {timed_seq}, head-tail shards")
+        for cp in (2, 4):
+            pairs_per_rank = work(timed_seq, cp)
+            mean = sum(pairs_per_rank) / cp
+            print(f"cp={cp}: {pairs_per_rank}  max/mean {max(pairs_per_rank) / mean:.3f}")
+        seconds = [float(m) for m in medians[:2]]
+        print(f"\nCPU time per rank, forward + backward, cp=2, S = {timed_seq}, median of {REPEATS} repeats:"
+              f" rank 0 {seconds[0]:.2f} s, rank 1 {seconds[1]:.2f} s;"
+              f" slowest/fastest {max(seconds) / min(seconds):.3f}")
     dist.destroy_process_group()
 
 

@@ -50,15 +50,15 @@ class Saved:
     ``gathered``: whole on each tp rank even under sequence parallelism."""
 
 
-def saved_tensors(shape: ModelShape, element_bytes: int, recompute: str = "none", *, cp: int = 1,
-                  local_seq: int = 0, ep: int = 1, etp: bool = False, moe: bool = True) -> tuple[Saved, ...]:
+def saved_tensors(shape: ModelShape, element_bytes: int, recompute: str = "none", *, cp: int = 1, ep: int = 1,
+                  etp: bool = False, moe: bool = True) -> tuple[Saved, ...]:
     """What one block saves per token (see the module docstring). ``cp`` > 1: attention is the ring of
-    `nn/ring_attention.py` over ``local_seq`` tokens per rank, which materialises its scores. ``etp``: experts
+    `nn/ring_attention.py`, which keeps what the fused kernel keeps for this rank's tokens. ``etp``: experts
     split over tp (their intermediates are cut by tp). ``moe``: False for a dense block of an MoE model."""
     h, e = shape.hidden, element_bytes
     if recompute == "full":
         return (Saved("block input", h, e, "residual"),)
-    attention = _attention(shape, e, cp, local_seq, recompute)
+    attention = attention_saved(shape, e, cp, recompute)
     mlp = _mlp(shape, e, recompute, ep, etp, moe)
     if recompute == "selective":
         return (Saved("block input", h, e, "residual"), *attention, *mlp,
@@ -73,24 +73,20 @@ def saved_tensors(shape: ModelShape, element_bytes: int, recompute: str = "none"
     )
 
 
-def _attention(shape: ModelShape, e: int, cp: int, local_seq: int, recompute: str) -> tuple[Saved, ...]:
+def attention_saved(shape: ModelShape, e: int, cp: int = 1, recompute: str = "none") -> tuple[Saved, ...]:
     h, heads = shape.hidden, shape.heads
-    if cp == 1:  # SDPA (flash on CPU and CUDA): query, keys, values, output, fp32 logsumexp
-        return (Saved("query and attention output", 2 * h, e, "tp"), Saved("keys and values", 2 * shape.kv_dim, e, "tp"),
-                Saved("logsumexp", heads, LSE_BYTES, "tp"))
-    # Ring attention, per hop: scores and probabilities [heads, local_seq] per token in fp32, the query and the
-    # hop's K and V as the matmuls copy them (the query comes transposed, K and V are expanded to every query
-    # head: h each), and after the first hop the log-sum-exp merge's two partial outputs (fp32). Selective
-    # keeps the matmuls' outputs instead: the projections, and each hop's raw scores and partial output.
-    per_hop_scores = heads * local_seq * cp
-    if recompute == "selective":
-        return (Saved("query, key and value projections", h + 2 * shape.kv_dim, e, "tp"),
-                Saved("raw scores of every hop", per_hop_scores, 4, "tp"),
-                Saved("partial output of every hop", cp * h, 4, "tp"))
-    return (Saved("the query of every hop and the ring's output", (cp + 1) * h, e, "tp"),
-            Saved("keys and values of every hop, expanded", 2 * h * cp, e, "tp"),
-            Saved("scores and probabilities of every hop", 2 * per_hop_scores, 4, "tp"),
-            Saved("merged partial outputs", 2 * (cp - 1) * h, 4, "tp"))
+    kept = (Saved("query and attention output", 2 * h, e, "tp"), Saved("keys and values", 2 * shape.kv_dim, e, "tp"),
+            Saved("logsumexp", heads, LSE_BYTES, "tp"))
+    if cp == 1 or recompute != "selective":
+        # SDPA's fused kernel, and the ring (`nn/ring_attention.py`), whose backward recomputes block by block
+        # from these: the query, the output, this rank's own K and V (not expanded) and the fp32 log-sum-exp.
+        return kept
+    # Selective recomputation also keeps the output of every fused-kernel call inside the ring (the policy saves
+    # attention kernels' outputs): with head-tail shards the worst rank (the last) computes its whole shard
+    # against every earlier rank's block and 1.5 shards against its own (three sub-chunk pairs).
+    return (Saved("query, key and value projections", h + 2 * shape.kv_dim, e, "tp"), *kept,
+            Saved("each ring block's partial output", int((cp + 0.5) * h), e, "tp"),
+            Saved("each ring block's log-sum-exp", int((cp + 0.5) * heads), LSE_BYTES, "tp"))
 
 
 def _mlp(shape: ModelShape, e: int, recompute: str, ep: int, etp: bool = False, moe: bool = True) -> tuple[Saved, ...]:
@@ -118,12 +114,12 @@ def _mlp(shape: ModelShape, e: int, recompute: str, ep: int, etp: bool = False, 
 
 
 def block_bytes(shape: ModelShape, tokens: int, element_bytes: int, *, tp: int = 1, sequence_parallel: bool = False,
-                recompute: str = "none", cp: int = 1, local_seq: int = 0, ep: int = 1, etp: bool = False,
+                recompute: str = "none", cp: int = 1, ep: int = 1, etp: bool = False,
                 moe: bool = True) -> int:
     """Bytes one block keeps between its forward and its backward, for ``tokens`` tokens on this rank
     (micro-batch x local sequence), with its tp split and recomputation mode."""
     total = 0
-    for saved in saved_tensors(shape, element_bytes, recompute, cp=cp, local_seq=local_seq, ep=ep, etp=etp, moe=moe):
+    for saved in saved_tensors(shape, element_bytes, recompute, cp=cp, ep=ep, etp=etp, moe=moe):
         divisor = tp if saved.split == "tp" or (saved.split == "residual" and sequence_parallel) else 1
         total += tokens * saved.elements * saved.bytes // divisor
     return total

@@ -20,7 +20,9 @@ sends to the others. ``benchmarks/comm_volume.py`` checks each dim against the c
 - pp: per micro-step the activations of all microbatches forward to the next stage and their gradients back,
   for each neighbour stage on another pp rank; a weight tied between the first and last stage adds one
   all-reduce of its gradient per step.
-- cp (ring attention): per block 2 x (cp-1) x the local K and V bytes (K/V forward, their gradients backward).
+- cp (ring attention): per block 2 x (cp-1) x the local K and V bytes (K/V round the ring forward, and again in
+  backward, which recomputes instead of keeping them) and cp x their gradients' bytes in fp32 (each block's dK/dV
+  travels with it and takes one more hop home).
 - ep: per MoE block 4 all-to-alls (dispatch and combine, forward and backward) of tokens x top_k rows of
   ``hidden`` elements, (ep-1)/ep of them sent off-rank (routing spread evenly).
 
@@ -178,9 +180,10 @@ def _pp(run: _Run, size: int) -> tuple[int, str]:
 
 def _cp(run: _Run, size: int) -> tuple[int, str]:
     tp = run.layout.dims["tp"]
-    local_kv = 2 * run.tokens * run.shape.kv_dim // tp * run.activation_bytes
-    moved = run.micro_steps * run.blocks * 2 * (size - 1) * local_kv
-    return moved, "ring attention: send K/V forward and their grads backward"
+    elements = 2 * run.tokens * run.shape.kv_dim // tp
+    grad_bytes = max(run.activation_bytes, 4)  # dK/dV accumulate and travel in fp32 (fp64 for fp64)
+    moved = run.micro_steps * run.blocks * elements * (2 * (size - 1) * run.activation_bytes + size * grad_bytes)
+    return moved, "ring attention: K/V round the ring forward and again backward, their grads following them home"
 
 
 def _ep(run: _Run, size: int) -> tuple[int, str]:

@@ -20,9 +20,8 @@ chunks of 1/v of the rank's blocks, looped BFS all m v.
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 from dataclasses import asdict, dataclass, replace
+from typing import Any, cast
 
 from lightning_nd.cost.activations import block_backward_bytes, block_bytes, head_bytes, logits_bytes
 from lightning_nd.cost.model_state import block_of, model_state
@@ -93,8 +92,7 @@ def rank_memory(layout: Layout, shape: ModelShape, workload: Workload, rank: int
     tokens, element = tokens_per_microbatch(layout, workload), workload.activation_bytes
     tp, recompute, pp = dims["tp"], options.activation_checkpointing, dims["pp"] > 1
     split: dict[str, Any] = {"tp": tp, "sequence_parallel": options.sequence_parallel, "cp": dims["cp"],
-             "local_seq": workload.seq_len // dims["cp"], "ep": dims["ep"],
-             "etp": layout.applies("expert_tensor_parallel")}
+                             "ep": dims["ep"], "etp": layout.applies("expert_tensor_parallel")}
     per_block = block_bytes(shape, tokens, element, recompute=recompute, **split)
     if dense:  # DeepSeek's first blocks are dense: the mean over the blocks held
         dense_block = block_bytes(shape, tokens, element, recompute=recompute, moe=False, **split)

@@ -4,11 +4,13 @@
 cp) inside a node, pp and dp across; dp_shard over the rest, and HSDP (dp_shard inside a node, replicated
 across nodes) where that differs. Each is planned with the very functions the run uses (an invalid one is
 skipped, with the reason counted), then costed with the least recomputation that fits (none, then selective,
-then full), tp with sequence parallelism unless ``options`` say otherwise. Ranked: layouts that fit by estimated step time, then the rest by expected peak.
+then full), tp with sequence parallelism unless ``options`` say otherwise, and with the longest sequence each
+fits. Ranked: layouts that fit by estimated step time, then the rest by expected peak.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -17,6 +19,7 @@ from typing import Any
 
 from lightning_nd.cost.hardware import Hardware
 from lightning_nd.cost.layout_cost import LayoutCost, cost_layout
+from lightning_nd.cost.memory import rank_memories
 from lightning_nd.cost.shape import ModelShape, Workload
 from lightning_nd.layout.dims import divisors
 from lightning_nd.layout.record import Layout
@@ -43,6 +46,9 @@ class Candidate:
     cost: LayoutCost
     fits: bool
     why: str = ""
+    longest_seq: int = 0
+    """The longest sequence this layout, as costed (its recomputation), fits at the same micro-batch: the planner's
+    answer to "how long can the context be" (0: its model state alone does not fit)."""
 
 
 @dataclass
@@ -139,7 +145,33 @@ def _least_recompute(layout: Layout, sizes: dict[str, int], shape: ModelShape, w
             break
     keys = ("zero_stage", "activation_checkpointing") + (("pp_schedule", "pp_microbatches") if sizes["pp"] > 1 else ())
     options = {key: getattr(trial.options, key) for key in keys}
-    return Candidate(sizes, options, trial, workload, cost, fits)
+    longest = longest_sequence(trial, shape, workload, memory_bytes, optimizer)
+    return Candidate(sizes, options, trial, workload, cost, fits, longest_seq=longest)
+
+
+LONGEST_SEARCHED = 1 << 24  # 16M tokens: "at least this long" beyond
+
+
+def longest_sequence(layout: Layout, shape: ModelShape, workload: Workload, memory_bytes: int,
+                     optimizer: str = "adamw") -> int:
+    """The longest sequence (a multiple of what cp and sequence parallelism split it into) whose expected peak on
+    every rank stays within ``memory_bytes``, by bisection: the peak grows with the sequence."""
+    dims = layout.dims
+    step = math.lcm(2 * dims["cp"] if dims["cp"] > 1 else 1, dims["tp"] if layout.options.sequence_parallel else 1)
+
+    def fits(seq: int) -> bool:
+        trial = replace(workload, seq_len=seq)
+        return max(m.peak_bytes for m in rank_memories(layout, shape, trial, optimizer=optimizer)) <= memory_bytes
+
+    low, high = 0, max(step, workload.seq_len // step * step)  # low fits (0 trivially); find a high that does not
+    while fits(high):
+        low, high = high, high * 2
+        if high > LONGEST_SEARCHED:
+            return low
+    while high - low > step:
+        middle = (low + high) // 2 // step * step
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def print_progress(line: str) -> None:

@@ -9,7 +9,7 @@ from lightning_nd.cost.memory import RankMemory
 from lightning_nd.cost.model_state import DTYPE_BYTES, ZERO_PAPER_K
 from lightning_nd.layout.describe import human_bytes
 from lightning_nd.layout.record import Layout
-from lightning_nd.plan.search import Candidate, Search, describe_sizes
+from lightning_nd.plan.search import LONGEST_SEARCHED, Candidate, Search, describe_sizes
 
 PAPER_STAGE = {1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 
@@ -17,24 +17,31 @@ PAPER_STAGE = {1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
 def planner_markdown(result: Search, memory_bytes: int, *, params: int, top: int = 20) -> str:
     ranked = result.ranked
     lines = [f"| # | layout | recompute | params | grads | optimizer | activations | temporaries | peak / GPU | fits in"
-             f" {human_bytes(memory_bytes)} | heaviest comm / step | bubble | step (est.) | why |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f" {human_bytes(memory_bytes)} | longest seq | heaviest comm / step | bubble | step (est.) | why |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for index, candidate in enumerate(ranked[:top], start=1):
         peak, time = candidate.cost.peak, candidate.cost.time
         lines.append(
             f"| {index} | `{describe_sizes(candidate.sizes)}` | {candidate.options['activation_checkpointing']} |"
             f" {human_bytes(peak.params_bytes)} | {human_bytes(peak.grads_bytes)} | {human_bytes(peak.optimizer_bytes)} |"
             f" {human_bytes(peak.activations_bytes)} | {human_bytes(peak.temporaries_bytes)} |"
-            f" {human_bytes(peak.peak_bytes)} | {'yes' if candidate.fits else 'no'} |"
+            f" {human_bytes(peak.peak_bytes)} | {'yes' if candidate.fits else 'no'} | {_longest(candidate)} |"
             f" {_heaviest_comm(candidate)} | {f'{time.bubble_fraction:.1%}' if time else '-'} |"
             f" {f'{time.total_s:.2f} s' if time else '-'} | {why(candidate, ranked[0], memory_bytes)} |")
     shown = min(top, len(ranked))
-    lines.append(f"\n{len(ranked)} layouts costed, {shown} shown; peak = the highest rank's expected peak.")
+    lines.append(f"\n{len(ranked)} layouts costed, {shown} shown; peak = the highest rank's expected peak;"
+                 " longest seq = the longest sequence the layout fits with its recompute and micro-batch.")
     if result.skipped:
         lines.append("Left out: " + "; ".join(f"{reason} ({count})" for reason, count in result.skipped.most_common()))
     if ranked:
         lines += ["", "#1: " + model_state_arithmetic(ranked[0].layout, ranked[0].cost.peak, params)]
     return "\n".join(lines)
+
+
+def _longest(candidate: Candidate) -> str:
+    if candidate.longest_seq >= LONGEST_SEARCHED:
+        return f">= {LONGEST_SEARCHED:,}"
+    return f"{candidate.longest_seq:,}" if candidate.longest_seq else "none"
 
 
 def why(candidate: Candidate, best: Candidate, memory_bytes: int) -> str:
@@ -95,7 +102,8 @@ def planner_json(result: Search, memory_bytes: int) -> dict[str, Any]:
     return {
         "memory_bytes": memory_bytes,
         "layouts": [{"rank": index, "sizes": c.sizes, "options": c.options, "fits": c.fits,
-                     "why": why(c, result.ranked[0], memory_bytes), "cost": c.cost.to_dict()}
+                     "longest_seq": c.longest_seq, "why": why(c, result.ranked[0], memory_bytes),
+                     "cost": c.cost.to_dict()}
                     for index, c in enumerate(result.ranked, start=1)],
         "skipped": dict(result.skipped),
     }

@@ -1,5 +1,5 @@
 """Context parallelism matches one process: loss per step, gradients and parameters after 5 AdamW
-steps (fp32), for cp=2 alone and composed with FSDP (dp_shard x cp), TP (+SP) and PP, on the example
+steps (fp32), for cp=2 alone (and with full and selective recomputation) and composed with FSDP (dp_shard x cp), TP (+SP) and PP, on the example
 Llama (rotary positions from `position_ids`), the GPT-style model (learned positions) and a Hugging
 Face Llama with no edits (its SDPA calls are routed to ring attention, its positions injected).
 
@@ -12,7 +12,9 @@ import pytest
 
 from tests.distributed.parity import STEPS, assert_training_matches, launcher
 
-CP2 = {"cp2": {"cp": 2, "dp_shard": 1}, "cp2_ac_full": {"cp": 2, "dp_shard": 1, "activation_checkpointing": "full"}}
+CP2 = {"cp2": {"cp": 2, "dp_shard": 1}, "cp2_ac_full": {"cp": 2, "dp_shard": 1, "activation_checkpointing": "full"},
+       # selective recomputation keeps the fused kernels' outputs inside the ring and re-runs its hops
+       "cp2_ac_selective": {"cp": 2, "dp_shard": 1, "activation_checkpointing": "selective"}}
 CP4 = {"cp4": {"cp": 4, "dp_shard": 1}, "cp2_fsdp2": {"cp": 2, "dp_shard": 2}, "cp2_tp2": {"cp": 2, "dp_shard": 1, "tp": 2},
        "cp2_tp2_sp": {"cp": 2, "dp_shard": 1, "tp": 2, "sequence_parallel": True},
        "cp2_pp2": {"cp": 2, "dp_shard": 1, "pp": 2}}

@@ -116,9 +116,10 @@ def test_pp_adds_the_tied_weights_gradient_all_reduce():
 
 
 def test_cp_sends_local_kv_around_the_ring_per_layer():
+    """cp=2: one K/V hop forward, one again in backward, and two hops of their fp32 gradients (one on, one home)."""
     traffic = _traffic({"cp": 2, "dp_shard": 2}, {"zero_stage": 2})
     local_kv = 2 * (TOKENS // 2) * KV_DIM * 4
-    assert traffic == {"fsdp": (2 * FULL_BYTES * 3 // 4, 4), "cp": (LAYERS * 2 * 1 * local_kv, 2)}
+    assert traffic == {"fsdp": (2 * FULL_BYTES * 3 // 4, 4), "cp": (LAYERS * (2 * 1 + 2) * local_kv, 2)}
 
 
 def test_ep_moves_token_copies_and_expert_dp_shards_the_experts():

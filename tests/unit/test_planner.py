@@ -52,6 +52,35 @@ def test_the_planner_table_says_why_and_how_much(capsys):
     assert "`tp=2,dp_shard=4` ranks #" in out and "Model state of rank" in out
 
 
+def test_each_layout_says_the_longest_sequence_it_fits_and_one_step_longer_does_not(capsys):
+    from examples.models.llama import Llama, LlamaConfig
+    from lightning_nd.cost.memory import rank_memories
+    from lightning_nd.cost.shape import Workload, model_shape
+    from lightning_nd.plan.dry_run import dry_run
+    from lightning_nd.plan.search import longest_sequence
+    from lightning_nd.plan.source import Holder
+
+    code, out, _ = _run(capsys, *SMALL, "--gpu-memory", "2MB", "--json")
+    assert code == 0
+    layouts = json.loads(out)["layouts"]
+    assert all(entry["longest_seq"] >= 64 for entry in layouts if entry["fits"])
+    assert all(entry["longest_seq"] < 64 for entry in layouts if not entry["fits"])
+    with torch.device("meta"):
+        model = Holder(Llama(LlamaConfig()))
+    shape, workload, memory = model_shape(model.model), Workload(seq_len=64, batch=2), 3 * 2**20
+    found = {}
+    for sizes, step in (({"dp_shard": 4}, 1), ({"cp": 2, "dp_shard": 2}, 4), ({"cp": 4}, 8),
+                        ({"tp": 2, "dp_shard": 2}, 2)):
+        layout = dry_run(model, 4, sizes, {"sequence_parallel": "tp" in sizes})
+
+        def peak(seq: int) -> int:
+            return max(m.peak_bytes for m in rank_memories(layout, shape, Workload(seq_len=seq, batch=2)))
+
+        longest = found[str(sizes)] = longest_sequence(layout, shape, workload, memory)
+        assert longest % step == 0 and peak(longest) <= memory < peak(longest + step), (sizes, longest)
+    assert found[str({"cp": 4})] > 2 * found[str({"dp_shard": 4})]  # cp splits the activations of the sequence
+
+
 def test_bad_planner_input_names_the_fix(capsys):
     code, _, err = _run(capsys, *SMALL[:6], "--gpu-memory", "80GB")
     assert code == 2 and "HINT: add `--seq-len 4096 --global-batch 512`" in err

@@ -37,17 +37,20 @@ class _Region:
     positions: torch.Tensor
     report: Callable[[str, dict], None] | None = None
     routed: int = 0
-    _every: torch.Tensor | None = None
+    every_position: torch.Tensor | None = None
+    """Every cp rank's positions, when this rank's are its head-tail shard (`shard_batch`'s): the ring then needs no
+    all-gather to learn them. Found when the region opens, outside any checkpointed block, so a recomputed block
+    runs the same operations as its forward did."""
 
-    def every_position(self) -> torch.Tensor | None:
-        """Every cp rank's positions when this rank's are its head-tail shard (`shard_batch`'s): the ring then
-        needs no all-gather to learn them."""
-        if self._every is None:
-            size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-            seq = self.positions.numel() * size
-            if seq % (2 * size) == 0 and torch.equal(self.positions.cpu(), shard_positions(seq, size, rank)):
-                self._every = torch.stack([shard_positions(seq, size, other) for other in range(size)])
-        return self._every
+
+def _head_tail_positions(group: ProcessGroup, positions: torch.Tensor) -> torch.Tensor | None:
+    if not dist.is_initialized():  # a region tried on one process, without the ring
+        return None
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    seq = positions.numel() * size
+    if seq % (2 * size) or not torch.equal(positions.cpu(), shard_positions(seq, size, rank)):
+        return None
+    return torch.stack([shard_positions(seq, size, other) for other in range(size)])
 
 
 class _Regions(threading.local):
@@ -72,7 +75,7 @@ def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, exp
     With ``expect_attention`` (a forward step), a region in which no attention was routed raises: the
     model attended only within this rank's shard (eager/flash attention, or SDPA imported by name).
     """
-    region = _Region(group, positions, report)
+    region = _Region(group, positions, report, every_position=_head_tail_positions(group, positions))
     if not _depth[0]:
         _outside.append((F.scaled_dot_product_attention, torch.backends.mha.get_fastpath_enabled()))
         F.scaled_dot_product_attention = _routed_sdpa
@@ -136,7 +139,7 @@ def _routed_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fal
                          " the model's attention dropout to 0 (e.g. `attention_dropout=0.0`), or use cp=1.")
     region.routed += 1
     return ring_attention(query, key, value, region.positions, region.group, causal=is_causal, scale=scale,
-                          report=region.report, every_position=region.every_position())
+                          report=region.report, every_position=region.every_position)
 
 
 def inject_positions(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
