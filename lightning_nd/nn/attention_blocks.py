@@ -29,7 +29,7 @@ def _kernel(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor |
 
         key = k.expand(-1, q.shape[1], -1, -1) if k.shape[1] != q.shape[1] else k
         params = SDPAParams(q, key, key, None, 0.0, causal, False)
-        if can_use_flash_attention(params, False):
+        if can_use_flash_attention(params, False) and q.shape[-1] % 8 == 0:  # SDPA pads other head dims first
             return "cuda_flash"
         if can_use_efficient_attention(params, False):
             return "cuda_efficient"
@@ -41,6 +41,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     """Attention of ``q`` [B, H, Sq, D] to ``k``/``v`` [B, Hkv, Sk, D]: output [B, H, Sq, D] in q's dtype and
     log-sum-exp [B, H, Sq] in fp32 (fp64 for fp64 inputs). ``mask`` [Sq, Sk], True where a query sees a key."""
     kernel = _kernel(q, k, causal, mask)
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
     if kernel == "cpu_flash":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
     if kernel == "cuda_flash":
@@ -59,6 +60,7 @@ def block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This block's dq, dk, dv, from the whole attention's ``out``, ``lse`` and output gradient ``grad``."""
     kernel = _kernel(q, k, causal, mask)
+    q, k, v, grad = _unit_stride(q), _unit_stride(k), _unit_stride(v), _unit_stride(grad)
     if kernel == "cpu_flash":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, causal, scale=scale)
@@ -68,14 +70,24 @@ def block_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     empty = torch.empty(0, device=q.device)
     if kernel == "cuda_flash":
         sq, sk = q.shape[-2], k.shape[-2]
+        # No cumulative sequence lengths (None): given, they would mean variable-length batches.
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad, q, key, value, out, lse.contiguous(), empty, empty, sq, sk, 0.0, causal, empty, empty, scale=scale)
+            grad, q, key, value, out, lse.contiguous(), None, None, sq, sk, 0.0, causal, empty, empty, scale=scale)
     else:
         padded = torch.zeros(*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32, dtype=lse.dtype, device=lse.device)
         padded[..., :lse.shape[-1]] = lse
+        # The kernel reads ``out`` as a dense [B, S, H, D] tensor whatever its strides: a row slice of a
+        # [B, H, S, D] output is laid out so first.
+        dense = out.transpose(1, 2).contiguous().transpose(1, 2)
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad, q, key, value, None, out, padded, empty, empty, 0.0, [True, True, True, False], causal, scale=scale)
+            grad, q, key, value, None, dense, padded, empty, empty, 0.0, [True, True, True, False], causal,
+            scale=scale)
     return dq, _grouped_sum(dk, k.shape[1]), _grouped_sum(dv, k.shape[1])
+
+
+def _unit_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """The fused kernels read the head dim as contiguous (a transposed view gives wrong results, silently)."""
+    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
 def _expanded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,3 +85,13 @@ def test_irregular_positions_get_a_mask_that_is_the_causal_rule():
         seen[pair.q, pair.k] = block
     assert torch.equal(seen, queries[:, None] >= keys[None, :])
     assert block_pairs(queries, keys, causal=False)[0].work == 16
+
+
+def test_a_query_whose_head_dim_is_strided_is_read_right():
+    """The fused CPU kernel reads the head dim as contiguous: a transposed view must not reach it as is."""
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 2, 8, 5, dtype=torch.float64, generator=generator).transpose(-1, -2)  # [1, 2, 5, 8]
+    k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64, generator=generator) for _ in "kv")
+    assert q.stride(-1) != 1
+    out, _ = block_forward(q, k, v, causal=True, scale=1 / math.sqrt(8))
+    assert torch.allclose(out, _reference(q, k, v, torch.ones(5, 5, dtype=torch.bool).tril()), atol=1e-12)

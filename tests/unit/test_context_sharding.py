@@ -79,29 +79,43 @@ def test_regions_nest_and_always_restore_sdpa():
     assert F.scaled_dot_product_attention is original and current_positions() is None
 
 
-def test_a_thread_that_opened_no_region_sees_the_steps_unless_it_keeps_to_its_own():
+def test_a_thread_running_a_backward_sees_the_steps_region_unless_it_keeps_to_its_own():
     """On CUDA, autograd's device thread recomputes a checkpointed block during backward, inside the region the
-    training thread opened; each rank thread of `lightning_nd.check` sees only its own."""
+    training thread opened; another thread outside a backward, and each rank thread of `lightning_nd.check`, see
+    none."""
     seen: dict[str, object] = {}
 
+    class ReadsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, tensor):
+            return tensor.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen["backward"] = current_positions()
+            return grad
+
     def autograd_thread() -> None:
-        seen["autograd"] = current_positions()
+        seen["forward"] = current_positions()
+        ReadsInBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
 
     def check_rank() -> None:
         regions_of_this_thread_only()
-        seen["rank"] = current_positions()
+        ReadsInBackward.apply(torch.ones(1, requires_grad=True)).sum().backward()
+        seen["rank"] = seen.pop("backward")
+
+    def in_thread(target) -> None:
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
 
     with context_parallel_region(None, torch.arange(4)):
         with context_parallel_region(None, torch.arange(2)):
-            for target in (autograd_thread, check_rank):
-                thread = threading.Thread(target=target)
-                thread.start()
-                thread.join()
-            assert seen["autograd"].tolist() == [0, 1] and seen["rank"] is None
-        thread = threading.Thread(target=autograd_thread)
-        thread.start()
-        thread.join()
-        assert seen["autograd"].tolist() == [0, 1, 2, 3]
+            in_thread(check_rank)
+            in_thread(autograd_thread)
+            assert seen["backward"].tolist() == [0, 1] and seen["forward"] is None and seen["rank"] is None
+        in_thread(autograd_thread)
+        assert seen["backward"].tolist() == [0, 1, 2, 3]
     assert current_positions() is None
 
 

@@ -108,12 +108,16 @@ def regions_of_this_thread_only() -> None:
 
 
 def _current() -> _Region | None:
-    """This thread's innermost region; in a thread that opened none, the last one any thread opened: on CUDA,
-    autograd's device thread runs backward, and with it the recomputation of a checkpointed block, inside the
-    step's region that the training thread opened."""
+    """This thread's innermost region; in a thread that opened none, while it runs a backward, the last one any
+    thread opened: on CUDA, autograd's device thread runs backward, and with it the recomputation of a
+    checkpointed block, inside the step's region that the training thread opened. Other threads (a user's
+    evaluation thread, each rank thread of `lightning_nd.check`) see none."""
     if _threads.open:
         return _threads.open[-1]
-    return _everywhere[-1] if _everywhere and not _threads.own_only else None
+    if _threads.own_only or torch._C._current_graph_task_id() == -1:  # only a thread running a backward borrows
+        return None
+    everywhere = list(_everywhere)  # another thread may close its region meanwhile
+    return everywhere[-1] if everywhere else None
 
 
 def current_positions() -> torch.Tensor | None:
