@@ -44,8 +44,8 @@ def test_each_change_is_priced_with_the_same_global_batch():
     actions = {change.action: memory.peak_bytes for change, memory, _ in priced}
     assert {"NDParallel(activation_checkpointing='full')", "NDParallel(dp_replicate=1, dp_shard=4)",
             "NDParallel(tp=2, dp_shard=1)", "NDParallel(pp=2, dp_shard=1)"} <= set(actions)
-    # Ring attention materialises each hop's scores: at 256 tokens and 8 heads cp=2 costs more than it saves.
-    assert actions.pop("NDParallel(cp=2, dp_shard=1)") > before
+    # Ring attention keeps what the fused kernel keeps for its half of the tokens: cp=2 lowers the peak too.
+    assert "NDParallel(cp=2, dp_shard=1)" in actions
     assert all(peak < before for peak in actions.values()), (before, actions)
     assert min(actions, key=actions.get) == "NDParallel(pp=2, dp_shard=1)"
     halved = next(trial for change, _, trial in priced if change.batch is not None)
