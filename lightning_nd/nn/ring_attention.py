@@ -83,9 +83,10 @@ class _Ring(torch.autograd.Function):
         out = torch.zeros(q.shape, dtype=dtype, device=q.device)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=dtype, device=q.device)
         kv = torch.stack([k, v])  # one tensor per hop: K and V travel together
+        pairs = [block_pairs(positions, every[(rank - step) % size], causal) for step in range(size)]
         for step in range(size):
             hop = _Hop(group, kv, report, KV_TAG) if step + 1 < size else None  # travels while this block computes
-            for pair in block_pairs(positions, every[(rank - step) % size], causal):
+            for pair in pairs[step]:
                 block_out, block_lse = block_forward(q[:, :, pair.q], kv[0][:, :, pair.k], kv[1][:, :, pair.k],
                                                      causal=pair.kind == "causal", scale=scale, mask=_on(pair, q))
                 _merge_into(out, lse, pair.q, block_out, block_lse)
@@ -93,20 +94,20 @@ class _Ring(torch.autograd.Function):
                 kv = hop.wait()
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring = (positions, every, group, causal, scale, report)
+        ctx.ring = (pairs, group, scale, report)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        positions, every, group, causal, scale, report = ctx.ring
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        pairs, group, scale, report = ctx.ring
+        size = dist.get_world_size(group)
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         kv, grads = torch.stack([k, v]), None
         for step in range(size):
             hop = _Hop(group, kv, report, KV_TAG) if step + 1 < size else None
             block_grad = torch.zeros((2, *k.shape), dtype=lse.dtype, device=k.device)
-            for pair in block_pairs(positions, every[(rank - step) % size], causal):
+            for pair in pairs[step]:
                 rows = pair.q
                 dq_part, dk_part, dv_part = block_backward(
                     grad[:, :, rows], q[:, :, rows], kv[0][:, :, pair.k], kv[1][:, :, pair.k], out[:, :, rows],
