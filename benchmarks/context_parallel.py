@@ -9,7 +9,9 @@ backward. Memory kept for backward: a saved-tensors hook records every tensor au
 once, the inputs (q, k, v) included, K/V at the size they are stored (not expanded to the query heads); the worst
 rank is reported. "fused/cp" is one device running torch's fused CPU kernel on the whole sequence (SDPA, flash
 backend, grouped-query), divided by cp: the target is ring <= 1.15x of it. "model" is `lightning_nd.cost`'s
-attention memory per rank (`attention_saved`) for the same tokens, against the measured.
+attention memory per rank (`attention_saved`) for the same tokens, against the measured. Under selective
+recomputation (torch's MemTracker, activation memory after forward) the ring keeps its fused kernels' outputs as
+well: measured against the model's count of them.
 
 Work: query-key pairs each rank's kernels score (`nn/block_pairs.py`: the diagonal sub-chunks by the causal
 kernel, blocks above the diagonal skipped), max over mean (target <= 1.05 at cp = 4). Time: per-rank CPU time
@@ -77,13 +79,44 @@ def ring(seq: int, cp: int, group) -> int:
     return kept(lambda: ring_attention(q, k, v, positions, group, causal=True))
 
 
-def model_bytes(seq: int, cp: int) -> int:
+def selective_extra(seq: int, cp: int, group) -> int:
+    """Bytes the ring keeps beyond its own saved tensors when selective recomputation checkpoints it (the policy
+    keeps the fused kernels' outputs): activation memory after forward under the policy, less without it."""
+    from functools import partial
+
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from lightning_nd.nn.ring_attention import ring_attention
+    from lightning_nd.parallel.activation import _selective_policy
+    from lightning_nd.parallel.context.sharding import shard_positions
+
+    positions = shard_positions(seq, cp, dist.get_rank(group))
+    q, k, v = sequence(seq, positions)
+    kept = []
+    for selective in (False, True):
+        def attend(*qkv):
+            return ring_attention(*qkv, positions, group, causal=True)
+
+        with MemTracker() as tracker:
+            out = (checkpoint(attend, q, k, v, use_reentrant=False,
+                              context_fn=partial(create_selective_checkpoint_contexts, _selective_policy))
+                   if selective else attend(q, k, v))
+            kept.append(next(iter(tracker.get_tracker_snapshot().values())).get("Activation", 0))
+        out.sum().backward()
+    return kept[1] - kept[0]
+
+
+def model_bytes(seq: int, cp: int, recompute: str = "none") -> int:
     from lightning_nd.cost.activations import attention_saved
     from lightning_nd.cost.shape import ModelShape
 
     shape = ModelShape(hidden=HEADS * HEAD_DIM, layers=1, heads=HEADS, kv_heads=KV_HEADS, intermediate=0, vocab=0,
                        params=0)
-    return sum(seq // cp * saved.elements * saved.bytes for saved in attention_saved(shape, 4, cp))
+    saved = attention_saved(shape, 4, cp, recompute)
+    if recompute == "selective":  # beyond what the ring saves itself (and the projections, outside attention)
+        saved = tuple(s for s in saved if s.what.startswith("each ring block"))
+    return sum(seq // cp * s.elements * s.bytes for s in saved)
 
 
 def work(seq: int, cp: int) -> list[int]:
@@ -129,6 +162,7 @@ def main() -> None:
         for cp in (1, 2, 4):
             measured = worst(ring(seq, cp, groups[cp]))
             rows.append((seq, cp, measured, fused / cp, model_bytes(seq, cp)))
+    selective = [(cp, worst(selective_extra(2048, cp, groups[cp]))) for cp in (2, 4)]
     timed_seq = seqs[-1] if len(seqs) == 1 else 8192
     times = [cpu_seconds(timed_seq, 2, groups[2]) for _ in range(REPEATS)]
     medians = [torch.zeros(1) for _ in range(WORLD_SIZE)]
@@ -140,6 +174,11 @@ def main() -> None:
         for seq, cp, measured, target, model in rows:
             print(f"{seq:>6} {cp:>3} {measured / 2**20:>9.2f} {target / 2**20:>9.2f} {measured / target:>16.3f}"
                   f" {model / 2**20:>9.2f} {model / measured:>11.3f}")
+        print("\nUnder selective recomputation, S = 2048: kept beyond the ring's own tensors (worst rank), MB")
+        for cp, measured in selective:
+            model = model_bytes(2048, cp, "selective")
+            print(f"cp={cp}: measured {measured / 2**20:.2f}, model {model / 2**20:.2f}, model/measured"
+                  f" {model / measured:.3f}")
         print(f"\nCausal work per rank (query-key pairs scored), S = {timed_seq}, head-tail shards")
         for cp in (2, 4):
             pairs_per_rank = work(timed_seq, cp)
