@@ -149,3 +149,18 @@ def test_waiting_for_an_object_nobody_sends_is_a_hang_and_a_failed_peer_is_said(
     ended = _world({0: fails, 1: waits_for(0)})
     assert isinstance(ended[0], ValueError) and isinstance(ended[1], PeerFailed)
     assert torch.distributed.distributed_c10d._world.__class__.__name__ == "_World"
+
+
+def test_integer_tensors_made_from_nothing_are_real_unless_they_are_huge():
+    """Positions and small masks are made for real (code reads them); a [S, S] mask at a long sequence is fake, so
+    the check needs none of the cluster's memory."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from lightning_nd.check.values import REAL_FACTORY_ELEMENTS, CheckTensorMode
+
+    side = int(REAL_FACTORY_ELEMENTS ** 0.5) * 2
+    with CheckTensorMode(allow_non_fake_inputs=True):
+        made = {"positions": torch.arange(3, 99, 2), "mask": torch.ones(8, 8, dtype=torch.bool),
+                "long mask": torch.ones(side, side, dtype=torch.bool), "long positions": torch.arange(side * side)}
+    assert made["positions"].tolist()[:2] == [3, 5] and made["mask"].all()
+    assert {name for name, value in made.items() if isinstance(value, FakeTensor)} == {"long mask", "long positions"}
