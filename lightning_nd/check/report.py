@@ -39,8 +39,8 @@ def check_markdown(result: CheckResult) -> str:
 def _not_checked(first: RankOutcome) -> str:
     if first.status == "nostep":
         return (f"No failure, but rank {first.rank} ran no training step ({first.error}): only its setup was checked."
-                " HINT: give the check a dataloader with a batch for every rank, and a `training_step` that returns"
-                " the loss.")
+                " HINT: make the model's `train_dataloader` give at least one batch per rank, or drop it and let the"
+                " check make token batches (`--seq-len`, `--micro-batch`).")
     where = f" in `{first.module}`" if first.module else ""
     return (f"No failure, but rank {first.rank} could not be checked to the end: its step reads a value computed from"
             f" the weights{where} ({first.error}), which a fake tensor does not have; what ran before it was checked."

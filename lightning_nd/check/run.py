@@ -47,7 +47,7 @@ class RankOutcome:
     status: str = "ok"
     """ok, failed (the step or setup raised), hang (waited for an object nobody sends), waited (its peer failed
     first), unchecked (the step needed a value computed from the weights) or nostep (fit ended without an optimizer
-    step: an empty dataloader, a `training_step` that returned None)."""
+    step: the model's own dataloader gave no batch)."""
     error: str = ""
     module: str | None = None
     order: int = 0
@@ -162,7 +162,8 @@ def check_layout(module: nn.Module, layout: Layout, arguments: Mapping[str, Any]
                 getattr(lightning, "model", lightning), seq_len, batch, layout.dims["dp_replicate"]
                 * layout.dims["dp_shard"]))
             if trainer.global_step != 1:
-                outcome.status, outcome.order = "nostep", next(failures)
+                with lock:
+                    outcome.status, outcome.order = "nostep", next(failures)
                 outcome.error = f"fit ended after {trainer.global_step} optimizer steps, not 1"
         except BaseException as error:  # kept in the outcome (the world ends the thread): the first one is shown
             chain = exception_chain(error)
