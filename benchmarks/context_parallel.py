@@ -121,9 +121,9 @@ def model_bytes(seq: int, cp: int, recompute: str = "none") -> int:
 
 def work(seq: int, cp: int) -> list[int]:
     from lightning_nd.nn.block_pairs import block_pairs
-    from lightning_nd.parallel.context.sharding import shard_positions
+    from lightning_nd.parallel.context.sharding import every_shard_positions
 
-    shards = [shard_positions(seq, cp, rank) for rank in range(cp)]
+    shards = every_shard_positions(seq, cp)
     return [sum(pair.work for source in shards for pair in block_pairs(shards[rank], source, causal=True))
             for rank in range(cp)]
 

@@ -23,7 +23,7 @@ from lightning_nd.layout.validate import check_sequence_lengths
 from lightning_nd.nn.moe import MoE, moe_layers
 from lightning_nd.parallel.compose import ParallelizeReport
 from lightning_nd.parallel.context.region import context_parallel_region
-from lightning_nd.parallel.context.sharding import shard_batch
+from lightning_nd.parallel.context.sharding import every_shard_positions, shard_batch
 from lightning_nd.runtime.clip import align_grads_to_params, clip_grad_norm_
 from lightning_nd.runtime.mesh import NDMesh
 from lightning_nd.strategy.pipeline_engine import PipelineEngine
@@ -92,8 +92,11 @@ class Steps:
 
             stack.enter_context(loss_parallel())
         if self._positions is not None and self._mesh is not None:
+            cp = self._mesh[0].cp  # `shard_batch` gave every cp rank its head-tail shard: the ring knows them all
+            every = every_shard_positions(self._positions.numel() * cp, cp)
             stack.enter_context(context_parallel_region(self._mesh[1].group("cp"), self._positions,
-                                                        expect_attention=forward, report=self.events.report("cp")))
+                                                        expect_attention=forward, report=self.events.report("cp"),
+                                                        every_position=every))
         return stack
 
     def train(self, module: LightningModule, step: Step, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

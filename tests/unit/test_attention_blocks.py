@@ -12,7 +12,7 @@ import torch
 from lightning_nd.nn import attention_blocks
 from lightning_nd.nn.attention_blocks import block_backward, block_forward
 from lightning_nd.nn.block_pairs import block_pairs
-from lightning_nd.parallel.context.sharding import attention_flops_per_rank, shard_positions
+from lightning_nd.parallel.context.sharding import attention_flops_per_rank, every_shard_positions
 
 
 def _reference(q, k, v, mask):
@@ -58,7 +58,7 @@ def test_two_blocks_merged_and_differentiated_from_the_whole_output_equal_attent
 def test_head_tail_shards_skip_what_lies_above_the_diagonal_and_work_alike():
     cp, seq = 4, 64
     chunk = seq // (2 * cp)
-    shards = [shard_positions(seq, cp, rank) for rank in range(cp)]
+    shards = every_shard_positions(seq, cp)
     own = block_pairs(shards[1], shards[1], causal=True)
     assert sorted((p.kind, p.q.start, p.k.start) for p in own) == [
         ("causal", 0, 0), ("causal", chunk, chunk), ("full", chunk, 0)]  # the early queries never see the late keys
@@ -69,7 +69,7 @@ def test_head_tail_shards_skip_what_lies_above_the_diagonal_and_work_alike():
     work = [sum(p.work for source in shards for p in block_pairs(shards[rank], source, causal=True))
             for rank in range(cp)]
     assert work == attention_flops_per_rank(seq, cp, "zigzag") and len(set(work)) == 1
-    contiguous = [shard_positions(seq, cp, rank, "contiguous") for rank in range(cp)]
+    contiguous = every_shard_positions(seq, cp, "contiguous")
     assert block_pairs(contiguous[0], contiguous[3], causal=True) == []  # the first rank sees no later key
 
 

@@ -19,7 +19,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.distributed_c10d import ProcessGroup
@@ -28,7 +27,6 @@ from torch.distributed.fsdp import FSDPModule
 from lightning_nd.layout.batch import tensors_of
 from lightning_nd.layout.positions import forward_signature
 from lightning_nd.nn.ring_attention import ring_attention
-from lightning_nd.parallel.context.sharding import shard_positions
 
 
 @dataclass(eq=False)
@@ -38,19 +36,8 @@ class _Region:
     report: Callable[[str, dict], None] | None = None
     routed: int = 0
     every_position: torch.Tensor | None = None
-    """Every cp rank's positions, when this rank's are its head-tail shard (`shard_batch`'s): the ring then needs no
-    all-gather to learn them. Found when the region opens, outside any checkpointed block, so a recomputed block
-    runs the same operations as its forward did."""
-
-
-def _head_tail_positions(group: ProcessGroup, positions: torch.Tensor) -> torch.Tensor | None:
-    if not dist.is_initialized():  # a region tried on one process, without the ring
-        return None
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    seq = positions.numel() * size
-    if seq % (2 * size) or not torch.equal(positions.cpu(), shard_positions(seq, size, rank)):
-        return None
-    return torch.stack([shard_positions(seq, size, other) for other in range(size)])
+    """Every cp rank's positions, when the caller knows them (`sharding.every_shard_positions`): the ring then needs
+    no all-gather to learn them."""
 
 
 class _Regions(threading.local):
@@ -69,13 +56,14 @@ _depth = [0]  # regions open in all threads: the switch is made by the first and
 
 @contextmanager
 def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, expect_attention: bool = False,
-                            report: Callable[[str, dict], None] | None = None) -> Iterator[None]:
+                            report: Callable[[str, dict], None] | None = None,
+                            every_position: torch.Tensor | None = None) -> Iterator[None]:
     """Route SDPA to ring attention and expose ``positions`` (this rank's global token positions).
 
     With ``expect_attention`` (a forward step), a region in which no attention was routed raises: the
     model attended only within this rank's shard (eager/flash attention, or SDPA imported by name).
     """
-    region = _Region(group, positions, report, every_position=_head_tail_positions(group, positions))
+    region = _Region(group, positions, report, every_position=every_position)
     if not _depth[0]:
         _outside.append((F.scaled_dot_product_attention, torch.backends.mha.get_fastpath_enabled()))
         F.scaled_dot_product_attention = _routed_sdpa
@@ -97,8 +85,8 @@ def context_parallel_region(group: ProcessGroup, positions: torch.Tensor, *, exp
         raise ValueError(
             "Context parallelism: the step ran no `torch.nn.functional.scaled_dot_product_attention` call over this"
             " rank's shard of the sequence, so attention saw only the shard. HINT: use SDPA attention (Hugging Face:"
-            " `attn_implementation=\"sdpa\"`; your own code: call it as `torch.nn.functional.scaled_dot_product_attention`"
-            " or `F.scaled_dot_product_attention`), or use cp=1."
+            " `attn_implementation=\"sdpa\"`; your own code: call it as"
+            " `torch.nn.functional.scaled_dot_product_attention` or `F.scaled_dot_product_attention`), or use cp=1."
         )
 
 

@@ -34,6 +34,11 @@ def shard_positions(seq_len: int, cp: int, rank: int, sharding: Sharding = "zigz
     return torch.cat([positions[rank], positions[chunks - 1 - rank]])
 
 
+def every_shard_positions(seq_len: int, cp: int, sharding: Sharding = "zigzag") -> torch.Tensor:
+    """Every rank's `shard_positions`, [cp, seq_len / cp]: what ring attention needs to know of the other ranks."""
+    return torch.stack([shard_positions(seq_len, cp, rank, sharding) for rank in range(cp)])
+
+
 def attention_flops_per_rank(seq_len: int, cp: int, sharding: Sharding, *, causal: bool = True) -> list[int]:
     """Query-key pairs each rank scores (proportional to its attention FLOPs)."""
     work = []
