@@ -62,23 +62,20 @@ def block_pairs(q_positions: torch.Tensor, k_positions: torch.Tensor, causal: bo
 
 def _joined(pairs: list[Pair]) -> list[Pair]:
     """Full pairs sharing their keys with adjacent queries, or their queries with adjacent keys, as one."""
-    pairs = list(pairs)
-    joined = True
-    while joined:
-        joined = False
-        for i, a in enumerate(pairs):
-            for j, b in enumerate(pairs):
-                if i == j or a.kind != "full" or b.kind != "full":
-                    continue
-                if a.k == b.k and a.q.stop == b.q.start:
-                    merged = Pair(slice(a.q.start, b.q.stop), a.k, "full")
-                elif a.q == b.q and a.k.stop == b.k.start:
-                    merged = Pair(a.q, slice(a.k.start, b.k.stop), "full")
-                else:
-                    continue
-                pairs = [p for n, p in enumerate(pairs) if n not in (i, j)] + [merged]
-                joined = True
-                break
-            if joined:
-                break
-    return pairs
+    while True:
+        found = next(((i, j, joined) for i, a in enumerate(pairs) for j, b in enumerate(pairs)
+                      if i != j and (joined := _join(a, b)) is not None), None)
+        if found is None:
+            return pairs
+        i, j, joined = found
+        pairs = [pair for n, pair in enumerate(pairs) if n not in (i, j)] + [joined]
+
+
+def _join(a: Pair, b: Pair) -> Pair | None:
+    if a.kind != "full" or b.kind != "full":
+        return None
+    if a.k == b.k and a.q.stop == b.q.start:
+        return Pair(slice(a.q.start, b.q.stop), a.k, "full")
+    if a.q == b.q and a.k.stop == b.k.start:
+        return Pair(a.q, slice(a.k.start, b.k.stop), "full")
+    return None
