@@ -61,6 +61,14 @@ def sequence(seq: int, positions: torch.Tensor | None = None) -> list[torch.Tens
     return [(t if positions is None else t[:, :, positions]).clone().requires_grad_() for t in full]
 
 
+def this_ranks_shard(seq: int, cp: int, group) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This rank's head-tail positions and its rows of q, k, v."""
+    from lightning_nd.parallel.context.sharding import shard_positions
+
+    positions = shard_positions(seq, cp, dist.get_rank(group))
+    return positions, sequence(seq, positions)
+
+
 def fused_one_device(seq: int) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -72,10 +80,7 @@ def fused_one_device(seq: int) -> int:
 
 def ring(seq: int, cp: int, group) -> int:
     from lightning_nd.nn.ring_attention import ring_attention
-    from lightning_nd.parallel.context.sharding import shard_positions
-
-    positions = shard_positions(seq, cp, dist.get_rank(group))
-    q, k, v = sequence(seq, positions)
+    positions, (q, k, v) = this_ranks_shard(seq, cp, group)
     return kept(lambda: ring_attention(q, k, v, positions, group, causal=True))
 
 
@@ -89,10 +94,7 @@ def selective_extra(seq: int, cp: int, group) -> int:
 
     from lightning_nd.nn.ring_attention import ring_attention
     from lightning_nd.parallel.activation import _selective_policy
-    from lightning_nd.parallel.context.sharding import shard_positions
-
-    positions = shard_positions(seq, cp, dist.get_rank(group))
-    q, k, v = sequence(seq, positions)
+    positions, (q, k, v) = this_ranks_shard(seq, cp, group)
     kept = []
     for selective in (False, True):
         def attend(*qkv):
@@ -130,10 +132,7 @@ def work(seq: int, cp: int) -> list[int]:
 
 def cpu_seconds(seq: int, cp: int, group) -> float:
     from lightning_nd.nn.ring_attention import ring_attention
-    from lightning_nd.parallel.context.sharding import shard_positions
-
-    positions = shard_positions(seq, cp, dist.get_rank(group))
-    q, k, v = sequence(seq, positions)
+    positions, (q, k, v) = this_ranks_shard(seq, cp, group)
     dist.barrier()
     start = time.process_time()
     ring_attention(q, k, v, positions, group, causal=True).square().mean().backward()
