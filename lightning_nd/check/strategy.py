@@ -17,6 +17,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from torch._subclasses.fake_tensor import FakeTensorMode
 from typing_extensions import override
 
+from lightning_nd.runtime.ties import to_empty_keeping_ties
 from lightning_nd.strategy.nd_parallel import NDParallel
 
 
@@ -40,7 +41,7 @@ class CheckedParallel(NDParallel):
         with self.fake_mode:
             if self.loaded:
                 assert self.model is not None
-                self.model.to_empty(device=device)
+                to_empty_keeping_ties(self.model, device)
             else:
                 super()._materialize(device)
 

@@ -39,9 +39,10 @@ class Names:
                                                    len(self._units)))
 
     def original(self, name: str) -> str:
+        """A tensor's or module's name in the whole model (a stage's copy of the model: the model's own)."""
         if self._prefix is None or not name.startswith(self._prefix):
             return name
-        return self._prefix + PipelineStages.original_name(name[len(self._prefix):])
+        return (self._prefix + PipelineStages.original_name(name[len(self._prefix):])).rstrip(".")
 
     def optimizer_name(self, name: str) -> str:
         """The whole-model name of a parameter's optimizer state: a tied copy's is the weight it copies."""

@@ -49,14 +49,15 @@ def read_layout_arguments(arguments: Mapping[str, Any]) -> LayoutArguments:
 
 
 def plan_for(arguments: LayoutArguments, devices: int, module: nn.Module | None, *, precision: str | None = None,
-             gpus_per_node: int | None = None, memo: PlanMemo | None = None) -> Layout | None:
+             gpus_per_node: int | None = None, memo: PlanMemo | None = None, init_on_meta: bool = True) -> Layout | None:
     """What `Trainer(devices=devices, strategy=...)` checks when built, then what ``connect(module)`` plans
-    (None without a module). ``memo``: `plan_layout`'s, for repeated plans of one module."""
+    (None without a module). ``memo``: `plan_layout`'s, for repeated plans of one module; ``init_on_meta``: as
+    `NDParallel`'s (a model `configure_model` builds on the meta device is checked as materialising needs it)."""
     dims = ParallelDims(**arguments.sizes, world_size=devices)  # as the strategy makes them for the launcher
     check_config(dims.as_dict(), arguments.config)
     if module is None:
         return None
-    probe = model_to_check(module)
+    probe = model_to_check(module, on_meta=init_on_meta)
     if probe is None:
         raise ValueError(f"`{type(module).__name__}.configure_model` needs the running job (the device mesh), so"
                          " its model cannot be built before launch. HINT: plan a factory of the model itself.")
@@ -71,7 +72,7 @@ def dry_run(module: nn.Module, devices: int, sizes: Mapping[str, Any], options: 
     every check it makes first. ``module``: the LightningModule (or a `Holder` of the model); ``memo``:
     `plan_layout`'s `PlanMemo`, kept by a caller that plans the same module many times."""
     layout = plan_for(read_layout_arguments({**sizes, **options}), devices, module, precision=precision,
-                      gpus_per_node=gpus_per_node, memo=memo)
+                      gpus_per_node=gpus_per_node, memo=memo, init_on_meta=options.get("init_on_meta", True))
     assert layout is not None
     if seq_len is not None:
         check_batch_shape(layout, seq_len, micro_batch or 1)

@@ -1,98 +1,96 @@
-"""Turn a sharded meta-device model into real tensors, each rank allocating only its own shards.
+"""Turn a sharded meta-device model into real tensors, each rank allocating only its own shards, as the model plain
+construction gives.
 
-``to_empty`` allocates the local shards, then every module's ``reset_parameters()`` fills them.
-On CPU meshes DTensor has no distributed RNG (torch warns "DTensor random operators may not have
-complete support on cpu device mesh"): every rank would draw the *same* numbers, so all shards of
-a weight would be copies of each other. So each tensor is drawn under a seed made from the identity
-of its shard (module, mesh dims and this rank's coordinate on the dims that split it): ranks that
-hold the same shard draw the same numbers, ranks that hold different shards draw different ones.
-That holds however a tensor is replicated: on a Replicate mesh dim, or on dims outside its mesh
-(a norm weight FSDP shards over dp is still replicated over tp), or everywhere (a plain tensor).
+``to_empty`` allocates the local shards, keeping every tie (`ties.py`); every module's ``reset_parameters()`` fills
+them, a tensor shared by several modules by the module that created it; then the model's own init entry points run
+again (`model_init.py`, recorded while the model was built: `init_record.py`). Every draw is seeded per shard
+(`shard_seeds.py`), so shards differ and replicas agree on CPU meshes too.
 """
 
 from __future__ import annotations
 
-import hashlib
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import cast
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from lightning_nd.runtime.init_replay import replay
+from lightning_nd.runtime.model_init import ModelInit
 from lightning_nd.runtime.probe import check_initialisable, own_tensors
+from lightning_nd.runtime.shard_seeds import local, shard_identity, shard_seed
+from lightning_nd.runtime.ties import shared_tensors, tensor_slots, to_empty_keeping_ties
 
 
 def has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in own_tensors(module))
 
 
-def shard_identity(tensor: torch.Tensor) -> tuple:
-    """Equal on exactly the ranks that hold the same values of ``tensor``."""
-    if not isinstance(tensor, DTensor):
-        return ()
-    mesh = tensor.device_mesh
-    coordinate: Sequence[int] = mesh.get_coordinate() or []
-    return tuple(
-        (mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else dim, coordinate[dim])
-        for dim, placement in enumerate(tensor.placements)
-        if not (placement.is_replicate() or placement.is_partial())
-    )
-
-
-def _seed(base: int, module_index: int, identity: tuple) -> int:
-    digest = hashlib.sha256(repr((base, module_index, identity)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") % (2**63)
-
-
-def materialize(module: nn.Module, device: torch.device, seed: int = 0) -> None:
+def materialize(module: nn.Module, device: torch.device, seed: int = 0, init: ModelInit | None = None,
+                original_name: Callable[[str], str] | None = None) -> None:
     """Allocate and initialise every meta tensor of ``module``, each rank only its shards.
 
-    A tensor shared by several modules (a tied head) is initialised by the first module that owns
-    it, as when the tie is made after construction (``head.weight = embedding.weight``).
+    ``init``: what building the model recorded (`InitRecorder.resolve`); ``original_name``: this rank's module and
+    tensor names -> the whole model's (under pp the stages hold copies of the model).
     """
     if not has_meta(module):
         return
-    check_initialisable(module)
-    module.to_empty(device=device)
+    init = init or ModelInit()
+    name_of = original_name or (lambda name: name)
+    check_initialisable(module, init, name_of)
+    to_empty_keeping_ties(module, device)
+    initialisers = _initialisers(module, dict(init.creators), name_of)
     cuda_devices = [device.index or 0] if device.type == "cuda" else []
-    done: set[int] = set()
     with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices), warnings.catch_warnings():
         # torch's warning is about exactly the gap the per-shard seeds close on CPU meshes.
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu")
-        for index, submodule in enumerate(module.modules()):
+        for path, submodule in module.named_modules():
             own = list(own_tensors(submodule, recurse=False))
             if not own or not callable(getattr(submodule, "reset_parameters", None)):
                 continue
-            earlier = {id(t): _local(t).clone() for t in own if id(t) in done}
-            _reset_per_identity(submodule, own, seed, index)
+            others = {id(t): local(t).clone() for t in own if initialisers.get(id(t), submodule) is not submodule}
+            _reset_per_identity(submodule, own, seed, name_of(path))
             for tensor in own:
-                if id(tensor) in earlier:
-                    _local(tensor).copy_(earlier[id(tensor)])
-            done.update(id(t) for t in own)
+                if id(tensor) in others:
+                    local(tensor).copy_(others[id(tensor)])
+        replay(module, init.calls, seed, device, name_of)
+
+
+def _initialisers(module: nn.Module, creators: dict[str, str], name_of: Callable[[str], str]) -> dict[int, nn.Module]:
+    """For each tensor several modules hold, the one whose ``reset_parameters()`` initialises it: the module that
+    created it, as in plain construction (``head.weight = embedding.weight`` keeps the embedding's values), else the
+    first holder that has one."""
+    paths = {id(m): name_of(path) for path, m in module.named_modules()}
+    names: dict[int, str] = {}
+    for name, _, tensor in tensor_slots(module):
+        names.setdefault(id(tensor), name_of(name))
+    chosen: dict[int, nn.Module | None] = {}
+    for key, holders in shared_tensors(module).items():
+        able = [holder for holder, _, _ in holders if callable(getattr(holder, "reset_parameters", None))]
+        creator = creators.get(names[key])
+        chosen[key] = next((holder for holder in able if paths.get(id(holder)) == creator), able[0] if able else None)
+    return {key: holder for key, holder in chosen.items() if holder is not None}
 
 
 @torch.no_grad()
-def _reset_per_identity(submodule: nn.Module, own: list[torch.Tensor], seed: int, index: int) -> None:
+def _reset_per_identity(submodule: nn.Module, own: list[torch.Tensor], seed: int, path: str) -> None:
     """One ``reset_parameters()`` per distinct shard identity among the module's tensors, each kept
-    only for the tensors of that identity (usually one pass; two for e.g. a rowwise weight + bias)."""
+    only for the tensors of that identity (usually one pass; two for e.g. a rowwise weight + bias). The draws are
+    keyed by the module's name in the whole model, so no two modules draw alike, whichever modules a rank holds
+    (under pp, block 0 of one stage and block 0 of another are different blocks)."""
     identities = {id(t): shard_identity(t) for t in own}
     if len(set(identities.values())) == 1:
-        torch.manual_seed(_seed(seed, index, next(iter(identities.values()))))
+        torch.manual_seed(shard_seed(seed, path, next(iter(identities.values()))))
         # `materialize` checked that the module has a callable `reset_parameters`, which `nn.Module` does not declare.
         cast("Callable[[], None]", submodule.reset_parameters)()
         return
     kept: dict[int, torch.Tensor] = {}
     for identity in dict.fromkeys(identities.values()):
-        torch.manual_seed(_seed(seed, index, identity))
+        torch.manual_seed(shard_seed(seed, path, identity))
         cast("Callable[[], None]", submodule.reset_parameters)()
         for tensor in own:
             if identities[id(tensor)] == identity:
-                kept[id(tensor)] = _local(tensor).clone()
+                kept[id(tensor)] = local(tensor).clone()
     for tensor in own:
-        _local(tensor).copy_(kept[id(tensor)])
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor.data
+        local(tensor).copy_(kept[id(tensor)])

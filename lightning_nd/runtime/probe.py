@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from typing import cast
 
 import torch
 
 from lightning_nd.layout.structure import torch_class
+from lightning_nd.runtime.init_record import InitRecorder
+from lightning_nd.runtime.model_init import Lost, ModelInit
+from lightning_nd.runtime.ties import tensor_slots
 
 log = logging.getLogger("lightning_nd")
 
@@ -28,26 +32,30 @@ def builds_in_configure_model(module: torch.nn.Module) -> bool:
     return base is not None and getattr(type(module), "configure_model", None) is not getattr(base, "configure_model")
 
 
-def model_to_check(model: torch.nn.Module) -> torch.nn.Module | None:
+def model_to_check(model: torch.nn.Module, on_meta: bool = True) -> torch.nn.Module | None:
     """The module `plan_layout` plans before any process group exists.
 
     A model built in `configure_model` does not exist yet: build it on a meta-device copy. If that
     hook needs the running job (it reads `self.device_mesh`), None: the strategy plans in `setup`.
+    ``on_meta``: the run builds it on the meta device too, so what materialising it could not give again
+    (`InitRecorder`) is refused here.
     """
     if any(True for _ in model.parameters()) or not builds_in_configure_model(model):
         return model
+    recorder = InitRecorder()
     try:
         # The attached Trainer (loggers, dataloaders, the strategy) is shared, not copied.
         trainer = getattr(model, "_trainer", None)
         probe = copy.deepcopy(model, memo={id(trainer): trainer} if trainer is not None else None)
-        with torch.device("meta"):
+        with recorder if on_meta else nullcontext(), torch.device("meta"):
             cast("Callable[[], None]", probe.configure_model)()  # a LightningModule's, as checked above
     except Exception as error:  # the hook needs the process group; `setup` plans the real model
         log.debug("configure_model could not run before the processes start (%s); planning in setup", error)
         return None
     if not any(True for _ in probe.parameters()):
         return None
-    check_initialisable(probe)
+    if on_meta:
+        check_initialisable(probe, recorder.resolve(probe))
     return probe
 
 
@@ -67,21 +75,29 @@ def own_tensors(module: torch.nn.Module, recurse: bool = True) -> Iterator[torch
     yield from module.buffers(recurse=recurse)
 
 
-def uninitialisable(module: torch.nn.Module) -> list[str]:
+def uninitialisable(module: torch.nn.Module, init: ModelInit | None = None,
+                    original_name: Callable[[str], str] | None = None) -> list[str]:
     """Classes of modules that own parameters or buffers a meta-device build could not initialise
-    (no ``reset_parameters()``, and no other module that does initialises the same tensor)."""
+    (no ``reset_parameters()``, no other module that does initialises the same tensor, and the model's own init
+    entry points, ``init.covered`` by the whole model's names, do not either)."""
+    name_of = original_name or (lambda name: name)
     covered = {
         id(t) for m in module.modules() if callable(getattr(m, "reset_parameters", None)) for t in own_tensors(m, False)
     }
+    covered |= {id(t) for name, _, t in tensor_slots(module) if init is not None and name_of(name) in init.covered}
     return sorted({
         type(m).__name__ for m in module.modules()
         if not callable(getattr(m, "reset_parameters", None)) and any(id(t) not in covered for t in own_tensors(m, False))
     })
 
 
-def check_initialisable(module: torch.nn.Module) -> None:
-    """Raise, naming the fix, when materialising ``module`` would leave uninitialised memory."""
-    missing = uninitialisable(module)
+def check_initialisable(module: torch.nn.Module, init: ModelInit | None = None,
+                        original_name: Callable[[str], str] | None = None) -> None:
+    """Raise, naming the fix, when materialising ``module`` would leave uninitialised memory, or would give a tensor
+    other values than the model's own initialisation gave it (``init.lost``)."""
+    if init is not None and init.lost:
+        raise ValueError(lost_message(init.lost))
+    missing = uninitialisable(module, init, original_name)
     if missing:
         raise ValueError(
             f"The model is built on the meta device (in `configure_model`), but {', '.join(missing)} cannot be"
@@ -89,3 +105,20 @@ def check_initialisable(module: torch.nn.Module) -> None:
             " HINT: give them a `reset_parameters()`, build the model in `__init__`, or pass"
             " `NDParallel(init_on_meta=False)` to run `configure_model` on the real device."
         )
+
+
+SHOWN = 8
+
+
+def lost_message(lost: Sequence[Lost]) -> str:
+    shown = ", ".join(f"`{item.tensor}` ({item.where})" for item in lost[:SHOWN])
+    more = f" and {len(lost) - SHOWN} more" if len(lost) > SHOWN else ""
+    return (
+        f"The model is built on the meta device (in `configure_model`), where it initialises {shown}{more} in a way"
+        " materialising cannot repeat: each rank gives every tensor its module's `reset_parameters()`, then runs again"
+        " only the init entry points the model's construction called (`init_weights()`, `self.apply(self._init_weights)`,"
+        " transformers' `post_init()`), and these values come from elsewhere, so every layout would start from"
+        " another model than the one you wrote. HINT: move that initialisation into an `init_weights()` method (or"
+        " an `_init_weights(module)` applied with `self.apply`) that the model's constructor calls, build the model in"
+        " `__init__`, or pass `NDParallel(init_on_meta=False)` to run `configure_model` on the real device."
+    )

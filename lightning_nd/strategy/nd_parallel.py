@@ -8,7 +8,7 @@ events (`events.py`, `step_events.py`, `lifecycle.py`).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -27,7 +27,6 @@ from lightning_nd.layout.record import Layout
 from lightning_nd.parallel.compose import ParallelizeReport
 from lightning_nd.parallel.fsdp import accumulate_without_sync
 from lightning_nd.parallel.pipeline.schedule import full_value
-from lightning_nd.runtime.materialize import materialize
 from lightning_nd.runtime.mesh import NDMesh, build_mesh
 from lightning_nd.runtime.timeouts import HEARTBEAT_TIMEOUT, INIT_TIMEOUT, STEP_TIMEOUT, check_timeouts
 from lightning_nd.strategy import lifecycle
@@ -35,6 +34,7 @@ from lightning_nd.strategy.checkpointer import CheckpointedRun, Checkpointer
 from lightning_nd.strategy.cluster_checks import check_launch
 from lightning_nd.strategy.events import EventBus, FailureVerdict
 from lightning_nd.strategy.failure_monitor import FailureMonitor
+from lightning_nd.strategy.meta_build import MetaBuild
 from lightning_nd.strategy.preflight import Preflight
 from lightning_nd.strategy.run_plan import Placement, RunPlan
 from lightning_nd.strategy.step_events import StepEvents
@@ -72,12 +72,12 @@ class NDParallel(ModelParallelStrategy):
                          timeout=init_timeout)
         sizes, options, _ = split_arguments(given)
         arguments = read_arguments(sizes, options)
-        self.config, self._init_on_meta = arguments.config, init_on_meta
+        self.config, self.meta_build = arguments.config, MetaBuild(init_on_meta)
         self.events = EventBus(self)
         self.step_events = StepEvents(self.events)
         self.steps = Steps(self.config, self.step_events)
         self.preflight = Preflight(self.events)
-        self.plan = RunPlan(arguments.sizes, self.config, self.events, self.preflight)
+        self.plan = RunPlan(arguments.sizes, self.config, self.events, self.preflight, init_on_meta)
         self.failures = FailureMonitor(timeout, init_timeout, heartbeat_timeout, barrier=self.barrier,
                                        resume_hint=lambda: self.checkpointer.resume_hint(),
                                        on_verdict=self._deliver_verdict)
@@ -161,8 +161,7 @@ class NDParallel(ModelParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        meta = torch.device("meta") if (self._init_on_meta if empty_init is None else empty_init) else nullcontext()
-        with meta, self.precision_plugin.tensor_init_context():
+        with self.meta_build.context(empty_init, self.precision_plugin.tensor_init_context):
             yield
 
     @override
@@ -170,6 +169,7 @@ class NDParallel(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
+        self.meta_build.resolve(self.model)
         self.plan.apply(self.model, self.device_mesh, self._placement(), trainer.log_dir if trainer.loggers else None)
         device = torch.device("cpu") if self.config.cpu_offload else self.root_device  # offload: FSDP moves them
         self._materialize(device)
@@ -187,7 +187,7 @@ class NDParallel(ModelParallelStrategy):
 
     def _materialize(self, device: torch.device) -> None:
         """Meta shards become tensors (fake ones under `lightning_nd.check`); one seed for all, from rank 0."""
-        materialize(self.model, device, seed=self.broadcast(torch.initial_seed() % 2**31))  # type: ignore[arg-type]
+        self.meta_build.materialize(self.model, device, self.broadcast, self.plan.layout)  # type: ignore[arg-type]
 
     # ---- every step, in the order it runs ---------------------------------------------------------
 

@@ -47,9 +47,12 @@ class Placement:
 
 
 class RunPlan:
-    def __init__(self, sizes: dict[str, int], config: ParallelConfig, bus: EventBus, preflight: Preflight) -> None:
-        """``sizes``: each dim's size as given (-1: fill the world)."""
+    def __init__(self, sizes: dict[str, int], config: ParallelConfig, bus: EventBus, preflight: Preflight,
+                 init_on_meta: bool = True) -> None:
+        """``sizes``: each dim's size as given (-1: fill the world); ``init_on_meta``: `configure_model` builds on
+        the meta device (what materialising could not give again is refused at ``make``)."""
         self.sizes, self.config, self.bus, self.preflight = sizes, config, bus, preflight
+        self.init_on_meta = init_on_meta
         self._dims: ParallelDims | None = None
         self.layout: Layout | None = None
         self.report: ParallelizeReport | None = None
@@ -86,7 +89,7 @@ class RunPlan:
     def make(self, model: nn.Module, where: Placement) -> None:
         """At ``connect``: the Layout of the model, or of `configure_model`'s copy (None when neither can be
         checked before the mesh exists)."""
-        probe = model_to_check(model)
+        probe = model_to_check(model, on_meta=self.init_on_meta)
         self.layout = self._plan(probe, where) if probe is not None else None
         # A copy built by `configure_model` before `setup()` ran may differ from the real model: checked in `apply`.
         self._planned_on = _parameter_shapes(probe) if probe is not None and probe is not model else None
