@@ -231,6 +231,18 @@ def _tied_weights(
     return tuple(tied)
 
 
+def used_twice(model: nn.Module, layout: StageLayout) -> list[tuple[str, str]]:
+    """(first name, other name) of every parameter one stage holds under two names (a tie inside the stage)."""
+    found = []
+    for units in layout.stages:
+        first: dict[int, str] = {}
+        for unit in units:
+            for name, param in get_submodule(model, unit).named_parameters(remove_duplicate=False):
+                if first.setdefault(id(param), f"{unit}.{name}") != f"{unit}.{name}":
+                    found.append((first[id(param)], f"{unit}.{name}"))
+    return found
+
+
 def pipeline_model(module: nn.Module) -> tuple[str, nn.Module]:
     """The attribute holding the whole model to pipeline, and the model."""
     found = model_child(module)

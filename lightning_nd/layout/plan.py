@@ -16,10 +16,11 @@ from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.hf_styles import experts_modules
 from lightning_nd.layout.holdings import rank_holdings
 from lightning_nd.layout.options import ParallelConfig, ResolvedOptions, block_class_list, jsonable, resolve_options
-from lightning_nd.layout.pipeline_split import pipeline_model, split_stages, stage_ranks
+from lightning_nd.layout.pipeline_split import pipeline_model, split_stages, stage_ranks, used_twice
 from lightning_nd.layout.positions import describe_positions
 from lightning_nd.layout.record import ExpertsPlacement, Layout, StagePlan, Technique, TPEntry
 from lightning_nd.layout.roles import role_groups, role_names
+from lightning_nd.layout.schedules import ZERO_BUBBLE
 from lightning_nd.layout.structure import ModelFacts, find_blocks, is_experts, read_model_facts, unsupported_experts
 from lightning_nd.layout.structure_plan import left_whole
 from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
@@ -122,6 +123,14 @@ def _plan_stages(module: nn.Module, blocks: list[tuple[str, nn.Module]], dims: P
            repr(config.pp_split))
     split = memo.get(key, lambda: split_stages(model, model_blocks, stages, layers_per_stage=config.pp_layers_per_stage,
                                                split_points=config.pp_split))
+    twice = used_twice(model, split) if config.pp_schedule in ZERO_BUBBLE else []
+    if twice:
+        raise ValueError(
+            f"`pp_schedule={config.pp_schedule!r}` splits each stage's backward into input and weight gradients, which"
+            f" torch's pipelining cannot do for a weight one stage uses twice: `{prefix}{twice[0][1]}` is"
+            f" `{prefix}{twice[0][0]}`{f' (and {len(twice) - 1} more)' if len(twice) > 1 else ''}."
+            " HINT: use pp_schedule='interleaved_1f1b' (or '1f1b'), or untie them."
+        )
     return StagePlan(attribute, split, stage_ranks(dims.pp, options.pp_stages_per_rank, config.pp_schedule))
 
 

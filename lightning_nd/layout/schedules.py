@@ -16,6 +16,9 @@ SINGLE_STAGE = ("gpipe", "1f1b")
 LOOPED = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
 V_SHAPED = ("zbv", "dualpipev")
 SCHEDULES = SINGLE_STAGE + LOOPED + V_SHAPED
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv", "dualpipev")
+"""Schedules that split a stage's backward into input and weight gradients. torch 2.13's weight step fails ("Trying to
+backward through the graph a second time") for a parameter a stage uses twice (a tie inside one stage)."""
 
 
 def check_schedule(schedule: str, pp: int, stages_per_rank: int | None, microbatches: int | None) -> tuple[int, int]:
