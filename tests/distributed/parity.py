@@ -196,12 +196,16 @@ def run_layouts(
     accumulate: dict[str, int] | None = None,
     batch: dict[str, int] | None = None,
     validate: list[str] | None = None,
+    starts: dict[str, tuple[str, dict[str, Any]]] | None = None,
 ) -> Any:
     """Every rank trains each layout and returns what it holds; rank 0 also runs the reference.
 
     ``batch``: per-rank batch size by layout (default 2; pipelines need one microbatch or more per
-    stage); ``validate``: layouts whose validation loss after training is compared too.
+    stage); ``validate``: layouts whose validation loss after training is compared too; ``starts``: by name, a
+    model built in `configure_model` and a layout, whose start each rank returns (`meta_starts.start`).
     """
+    from tests.distributed.meta_starts import start
+
     clip, accumulate, batch, validate = clip or {}, accumulate or {}, batch or {}, validate or []
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])  # Lightning's teardown unsets them
     results = {}
@@ -209,11 +213,15 @@ def run_layouts(
         parallel = _train_parallel(model_name, layout, clip.get(key), accumulate.get(key, 1), world,
                                    batch.get(key, PER_RANK_BATCH), key in validate)
         results[key] = {"parallel": parallel}
+    for key, (start_model, layout) in (starts or {}).items():
+        results[key] = {"start": start(start_model, layout, world, batch.get(key, PER_RANK_BATCH))}
     dist.barrier()
     if rank != 0:
         return results  # its own copies of every parameter: replicas must agree with rank 0's reference
     references: dict[tuple[int, float | None], dict[str, Any]] = {}
     for key, result in results.items():
+        if "parallel" not in result:
+            continue
         ref_key = (result["parallel"]["global_batch"], clip.get(key))
         if ref_key not in references:
             references[ref_key] = reference(model_name, *ref_key)
@@ -221,9 +229,10 @@ def run_layouts(
     return results
 
 
-def launcher(tmp_path_factory, launches: dict[str, tuple], **options: Any):
+def launcher(tmp_path_factory, launches: dict[str, tuple], starts: dict[str, dict] | None = None, **options: Any):
     """A function running one named launch (world size, model, layouts, per-rank batch) once, on first use;
-    ``options`` go to `run_layouts` (clip, accumulate)."""
+    ``starts``: by launch, the `configure_model` starts it also runs (`run_layouts`); ``options`` go to
+    `run_layouts` (clip, accumulate)."""
     from tests.launcher import launch
 
     done: dict[str, list] = {}
@@ -231,9 +240,11 @@ def launcher(tmp_path_factory, launches: dict[str, tuple], **options: Any):
     def run(name: str) -> list:
         if name not in done:
             world, model, layouts, batch = launches[name]
+            extra = (starts or {}).get(name, {})
             done[name] = launch("tests.distributed.parity:run_layouts", world, tmp_path_factory.mktemp(name),
-                                timeout=900, model_name=model, layouts=layouts, batch=dict.fromkeys(layouts, batch),
-                                validate=list(layouts), **options)
+                                timeout=900, model_name=model, layouts=layouts,
+                                batch=dict.fromkeys([*layouts, *extra], batch), validate=list(layouts), starts=extra,
+                                **options)
         return done[name]
 
     return run

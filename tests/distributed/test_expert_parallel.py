@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.distributed.meta_starts import assert_starts_like_plain
 from tests.distributed.parity import assert_training_matches, launcher, techniques
 from tests.launcher import launch
 
@@ -67,11 +68,21 @@ ETP = {"moe_etp", "mixtral_etp"}
 CLIP = {"ep2_fsdp2_clip": 0.5}
 ACCUMULATE = {"ep2_fsdp4_accum": 2}
 CASES = [(name, layout) for name, (_, _, layouts, _) in LAUNCHES.items() for layout in layouts]
+# The example MoE model (conf/model/moe.yaml) built in `configure_model` (tests/distributed/meta_starts.py), started
+# in the ep4 launch under ep and every other dim family.
+STARTS = {"moe_ep4": {f"moe_{name}": ("moe", layout) for name, layout in {
+    "ep2_fsdp4": {"ep": 2, "dp_shard": 4}, "ep2_fsdp2_tp2": {"ep": 2, "dp_shard": 2, "tp": 2},
+    "tp4": {"tp": 4}, "pp2_fsdp2": {"pp": 2, "dp_shard": 2}, "cp2_fsdp2": {"cp": 2, "dp_shard": 2}}.items()}}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return launcher(tmp_path_factory, LAUNCHES, clip=CLIP, accumulate=ACCUMULATE)
+    return launcher(tmp_path_factory, LAUNCHES, starts=STARTS, clip=CLIP, accumulate=ACCUMULATE)
+
+
+@pytest.mark.parametrize("start", list(STARTS["moe_ep4"]))
+def test_a_model_built_in_configure_model_starts_as_plain_construction(runs, start):
+    assert_starts_like_plain(runs("moe_ep4"), start, STARTS["moe_ep4"][start][0])
 
 
 @pytest.mark.parametrize("launch_name, layout", CASES)

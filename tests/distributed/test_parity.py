@@ -1,5 +1,6 @@
 """Every layout matches one process: loss per step, final gradients and final parameters after 5
-AdamW steps in float32, for three models of different structure (see tests/models.py).
+AdamW steps in float32, for three models of different structure (see tests/models.py); and models built in
+`configure_model` start as plain construction makes them (tests/distributed/meta_starts.py).
 
 One launch of 4 ranks per model trains all layouts (tests/distributed/parity.py); each layout is
 then its own test here. Tolerances: float32 reductions in a different order differ by ~1e-7
@@ -12,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed.meta_starts import assert_starts_like_plain
 from tests.distributed.parity import ACCUMULATE, STEPS, assert_layout_matches_shards, techniques
 from tests.launcher import launch
 
@@ -43,6 +45,19 @@ MODELS = ("llama", "gpt", "hf_llama")
 NOT_FOR = {"gpt": {"fsdp2_tp2_sp_loss_parallel"}}
 
 
+# Models built in `configure_model` (tests/distributed/meta_starts.py), started inside the same launches: by launch,
+# start -> (model, layout). "single" is a launch of its own: one process, dp_shard=1 (no DTensor at all).
+META = {"tp4": {"tp": 4}, "fsdp4": {"dp_shard": 4}, "fsdp2_tp2": {"dp_shard": 2, "tp": 2},
+        "hsdp_2x2": {"dp_replicate": 2, "dp_shard": 2}}
+STARTS = {
+    "single": {f"{model}_single": (model, {"dp_shard": 1}) for model in ("gpt", "own_init", "llama", "moe")},
+    "gpt": {f"{model}_{name}": (model, META[name]) for model in ("gpt", "own_init") for name in META},
+    "llama": {f"llama_{name}": ("llama", META[name]) for name in ("tp4", "fsdp2_tp2")},
+    "hf_llama": {f"hf_llama_{name}": ("hf_llama", META[name]) for name in ("fsdp4", "tp4")},
+}
+START_CASES = [(launch_name, start) for launch_name, starts in STARTS.items() for start in starts]
+
+
 def layouts_for(model_name: str) -> dict[str, dict]:
     return {name: layout for name, layout in LAYOUTS.items() if name not in NOT_FOR.get(model_name, ())}
 
@@ -52,15 +67,17 @@ CASES = [(model_name, layout) for model_name in MODELS for layout in layouts_for
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One 4-rank launch per model, made when its first test needs it."""
+    """One 4-rank launch per model (and one process for "single"), made when its first test needs it."""
     per_model: dict[str, list] = {}
 
     def run(model_name: str) -> list:
         if model_name not in per_model:
+            single = model_name == "single"
             per_model[model_name] = launch(
-                "tests.distributed.parity:run_layouts", WORLD, tmp_path_factory.mktemp(f"parity_{model_name}"),
-                timeout=900, model_name=model_name, layouts=layouts_for(model_name), clip=CLIP,
-                accumulate=ACCUMULATING,
+                "tests.distributed.parity:run_layouts", 1 if single else WORLD,
+                tmp_path_factory.mktemp(f"parity_{model_name}"), timeout=900, model_name=model_name,
+                layouts={} if single else layouts_for(model_name), clip=CLIP, accumulate=ACCUMULATING,
+                starts=STARTS.get(model_name, {}),
             )
         return per_model[model_name]
 
@@ -95,7 +112,7 @@ def test_every_rank_holds_the_same_model(runs, model_name, layout):
 def test_each_layout_applied_what_it_asked_for(runs, model_name):
     """The parity above is only meaningful if the techniques really ran."""
     per_rank = runs(model_name)
-    applied = {name: techniques(r["parallel"]) for name, r in per_rank[0].items()}
+    applied = {name: techniques(r["parallel"]) for name, r in per_rank[0].items() if "parallel" in r}
     details = lambda name, technique: applied[name][technique]["details"]  # noqa: E731
     assert details("fsdp4", "fsdp") | {"units": None} == {"replicate": 1, "shard": 4, "zero_stage": 3, "units": None}
     assert (details("hsdp_2x2_clip", "hsdp")["replicate"], details("hsdp_2x2_clip", "hsdp")["shard"]) == (2, 2)
@@ -127,3 +144,9 @@ def test_clipping_was_active(runs, model_name):
     by_layout = runs(model_name)[0]
     for layout, max_norm in CLIP.items():
         assert by_layout[layout]["reference"]["max_unclipped_norm"] > max_norm, layout
+
+
+@pytest.mark.parametrize("launch_name, start", START_CASES)
+def test_a_model_built_in_configure_model_starts_as_plain_construction(runs, launch_name, start):
+    """Its tensors, ties (so its parameter count), inits and first-step loss are plain construction's."""
+    assert_starts_like_plain(runs(launch_name), start, STARTS[launch_name][start][0])

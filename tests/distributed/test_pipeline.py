@@ -1,7 +1,8 @@
 """Pipeline parallelism matches one process: loss per step, gradients and parameters after 5 AdamW
 steps (fp32), validation loss and predictions, for every schedule, with clipping and gradient
 accumulation, at pp=2 and pp=4, and composed with FSDP and TP (8 ranks for pp x dp_shard x tp); a GPT
-with tied input and output embeddings under looped and V-shaped schedules, FSDP, HSDP and TP.
+with tied input and output embeddings under looped and V-shaped schedules, FSDP, HSDP and TP; models built in
+`configure_model` start as plain construction makes them.
 
 Parameters live on the ranks of one stage only, so each rank's copies are merged by name: every
 parameter of the reference must come from some rank, ranks of the same stage (dp/tp replicas) must
@@ -16,6 +17,7 @@ import torch
 
 from lightning_nd.layout.pipeline_split import stage_ranks
 from lightning_nd.layout.schedules import SCHEDULES, SINGLE_STAGE
+from tests.distributed.meta_starts import assert_starts_like_plain
 from tests.distributed.parity import assert_training_matches, launcher
 from tests.launcher import launch
 
@@ -42,11 +44,22 @@ ACCUMULATE = {"pp2_interleaved_accum": 2, "pp2_fsdp2_accum": 2, "tied_pp2_hsdp_a
 LAUNCHES = {"pp2": (2, "llama8", PP2, 4), "pp4": (4, "llama8", PP4, 8), "pp8": (8, "llama8", PP8, 4),
             "hf": (2, "hf_llama", HF, 4), "tied": (4, "gpt4", TIED, 8)}
 CASES = [(launch_name, layout) for launch_name, (_, _, layouts, _) in LAUNCHES.items() for layout in layouts]
+# Models built in `configure_model` (tests/distributed/meta_starts.py), started in the tied launch: a tie spanning
+# stages (the GPTs' heads) held on two ranks, on one rank (zbv), and a tie inside one stage (own_init's norms).
+PP2_FSDP2 = {"pp": 2, "dp_shard": 2}
+STARTS = {"tied": {"gpt_pp2_fsdp2": ("gpt", PP2_FSDP2), "gpt_pp4": ("gpt", {"pp": 4, "dp_shard": 1}),
+                   "gpt_pp2_zbv": ("gpt", {**PP2_FSDP2, "pp_schedule": "zbv"}),
+                   "own_init_pp2_fsdp2": ("own_init", PP2_FSDP2), "llama_pp2_fsdp2": ("llama", PP2_FSDP2)}}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return launcher(tmp_path_factory, LAUNCHES, clip=CLIP, accumulate=ACCUMULATE)
+    return launcher(tmp_path_factory, LAUNCHES, starts=STARTS, clip=CLIP, accumulate=ACCUMULATE)
+
+
+@pytest.mark.parametrize("start", list(STARTS["tied"]))
+def test_a_model_built_in_configure_model_starts_as_plain_construction(runs, start):
+    assert_starts_like_plain(runs("tied"), start, STARTS["tied"][start][0])
 
 
 @pytest.mark.parametrize("launch_name, layout", CASES)

@@ -64,3 +64,6 @@ def test_built_on_meta_the_copies_start_equal_and_stay_equal(results):
         for rank_result in results:
             merged.update(rank_result["on_meta"][when])
         torch.testing.assert_close(merged[COPY], merged[WEIGHT], rtol=0, atol=0, msg=lambda m: f"{when}: {m}")
+    # The model's own init (its constructor's `init_weights`: std 0.02), not the embedding's default N(0, 1).
+    start = {name: value for rank_result in results for name, value in rank_result["on_meta"]["loaded"].items()}
+    assert start[WEIGHT].std().item() == pytest.approx(0.02, rel=0.1)

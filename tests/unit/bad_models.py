@@ -115,6 +115,14 @@ def shared_blocks() -> nn.Module:
     return model
 
 
+def tied_norms() -> nn.Module:
+    """A GPT whose blocks use one norm's parameters twice (a tie inside every block, so inside one stage)."""
+    model = build("gpt4")
+    for block in model.blocks:
+        block.ln_2.weight = block.ln_1.weight
+    return model
+
+
 def two_models() -> CausalLM:
     module = CausalLM(model=build("llama"))
     module.extra = nn.Linear(2, 2)
@@ -146,8 +154,39 @@ mixer = lightning_module(MixerNet)
 reversed_mixer = lightning_module(MixerNet, block=ReversedMixer)
 narrow_mixer = lightning_module(MixerNet, 16, 12)
 blocks_sharing_a_weight = lightning_module(shared_blocks)
+norms_tied_in_a_block = lightning_module(tied_norms)
 
 
-def hf_llama_in_configure_model() -> CausalLM:
-    """A Hugging Face Llama built in `configure_model` (its rotary embedding has no `reset_parameters`)."""
-    return CausalLM(model_factory=lambda: build("hf_llama"))
+class ScaleNorm(nn.Module):
+    """A norm whose parameter has no `reset_parameters()` and no init entry point: a meta-device build leaves it
+    empty."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x / x.norm(dim=-1, keepdim=True)
+
+
+def _scale_normed_llama() -> nn.Module:
+    model = build("llama")
+    model.norm = ScaleNorm(64)
+    return model
+
+
+def scale_norm_in_configure_model() -> CausalLM:
+    return CausalLM(model_factory=_scale_normed_llama)
+
+
+class InitAfterConstruction(CausalLM):
+    """Builds the example GPT in `configure_model`, then initialises its embedding there: nothing the model's
+    construction calls could give those values again."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        nn.init.normal_(self.model.tok.weight, std=0.02)
+
+
+def init_after_construction() -> CausalLM:
+    return InitAfterConstruction(model_factory=lambda: build("gpt"))
