@@ -1,6 +1,7 @@
 """The answer a sweep ends with: one row per run (a failure is a row with its reason, never a hole), ranked by
 tokens per second over the batch ranks, the best layout and its margin over the runner-up, and the planner's
-prediction beside each measurement.
+prediction beside each measurement. What the losses compare is said too: each row's global batch (a row whose
+batch differs from the best's is flagged) and first-step loss (runs of one batch that started far apart are named).
 
 Tokens per second over the batch ranks is the one throughput that compares layouts fairly: each layout trains
 every token its batch ranks see, whatever the number of ranks that split one sample (tp, cp, pp).
@@ -14,6 +15,9 @@ from diagnostics.records.run import STATUSES, FoundRun, RunRecord
 
 NOISE = 0.05
 """A margin below this is within what a shared machine's noise moves a short run's throughput."""
+START_SPREAD = 0.10
+"""First-step losses of one global batch further apart than this (relative) started from different models: plain
+construction's spread over seeds is about 3% for the example GPT, 1% for the example Llama."""
 DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 DEFAULTS = {"zero_stage": 3, "activation_checkpointing": "none"}
 """Options left out of a layout's name at these values (NDParallel's defaults)."""
@@ -32,6 +36,12 @@ class Row:
     record: RunRecord | None
     varied: tuple[str, ...] = ()
     """Its overrides that not every run of the sweep shares: what the sweep varied."""
+    other_batch: int | None = None
+    """The best row's global batch, when this row trained another one (its losses do not compare with the best's)."""
+
+    @property
+    def global_batch(self) -> int | None:
+        return self.record.global_batch if self.record is not None and self.status == "ok" else None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -113,4 +123,30 @@ def compare(runs: list[FoundRun]) -> Comparison:
                      " the two with more steps (`trainer.max_steps`) before choosing.")
     if any(r.tokens_per_s is None for r in trained):
         notes.append("Some runs measured no step after the first (warm-up): their throughput is blank.")
-    return Comparison(tuple(trained + failed), best, runner_up, margin, tuple(notes))
+    trained, batch_notes = _batches(trained, best)
+    return Comparison(tuple(trained + failed), best, runner_up, margin, tuple(notes + batch_notes))
+
+
+def _batches(trained: list[Row], best: Row | None) -> tuple[list[Row], list[str]]:
+    """The rows, those of another global batch than the best's flagged; notes on what the losses compare."""
+    notes = []
+    batch = best.global_batch if best is not None else None
+    if batch is not None:
+        trained = [replace(r, other_batch=batch) if r.global_batch not in (None, batch) else r for r in trained]
+    flagged = [r.name for r in trained if r.other_batch is not None]
+    if flagged:
+        notes.append(f"Runs {', '.join(flagged)} trained another global batch than the best ({batch} samples per step):"
+                     " their losses and steps do not compare with its. HINT: give every run one global batch"
+                     " (`parallel=search` holds one; otherwise scale `data.batch_size` by the batch ranks).")
+    starts: dict[int, list[tuple[float, str]]] = {}
+    for r in trained:
+        first = r.record.first_loss if r.record is not None else None
+        if r.global_batch is not None and first is not None:
+            starts.setdefault(r.global_batch, []).append((first, r.name))
+    for size, losses in sorted(starts.items()):
+        (low, lowest), (high, highest) = min(losses), max(losses)
+        if low > 0 and high > low * (1 + START_SPREAD):
+            notes.append(f"Runs of global batch {size} started from first-step losses {low:.4g} (run {lowest}) to"
+                         f" {high:.4g} (run {highest}): they trained different models, so their final losses say"
+                         " nothing about the layouts. HINT: build and seed the model the same way in every run.")
+    return trained, notes

@@ -1,7 +1,8 @@
 """`RunSummary`: what a sweep compares, one ``<log_dir>/diagnostics/run.json`` per run (`RunRecord`).
 
 At the end of fit: the layout, tokens per second over the batch ranks and the measured step (the steps after the
-first, median), each rank's peak memory (one gather), the last bottleneck window's class, the final loss, and what
+first, median), the global batch, each rank's peak memory (one gather), the last bottleneck window's class, the first
+and the final loss, and what
 the planner's cost model predicts for this layout and the first batch (the strategy's `MemoryPlanned` event, the
 step time on the hardware preset the device matches). On a failure: refused, out of memory, hang or crash, with
 the error (rank 0 writes; no collective is called, the process group may be broken). A job that fails before any
@@ -39,7 +40,7 @@ from diagnostics.records import (
 from lightning_nd.cost.hardware import parse_hardware
 from lightning_nd.cost.layout_cost import cost_layout
 from lightning_nd.cost.shape import Workload
-from lightning_nd.layout.batch import whole_tokens
+from lightning_nd.layout.batch import token_shape, whole_tokens
 from lightning_nd.runtime.errors import exception_chain
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class RunSummary(Callback):
         self._ends: list[float] = []
         self._tokens: list[int] = []
         self._seen, self._step = 0, 0
+        self._samples: int | None = None
+        self._first_losses: list[float] = []
+        self._first_loss: float | None = None
         self._failure: tuple[BaseException, Trainer | None] | None = None
         self._started: float | None = None
         self._trainer: Trainer | None = None
@@ -106,10 +110,18 @@ class RunSummary(Callback):
         seen = whole_tokens(batch, self.layout.dims["cp"] if self.layout is not None else 1)
         if seen is not None:
             self._seen += seen[0]
+        shape = token_shape(batch)
+        if self._samples is None and shape is not None:
+            self._samples = shape[0]
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        loss = trainer.callback_metrics.get("train_loss")
+        if self._first_loss is None and loss is not None:
+            self._first_losses.append(float(loss))  # each batch of the first step (more when accumulating)
         if trainer.global_step == self._step:  # accumulating: the optimizer has not stepped
             return
+        if self._first_loss is None and self._first_losses:
+            self._first_loss = statistics.mean(self._first_losses)
         self._step = trainer.global_step
         self._ends.append(time.perf_counter())
         self._tokens.append(self._seen)
@@ -193,9 +205,10 @@ class RunSummary(Callback):
         tokens = statistics.median(self._tokens[1:]) * batch_ranks if len(self._tokens) > 1 else None
         loss = trainer.callback_metrics.get("train_loss")
         predicted_step, predicted_peak, hardware = self._prediction(trainer, pl_module)
+        global_batch = self._samples * batch_ranks * trainer.accumulate_grad_batches if self._samples else None
         return RunRecord(
-            "ok", "", self.overrides, *self._layout_fields(), steps=trainer.global_step,
-            final_loss=float(loss) if loss is not None else None,
+            "ok", "", self.overrides, *self._layout_fields(), steps=trainer.global_step, global_batch=global_batch,
+            first_loss=self._first_loss, final_loss=float(loss) if loss is not None else None,
             tokens_per_s=tokens / step_s if tokens and step_s else None, step_s=step_s, peak_bytes=tuple(peaks),
             memory_kind=kind, bottleneck=self._bottleneck(trainer), predicted_step_s=predicted_step,
             predicted_peak_bytes=predicted_peak, hardware=hardware)

@@ -37,6 +37,10 @@ class RunRecord:
     """The Layout's options that set its cost: zero_stage, activation_checkpointing, pp_schedule, ..."""
     steps: int = 0
     """Optimizer steps completed."""
+    global_batch: int | None = None
+    """Samples per optimizer step over all batch ranks (per-rank batch x batch ranks x accumulated batches)."""
+    first_loss: float | None = None
+    """The first optimizer step's loss (the model as it started, on the first batch)."""
     final_loss: float | None = None
     tokens_per_s: float | None = None
     """Tokens trained per second over all batch ranks, from the steps after the first (warm-up) one."""

@@ -12,8 +12,8 @@ from diagnostics.analysis.memory import human_bytes
 from diagnostics.records.codec import to_dict
 
 CARD_TAG = "diagnostics/compare"
-COLUMNS = ("run", "layout", "status", "tokens/s", "step (measured)", "step (predicted)", "peak memory per rank",
-           "peak (predicted)", "bottleneck", "final loss")
+COLUMNS = ("run", "layout", "status", "global batch", "tokens/s", "step (measured)", "step (predicted)",
+           "peak memory per rank", "peak (predicted)", "bottleneck", "first loss", "final loss")
 OUTCOME = {"ok": "ok", "refused": "REFUSED", "oom": "OUT OF MEMORY", "hang": "HANG", "crash": "CRASH"}
 
 
@@ -39,9 +39,17 @@ def _cells(row: Row, best: Row | None) -> tuple[str, ...]:
     peaks = " / ".join(_bytes(value) for value in r.peak_bytes) if r.peak_bytes else "-"
     kind = " RSS" if r.memory_kind == "peak_rss" and r.peak_bytes else ""
     memory_ratio = f" ({row.memory_ratio:.2g}x)" if row.memory_ratio is not None else ""
-    return (name, f"`{row.layout}`", "ok", f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-", _seconds(r.step_s),
-            _seconds(r.predicted_step_s) + ratio, peaks + kind, _bytes(r.predicted_peak_bytes) + memory_ratio,
-            r.bottleneck or "-", f"{r.final_loss:.4g}" if r.final_loss is not None else "-")
+    batch = "-" if r.global_batch is None else str(r.global_batch)
+    if row.other_batch is not None:
+        batch = f"**{batch} (best: {row.other_batch})**"
+    return (name, f"`{row.layout}`", "ok", batch, f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
+            _seconds(r.step_s), _seconds(r.predicted_step_s) + ratio, peaks + kind,
+            _bytes(r.predicted_peak_bytes) + memory_ratio, r.bottleneck or "-", _loss(r.first_loss),
+            _loss(r.final_loss))
+
+
+def _loss(value: float | None) -> str:
+    return f"{value:.4g}" if value is not None else "-"
 
 
 def verdict_line(comparison: Comparison) -> str:
@@ -67,8 +75,9 @@ def compare_markdown(comparison: Comparison, folder: str) -> str:
     lines += ["", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(row, comparison.best)) + " |" for row in comparison.rows]
     failed = sum(row.status != "ok" for row in comparison.rows)
-    lines += ["", f"{len(comparison.rows)} runs, {failed} failed. Tokens/s: over the batch ranks, steps after the"
-              " first. Predicted: the planner's cost model for the run's layout and first batch (in brackets:"
+    lines += ["", f"{len(comparison.rows)} runs, {failed} failed. Global batch: samples per optimizer step (in bold:"
+              " not the best's, so its losses do not compare with the best's). Tokens/s: over the batch ranks, steps"
+              " after the first. Predicted: the planner's cost model for the run's layout and first batch (in brackets:"
               " predicted / measured; memory only where both count the CUDA allocator's peak, a CPU run measures"
               " its process's resident set, runtime included)."]
     lines += [f"- {note}" for note in comparison.notes]
@@ -79,6 +88,7 @@ def compare_json(comparison: Comparison) -> dict[str, Any]:
     def row(r: Row) -> dict[str, Any]:
         return {"name": r.name, "layout": r.layout, "status": r.status, "reason": r.reason,
                 "overrides": list(r.overrides), "step_ratio": r.step_ratio, "memory_ratio": r.memory_ratio,
+                "global_batch_differs": r.other_batch is not None,
                 "record": to_dict(r.record) if r.record is not None else None}
 
     return {"rows": [row(r) for r in comparison.rows], "best": comparison.best.name if comparison.best else None,

@@ -49,7 +49,8 @@ def read_layout_arguments(arguments: Mapping[str, Any]) -> LayoutArguments:
 
 
 def plan_for(arguments: LayoutArguments, devices: int, module: nn.Module | None, *, precision: str | None = None,
-             gpus_per_node: int | None = None, memo: PlanMemo | None = None, init_on_meta: bool = True) -> Layout | None:
+             gpus_per_node: int | None = None, memo: PlanMemo | None = None,
+             init_on_meta: bool = True) -> Layout | None:
     """What `Trainer(devices=devices, strategy=...)` checks when built, then what ``connect(module)`` plans
     (None without a module). ``memo``: `plan_layout`'s, for repeated plans of one module; ``init_on_meta``: as
     `NDParallel`'s (a model `configure_model` builds on the meta device is checked as materialising needs it)."""

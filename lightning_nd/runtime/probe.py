@@ -116,8 +116,8 @@ def lost_message(lost: Sequence[Lost]) -> str:
     return (
         f"The model is built on the meta device (in `configure_model`), where it initialises {shown}{more} in a way"
         " materialising cannot repeat: each rank gives every tensor its module's `reset_parameters()`, then runs again"
-        " only the init entry points the model's construction called (`init_weights()`, `self.apply(self._init_weights)`,"
-        " transformers' `post_init()`), and these values come from elsewhere, so every layout would start from"
+        " only the init entry points the model's construction called (`init_weights()`,"
+        " `self.apply(self._init_weights)`, transformers' `post_init()`), and these values come from elsewhere, so every layout would start from"
         " another model than the one you wrote. HINT: move that initialisation into an `init_weights()` method (or"
         " an `_init_weights(module)` applied with `self.apply`) that the model's constructor calls, build the model in"
         " `__init__`, or pass `NDParallel(init_on_meta=False)` to run `configure_model` on the real device."

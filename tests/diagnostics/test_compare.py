@@ -59,6 +59,7 @@ def test_the_reason_is_the_first_sentence_and_the_hint():
 
 
 def ok(tokens: float, dims: dict | None = None, **fields) -> RunRecord:
+    fields = {"global_batch": 32, "first_loss": 5.7, **fields}
     return RunRecord("ok", dims=dims or {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1, "ep": 1},
                      options={"zero_stage": 3, "activation_checkpointing": "none"}, steps=5, final_loss=4.5,
                      tokens_per_s=tokens, step_s=0.1, peak_bytes=(4e8, 3.9e8), memory_kind="peak_rss",
@@ -124,6 +125,39 @@ def test_a_close_margin_and_a_sweep_that_measured_nothing_say_so(tmp_path):
     assert compare([]).notes[0].startswith("No run found")
 
 
+def test_a_row_of_another_global_batch_is_flagged_and_runs_that_started_apart_are_named(tmp_path, capsys):
+    """The sweep that read as a difference between layouts: the example GPT's dp runs started at 41.8 and 43.1 (its
+    tied head untied by materialising), the tp run at 5.74; a run of another global batch beside them."""
+    from diagnostics import CompareSweep
+
+    job(tmp_path / "0", ["parallel=fsdp"], ok(100.0, first_loss=41.8))
+    job(tmp_path / "1", ["parallel=hsdp"], ok(90.0, first_loss=43.1))
+    job(tmp_path / "2", ["parallel=tp"], ok(120.0, first_loss=5.74))
+    job(tmp_path / "3", ["parallel=cp"], ok(80.0, global_batch=16, first_loss=5.7))
+    result = compare(find_runs(tmp_path))
+    assert [(r.name, r.other_batch) for r in result.rows] == [("2", None), ("0", None), ("1", None), ("3", 32)]
+    assert any("Runs 3 trained another global batch than the best (32 samples per step)" in n for n in result.notes)
+    spread = [n for n in result.notes if "started from first-step losses" in n]
+    assert spread == ["Runs of global batch 32 started from first-step losses 5.74 (run 2) to 43.1 (run 1): they"
+                      " trained different models, so their final losses say nothing about the layouts. HINT: build"
+                      " and seed the model the same way in every run."]
+    CompareSweep(tensorboard=False).on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    printed = capsys.readouterr().out
+    assert "| 3: parallel=cp | `dp_shard=4` | ok | **16 (best: 32)** | 80 |" in printed
+    assert "| **2: parallel=tp** | `dp_shard=4` | ok | 32 | 120 |" in printed and "| 41.8 | 4.5 |" in printed
+    rows = {row["name"]: row for row in json.loads((tmp_path / "compare.json").read_text())["rows"]}
+    assert rows["3"]["global_batch_differs"] and not rows["0"]["global_batch_differs"]
+    assert rows["0"]["record"]["global_batch"] == 32 and rows["0"]["record"]["first_loss"] == 41.8
+
+
+def test_starts_within_a_seeds_spread_and_records_without_a_batch_are_not_flagged(tmp_path):
+    job(tmp_path / "0", ["parallel=fsdp"], ok(100.0, first_loss=41.8))
+    job(tmp_path / "1", ["parallel=tp"], ok(120.0, first_loss=43.1))
+    job(tmp_path / "2", ["parallel=ddp"], ok(90.0, global_batch=None, first_loss=None))  # an older run.json
+    result = compare(find_runs(tmp_path))
+    assert all(r.other_batch is None for r in result.rows) and result.notes == ()
+
+
 def test_a_layout_is_named_by_its_dims_and_the_options_that_are_not_the_defaults():
     pipelined = ok(1.0, {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "ep": 1})
     pipelined = RunRecord(**{**pipelined.__dict__, "options": {"zero_stage": 2, "activation_checkpointing": "full",
@@ -147,7 +181,9 @@ def test_the_command_writes_the_table_json_and_card_and_its_status_says_if_one_w
     printed = capsys.readouterr().out
     assert "Best: `dp_shard=4` (run 0), 100 tokens/s." in printed and "Only one run was measured" in printed
     assert "| 1: parallel=hang | `parallel=hang` | HANG: rank 3 (tp 1) never joined all_reduce. |" in printed
-    assert "| **0: parallel=fsdp** | `dp_shard=4` | ok | 100 | 100 ms | 2 ms (0.02x) | 381.5 MiB / 371.9 MiB RSS |" in printed
+    assert ("| **0: parallel=fsdp** | `dp_shard=4` | ok | 32 | 100 | 100 ms | 2 ms (0.02x) |"
+            " 381.5 MiB / 371.9 MiB RSS |" in printed)
+    assert "| communication-bound | 5.7 | 4.5 |" in printed
     assert (tmp_path / "compare.md").read_text() == printed.rstrip("\n") + "\n"
     assert main(["compare", str(tmp_path), "--json", "--no-tensorboard"]) == 0
     said = json.loads(capsys.readouterr().out)

@@ -106,11 +106,14 @@ def test_hydra_sweep_runs_every_layout_and_ends_with_the_comparison(tmp_path):
     assert table["margin"] == pytest.approx(ranked[0] / ranked[1] - 1)
     best = rows[table["best"]]
     assert f"Best: `{best['layout']}` (run {table['best']})" in done.stdout
-    for row in (rows[name] for name in speeds):  # what was measured and what the planner predicted, side by side
+    batch_ranks = {"0": 4, "1": 4, "2": 4, "3": 1, "4": 2}  # data.batch_size=8 samples per batch rank
+    for name, row in ((name, rows[name]) for name in speeds):  # what was measured and what was predicted
         record = row["record"]
         assert record["steps"] == 3 and record["step_s"] > 0 and len(record["peak_bytes"]) == 4
         assert record["predicted_step_s"] > 0 and record["predicted_peak_bytes"] > 0 and record["hardware"] == "cpu"
-        assert record["bottleneck"] in LABELS and record["final_loss"] > 0
+        assert record["bottleneck"] in LABELS and record["final_loss"] > 0 and record["first_loss"] > 0
+        assert record["global_batch"] == 8 * batch_ranks[name]
+        assert row["global_batch_differs"] == (record["global_batch"] != best["record"]["global_batch"])
     offline = subprocess.run([sys.executable, "-m", "diagnostics", "compare", str(sweep), "--json"], cwd=REPO,
                              capture_output=True, text=True, timeout=120)
     assert offline.returncode == 0 and json.loads(offline.stdout)["best"] == table["best"], offline.stderr
