@@ -151,8 +151,9 @@ def _argument(value: Any, owner_path: str, owner: nn.Module, modules_at: Callabl
 
 
 def covered_by(root: nn.Module, calls: Sequence[InitCall]) -> frozenset[str]:
-    """The tensors of ``root`` (still on the meta device) the calls write, found by making them on a copy of the
-    smallest module that holds every module they name. A call that fails there is refused."""
+    """The tensors of ``root`` (still on the meta device) the calls write or replace (a buffer assigned anew, as
+    torchtitan's ``init_weights`` does), found by making them on a copy of the smallest module that holds every
+    module they name. A call that fails there is refused."""
     if not calls:
         return frozenset()
     paths = [call.module for call in calls] + [value.path for call in calls
@@ -164,6 +165,7 @@ def covered_by(root: nn.Module, calls: Sequence[InitCall]) -> frozenset[str]:
     scratch = copy.deepcopy(source, memo={id(trainer): trainer} if trainer is not None else None)
     prefix = f"{top}." if top else ""
     modules_at = lambda path: [scratch.get_submodule(path[len(prefix):] if path != top else "")]  # noqa: E731
+    before = {name: id(tensor) for name, _, tensor in tensor_slots(scratch)}
     keys: set[int] = set()
     for call in calls:
         try:
@@ -176,7 +178,8 @@ def covered_by(root: nn.Module, calls: Sequence[InitCall]) -> frozenset[str]:
                 " on each rank's shards. HINT: make it work on any device (no `.item()`, no data-dependent branch),"
                 " build the model in `__init__`, or pass `NDParallel(init_on_meta=False)`."
             ) from error
-    return frozenset(prefix + name for name, _, tensor in tensor_slots(scratch) if storage_key(tensor) in keys)
+    return frozenset(prefix + name for name, _, tensor in tensor_slots(scratch)
+                     if storage_key(tensor) in keys or before.get(name) != id(tensor))
 
 
 def _common_prefix(paths: list[list[str]]) -> list[str]:
