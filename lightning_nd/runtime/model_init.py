@@ -178,8 +178,17 @@ def covered_by(root: nn.Module, calls: Sequence[InitCall]) -> frozenset[str]:
                 " on each rank's shards. HINT: make it work on any device (no `.item()`, no data-dependent branch),"
                 " build the model in `__init__`, or pass `NDParallel(init_on_meta=False)`."
             ) from error
-    return frozenset(prefix + name for name, _, tensor in tensor_slots(scratch)
-                     if storage_key(tensor) in keys or before.get(name) != id(tensor))
+    replaced = [(name, kind) for name, (_, kind, _), tensor in tensor_slots(scratch) if before.get(name) != id(tensor)]
+    parameters = [prefix + name for name, kind in replaced if kind == "_parameters"]
+    if parameters:
+        raise ValueError(
+            f"The model is built on the meta device (in `configure_model`) and its own init replaces"
+            f" {', '.join(f'`{name}`' for name in parameters)} with a new parameter, which cannot be done again once"
+            " the parameter is sharded. HINT: initialise it in place (`nn.init.*`, `copy_`), build the model in"
+            " `__init__`, or pass `NDParallel(init_on_meta=False)`."
+        )
+    return frozenset({prefix + name for name, _, tensor in tensor_slots(scratch) if storage_key(tensor) in keys}
+                     | {prefix + name for name, _ in replaced})
 
 
 def _common_prefix(paths: list[list[str]]) -> list[str]:

@@ -176,6 +176,23 @@ def test_a_parameter_swapped_in_after_construction_is_refused():
     assert [lost.tensor for lost in init.lost] == ["model.pos.weight"]
 
 
+class NewParameter(nn.Module):
+    """Its init makes a new parameter: after sharding that would leave FSDP and TP holding the old one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        self.fc.bias = nn.Parameter(torch.zeros(8))
+
+
+def test_an_entry_point_that_replaces_a_parameter_is_refused():
+    with pytest.raises(ValueError, match=r"replaces `model.fc.bias` with a new parameter.*HINT: initialise it in place"):
+        on_meta(NewParameter)
+
+
 class ReadsValues(nn.Module):
     """Skips its init on the meta device (as transformers' does), and reads values in it: it cannot run again on
     a model that is still on meta, so nothing can tell what it initialises."""
