@@ -58,12 +58,14 @@ def plan_for(arguments: LayoutArguments, devices: int, module: nn.Module | None,
     check_config(dims.as_dict(), arguments.config)
     if module is None:
         return None
-    probe = model_to_check(module, on_meta=init_on_meta)
+    # The planner plans one module many times: its `configure_model` copy is built and checked once.
+    probe = (model_to_check(module, on_meta=init_on_meta) if memo is None else
+             memo.get(("probe", id(module), init_on_meta), lambda: model_to_check(module, on_meta=init_on_meta)))
     if probe is None:
         raise ValueError(f"`{type(module).__name__}.configure_model` needs the running job (the device mesh), so"
                          " its model cannot be built before launch. HINT: plan a factory of the model itself.")
     return plan_layout(probe, dims, arguments.config, precision=precision, local_world_size=gpus_per_node or devices,
-                       memo=memo if probe is module else None)
+                       memo=memo)
 
 
 def dry_run(module: nn.Module, devices: int, sizes: Mapping[str, Any], options: Mapping[str, Any], *,

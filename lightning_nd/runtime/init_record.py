@@ -96,10 +96,11 @@ class InitRecorder:
                 if isinstance(module, nn.Module):
                     if method in ("__init__", "reset_parameters"):
                         building.add(id(module))
+                        self._alive.append(module)  # its id stays its own
                     if method in ENTRY_METHODS:
                         entry = f"{type(module).__name__}.{method}"
         storage = tensor.untyped_storage()
-        self._alive.append(storage)  # a freed storage's key could come back as a parameter's
+        self._alive.append(storage)  # a freed storage's key could come back as another tensor's
         self._writes.append((storage._cdata, frozenset(building), entry, _where(start)))
 
     def _profile(self, previous: Any) -> Callable[[FrameType, str, Any], Any]:
