@@ -60,7 +60,7 @@ def plan_for(arguments: LayoutArguments, devices: int, module: nn.Module | None,
         return None
     # The planner plans one module many times: its `configure_model` copy is built and checked once.
     probe = (model_to_check(module, on_meta=init_on_meta) if memo is None else
-             memo.get(("probe", id(module), init_on_meta), lambda: model_to_check(module, on_meta=init_on_meta)))
+             memo.get(("probe", init_on_meta), lambda: model_to_check(module, on_meta=init_on_meta)))
     if probe is None:
         raise ValueError(f"`{type(module).__name__}.configure_model` needs the running job (the device mesh), so"
                          " its model cannot be built before launch. HINT: plan a factory of the model itself.")

@@ -52,10 +52,9 @@ class InitRecorder:
 
     def __init__(self) -> None:
         self._calls: list[tuple[nn.Module, str, tuple[Any, ...], tuple[tuple[str, Any], ...]]] = []
-        self._tensors: dict[int, torch.Tensor] = {}  # every tensor registered, by id (kept alive)
-        self._creators: dict[int, nn.Module] = {}  # by tensor id
+        self._creators: dict[int, nn.Module] = {}  # every tensor registered, by id: the module it was registered on
         self._writes: list[tuple[int, frozenset[int], str | None, str]] = []  # see `_written`
-        self._alive: list[object] = []
+        self._alive: list[object] = []  # what the ids and storage keys above name, kept alive so they stay unique
         self._swapped: list[tuple[int, str]] = []  # tensor id, where
         self._undo: list[Callable[[], None]] = []
 
@@ -78,9 +77,9 @@ class InitRecorder:
     # ---- while the model is built -----------------------------------------------------------------------------------
 
     def _registered(self, module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
-        if tensor is None or id(tensor) in self._tensors:
+        if tensor is None or id(tensor) in self._creators:
             return  # a tie to a tensor registered before
-        self._tensors[id(tensor)] = tensor
+        self._alive.append(tensor)
         self._creators[id(tensor)] = module
         if not _constructing(module, sys._getframe(1)):
             self._swapped.append((id(tensor), _where(sys._getframe(1))))
@@ -96,11 +95,11 @@ class InitRecorder:
                 if isinstance(module, nn.Module):
                     if method in ("__init__", "reset_parameters"):
                         building.add(id(module))
-                        self._alive.append(module)  # its id stays its own
+                        self._alive.append(module)
                     if method in ENTRY_METHODS:
                         entry = f"{type(module).__name__}.{method}"
         storage = tensor.untyped_storage()
-        self._alive.append(storage)  # a freed storage's key could come back as another tensor's
+        self._alive.append(storage)
         self._writes.append((storage._cdata, frozenset(building), entry, _where(start)))
 
     def _profile(self, previous: Any) -> Callable[[FrameType, str, Any], Any]:

@@ -160,9 +160,7 @@ def covered_by(root: nn.Module, calls: Sequence[InitCall]) -> frozenset[str]:
                                                for value in (*call.positional, *(v for _, v in call.keywords))
                                                if isinstance(value, ModulePath)]
     top = ".".join(_common_prefix([path.split(".") if path else [] for path in paths]))
-    source = root.get_submodule(top)
-    trainer = getattr(source, "_trainer", None)  # a LightningModule's Trainer is shared, not copied
-    scratch = copy.deepcopy(source, memo={id(trainer): trainer} if trainer is not None else None)
+    scratch = scratch_copy(root.get_submodule(top))
     prefix = f"{top}." if top else ""
     modules_at = lambda path: [scratch.get_submodule(path[len(prefix):] if path != top else "")]  # noqa: E731
     before = {name: id(tensor) for name, _, tensor in tensor_slots(scratch)}
@@ -189,6 +187,13 @@ def covered_by(root: nn.Module, calls: Sequence[InitCall]) -> frozenset[str]:
         )
     return frozenset({prefix + name for name, _, tensor in tensor_slots(scratch) if storage_key(tensor) in keys}
                      | {prefix + name for name, _ in replaced})
+
+
+def scratch_copy(module: nn.Module) -> nn.Module:
+    """A deep copy to try things on; a LightningModule's attached Trainer (loggers, dataloaders, the strategy) is
+    shared, not copied."""
+    trainer = getattr(module, "_trainer", None)
+    return copy.deepcopy(module, memo={id(trainer): trainer} if trainer is not None else None)
 
 
 def _common_prefix(paths: list[list[str]]) -> list[str]:

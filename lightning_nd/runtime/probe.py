@@ -5,7 +5,6 @@ recognised by its class hierarchy, so neither this file nor the dry run imports 
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
@@ -15,7 +14,7 @@ import torch
 
 from lightning_nd.layout.structure import torch_class
 from lightning_nd.runtime.init_record import InitRecorder
-from lightning_nd.runtime.model_init import Lost, ModelInit
+from lightning_nd.runtime.model_init import Lost, ModelInit, scratch_copy
 from lightning_nd.runtime.ties import tensor_slots
 
 log = logging.getLogger("lightning_nd")
@@ -44,9 +43,7 @@ def model_to_check(model: torch.nn.Module, on_meta: bool = True) -> torch.nn.Mod
         return model
     recorder = InitRecorder()
     try:
-        # The attached Trainer (loggers, dataloaders, the strategy) is shared, not copied.
-        trainer = getattr(model, "_trainer", None)
-        probe = copy.deepcopy(model, memo={id(trainer): trainer} if trainer is not None else None)
+        probe = scratch_copy(model)
         with recorder if on_meta else nullcontext(), torch.device("meta"):
             cast("Callable[[], None]", probe.configure_model)()  # a LightningModule's, as checked above
     except Exception as error:  # the hook needs the process group; `setup` plans the real model
@@ -117,8 +114,8 @@ def lost_message(lost: Sequence[Lost]) -> str:
         f"The model is built on the meta device (in `configure_model`), where it initialises {shown}{more} in a way"
         " materialising cannot repeat: each rank gives every tensor its module's `reset_parameters()`, then runs again"
         " only the init entry points the model's construction called (`init_weights()`,"
-        " `self.apply(self._init_weights)`, transformers' `post_init()`), and these values come from elsewhere, so every layout would start from"
-        " another model than the one you wrote. HINT: move that initialisation into an `init_weights()` method (or"
+        " `self.apply(self._init_weights)`, transformers' `post_init()`), and these values come from elsewhere, so"
+        " every layout would start from another model than the one you wrote. HINT: move that initialisation into an `init_weights()` method (or"
         " an `_init_weights(module)` applied with `self.apply`) that the model's constructor calls, build the model in"
         " `__init__`, or pass `NDParallel(init_on_meta=False)` to run `configure_model` on the real device."
     )
