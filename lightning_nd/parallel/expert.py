@@ -25,6 +25,7 @@ which shards the experts over the ranks that hold the same ones, averages over t
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import cast
@@ -191,8 +192,19 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh | None, tp_mesh: DeviceMesh | No
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, ExpertParallel(getattr(parent, child), mesh, tp_mesh))
+        experts = getattr(parent, child)
+        shard = ExpertParallel(experts, mesh, tp_mesh)
+        # Still a kind of the module it replaces (as FSDP2's `FSDP<Class>` is), so a model's own init that picks
+        # its experts by class (transformers' `_init_weights`: `isinstance(module, MixtralExperts)`) finds them when
+        # a meta-device build replays it; ExpertParallel's own methods come first.
+        shard.__class__ = _shard_class(type(experts))
+        setattr(parent, child, shard)
     return names
+
+
+@functools.cache
+def _shard_class(replaced: type) -> type:
+    return type(f"ExpertParallel{replaced.__name__}", (ExpertParallel, replaced), {"__module__": __name__})
 
 
 def expert_modules(model: nn.Module) -> list[ExpertParallel]:

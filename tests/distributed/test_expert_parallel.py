@@ -70,9 +70,12 @@ ACCUMULATE = {"ep2_fsdp4_accum": 2}
 CASES = [(name, layout) for name, (_, _, layouts, _) in LAUNCHES.items() for layout in layouts]
 # The example MoE model (conf/model/moe.yaml) built in `configure_model` (tests/distributed/meta_starts.py), started
 # in the ep4 launch under ep and every other dim family.
+# A Hugging Face Mixtral too: its `_init_weights` picks its experts by class, which the ep shards still are.
 STARTS = {"moe_ep4": {f"moe_{name}": ("moe", layout) for name, layout in {
     "ep2_fsdp4": {"ep": 2, "dp_shard": 4}, "ep2_fsdp2_tp2": {"ep": 2, "dp_shard": 2, "tp": 2},
-    "tp4": {"tp": 4}, "pp2_fsdp2": {"pp": 2, "dp_shard": 2}, "cp2_fsdp2": {"cp": 2, "dp_shard": 2}}.items()}}
+    "tp4": {"tp": 4}, "pp2_fsdp2": {"pp": 2, "dp_shard": 2}, "cp2_fsdp2": {"cp": 2, "dp_shard": 2}}.items()},
+          "mixtral_ep2": {"hf_mixtral_ep2_fsdp2": ("hf_mixtral", {"ep": 2, "dp_shard": 2})}}
+START_CASES = [(launch_name, start) for launch_name, starts in STARTS.items() for start in starts]
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +83,9 @@ def runs(tmp_path_factory):
     return launcher(tmp_path_factory, LAUNCHES, starts=STARTS, clip=CLIP, accumulate=ACCUMULATE)
 
 
-@pytest.mark.parametrize("start", list(STARTS["moe_ep4"]))
-def test_a_model_built_in_configure_model_starts_as_plain_construction(runs, start):
-    assert_starts_like_plain(runs("moe_ep4"), start, STARTS["moe_ep4"][start][0])
+@pytest.mark.parametrize("launch_name, start", START_CASES)
+def test_a_model_built_in_configure_model_starts_as_plain_construction(runs, launch_name, start):
+    assert_starts_like_plain(runs(launch_name), start, STARTS[launch_name][start][0])
 
 
 @pytest.mark.parametrize("launch_name, layout", CASES)
