@@ -25,7 +25,6 @@ which shards the experts over the ranks that hold the same ones, averages over t
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import cast
@@ -202,9 +201,15 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh | None, tp_mesh: DeviceMesh | No
     return names
 
 
-@functools.cache
+_SHARD_CLASSES: dict[type, type] = {}
+
+
 def _shard_class(replaced: type) -> type:
-    return type(f"ExpertParallel{replaced.__name__}", (ExpertParallel, replaced), {"__module__": __name__})
+    """One `ExpertParallel` subclass of each experts class, made on first use."""
+    if replaced not in _SHARD_CLASSES:
+        _SHARD_CLASSES[replaced] = type(f"ExpertParallel{replaced.__name__}", (ExpertParallel, replaced),
+                                        {"__module__": __name__})
+    return _SHARD_CLASSES[replaced]
 
 
 def expert_modules(model: nn.Module) -> list[ExpertParallel]:
