@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_nd.nn import attention_blocks  # noqa: E402
+from lightning_nd.context_parallel import block_kernels  # noqa: E402
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 2e-4}
 
@@ -38,7 +38,7 @@ def check(device: str, dtype: torch.dtype, causal: bool) -> tuple[str, float]:
     rows = slice(128, 256) if causal else slice(0, 256)
     blocks = [(slice(0, 128), False), (slice(128, 256), causal)]
     query = q.detach()[:, :, rows]
-    parts = [(cols, is_causal, *attention_blocks.block_forward(query, k.detach()[:, :, cols], v.detach()[:, :, cols],
+    parts = [(cols, is_causal, *block_kernels.block_forward(query, k.detach()[:, :, cols], v.detach()[:, :, cols],
                                                                causal=is_causal, scale=scale))
              for cols, is_causal in blocks]
     lse = torch.logsumexp(torch.stack([part[3].float() for part in parts]), 0)
@@ -46,14 +46,14 @@ def check(device: str, dtype: torch.dtype, causal: bool) -> tuple[str, float]:
     errors = [_relative(out, expected[:, :, rows])]
     dq = torch.zeros_like(query, dtype=torch.float32)
     for cols, is_causal, _, _ in parts:
-        dq_part, dk_part, dv_part = attention_blocks.block_backward(
+        dq_part, dk_part, dv_part = block_kernels.block_backward(
             grad[:, :, rows], query, k.detach()[:, :, cols], v.detach()[:, :, cols], out, lse, causal=is_causal,
             scale=scale)
         dq += dq_part.float()
         if not causal:  # under causal, earlier queries also reach these keys: their gradient is not this one's
             errors += [_relative(dk_part, k.grad[:, :, cols]), _relative(dv_part, v.grad[:, :, cols])]
     errors.append(_relative(dq, q.grad[:, :, rows]))
-    return attention_blocks._kernel(query, k, causal, None), max(errors)
+    return block_kernels._kernel(query, k, causal, None), max(errors)
 
 
 def _relative(mine: torch.Tensor, reference: torch.Tensor) -> float:

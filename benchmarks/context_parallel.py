@@ -13,7 +13,7 @@ attention memory per rank (`attention_saved`) for the same tokens, against the m
 recomputation (torch's MemTracker, activation memory after forward) the ring keeps its fused kernels' outputs as
 well: measured against the model's count of them.
 
-Work: query-key pairs each rank's kernels score (`nn/block_pairs.py`: the diagonal sub-chunks by the causal
+Work: query-key pairs each rank's kernels score (`context_parallel/block_pairs.py`: the diagonal sub-chunks by the causal
 kernel, blocks above the diagonal skipped), max over mean (target <= 1.05 at cp = 4). Time: per-rank CPU time
 of forward and backward at cp = 2, S = 8K, the median of interleaved repeats (both ranks run each repeat
 together), and the slowest rank over the fastest (target <= 1.10).
@@ -63,7 +63,7 @@ def sequence(seq: int, positions: torch.Tensor | None = None) -> list[torch.Tens
 
 def this_ranks_shard(seq: int, cp: int, group) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """This rank's head-tail positions and its rows of q, k, v."""
-    from lightning_nd.parallel.context.sharding import shard_positions
+    from lightning_nd.context_parallel.sharding import shard_positions
 
     positions = shard_positions(seq, cp, dist.get_rank(group))
     return positions, sequence(seq, positions)
@@ -79,7 +79,7 @@ def fused_one_device(seq: int) -> int:
 
 
 def ring(seq: int, cp: int, group) -> int:
-    from lightning_nd.nn.ring_attention import ring_attention
+    from lightning_nd.context_parallel.ring_attention import ring_attention
     positions, (q, k, v) = this_ranks_shard(seq, cp, group)
     return kept(lambda: ring_attention(q, k, v, positions, group, causal=True))
 
@@ -92,7 +92,7 @@ def selective_extra(seq: int, cp: int, group) -> int:
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    from lightning_nd.nn.ring_attention import ring_attention
+    from lightning_nd.context_parallel.ring_attention import ring_attention
     from lightning_nd.parallel.activation import _selective_policy
     positions, (q, k, v) = this_ranks_shard(seq, cp, group)
     kept = []
@@ -122,8 +122,8 @@ def model_bytes(seq: int, cp: int, recompute: str = "none") -> int:
 
 
 def work(seq: int, cp: int) -> list[int]:
-    from lightning_nd.nn.block_pairs import block_pairs
-    from lightning_nd.parallel.context.sharding import every_shard_positions
+    from lightning_nd.context_parallel.block_pairs import block_pairs
+    from lightning_nd.context_parallel.sharding import every_shard_positions
 
     shards = every_shard_positions(seq, cp)
     return [sum(pair.work for source in shards for pair in block_pairs(shards[rank], source, causal=True))
@@ -131,7 +131,7 @@ def work(seq: int, cp: int) -> list[int]:
 
 
 def cpu_seconds(seq: int, cp: int, group) -> float:
-    from lightning_nd.nn.ring_attention import ring_attention
+    from lightning_nd.context_parallel.ring_attention import ring_attention
     positions, (q, k, v) = this_ranks_shard(seq, cp, group)
     dist.barrier()
     start = time.process_time()

@@ -9,7 +9,7 @@ direction (dispatch, and combine the same again; backward repeats both for the g
 tokens x top-k x hidden x bytes x (ep-1)/ep, for routing spread evenly over the experts. The small
 count exchanges (per-expert counts, totals) are listed apart.
 
-Expert tensor parallelism (each expert split over tp, `lightning_nd/parallel/expert_tp.py`) at ep=2 x tp=2: every
+Expert tensor parallelism (each expert split over tp, `lightning_nd/tensor_parallel/apply/experts.py`) at ep=2 x tp=2: every
 tp rank routes the same tokens, so its all-to-all bytes are ep=2's; beside them the tp all-reduces of the experts'
 partial outputs (forward) and of their input gradients (backward) are counted, each against its payload minimum,
 rows received x hidden x bytes (one all-reduce of the rows each way).
@@ -65,7 +65,7 @@ class AllToAllBytes(TorchDispatchMode):
 def measure(mesh, seed: int) -> AllToAllBytes:
     """One forward and backward of the layer split over ``mesh`` (ep, or (ep, tp)); ``seed``: this rank's tokens."""
     from lightning_nd.nn.moe import MoE
-    from lightning_nd.parallel.expert import apply_ep
+    from lightning_nd.expert_parallel.dispatch import apply_ep
 
     torch.manual_seed(0)
     layer = MoE(HIDDEN, INNER, EXPERTS, TOP_K)

@@ -3,7 +3,7 @@
     python benchmarks/layout_search.py [--devices 4] [--budget 4] [--rounds 2] [--steps 8]
 
 The grid is every set of dim sizes the planner finds valid for the example model on ``--devices`` ranks (at most 12,
-each with the knobs the planner picks for it: `lightning_nd.plan.shortlist`), run as ``examples/train.py`` does
+each with the knobs the planner picks for it: `lightning_nd.planner.shortlist`), run as ``examples/train.py`` does
 (Lightning starts the ranks), at one global batch. Rounds are interleaved (every layout once per round, the order
 rotated) so the machine's drift falls on all alike; a layout's throughput is its median over rounds. The search's
 answer is the best measured among the planner's first ``--budget``, taken from the same runs, so the two answers
@@ -27,8 +27,8 @@ sys.path.insert(0, str(REPO))
 
 from examples.search import layout_overrides  # noqa: E402
 from lightning_nd.cost.hardware import parse_hardware  # noqa: E402
-from lightning_nd.plan.search import describe_sizes  # noqa: E402
-from lightning_nd.plan.shortlist import shortlist  # noqa: E402
+from lightning_nd.planner.search import describe_sizes  # noqa: E402
+from lightning_nd.planner.shortlist import shortlist  # noqa: E402
 from tests.unit.test_shortlist import _compose, _model  # noqa: E402
 
 GRID_MAX = 12

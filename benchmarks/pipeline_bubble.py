@@ -63,7 +63,7 @@ def measure(schedule: str, microbatches: int) -> float:
 
 
 def main() -> None:
-    from lightning_nd.layout.schedules import SCHEDULES, check_schedule, theoretical_bubble
+    from lightning_nd.pipeline_parallel.schedules import SCHEDULES, check_schedule, theoretical_bubble
 
     rows = []
     for microbatches in (4, 8):

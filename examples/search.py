@@ -3,7 +3,7 @@ table and the best layout as a line to copy.
 
     python examples/train.py -m parallel=search trainer.devices=4 --budget 3
 
-`lightning_nd.plan.shortlist` lists every valid layout (ZeRO stage, microbatches under pp, the least recomputation
+`lightning_nd.planner.shortlist` lists every valid layout (ZeRO stage, microbatches under pp, the least recomputation
 that fits) at one global batch and drops those predicted not to fit; each of the first ``search.budget`` runs as its
 own ``examples/train.py`` process (Lightning starts its ranks) for ``search.steps`` steps, in ``runs/<i>/`` of this
 job's folder, stopped after ``search.timeout_s`` (a hang). `diagnostics compare` then reads ``runs/``.
@@ -25,10 +25,10 @@ from diagnostics.analysis.compare import compare
 from diagnostics.records import RUN_FILE, RunRecord, find_runs, to_json, write_atomic
 from diagnostics.report.compare_card import write_comparison
 from lightning_nd.cost.hardware import parse_bytes, parse_hardware
-from lightning_nd.layout.dims import DIM_NAMES
-from lightning_nd.plan.search import Candidate, describe_sizes
-from lightning_nd.plan.shortlist import Shortlist, per_rank_batch, shortlist
-from lightning_nd.plan.source import Holder
+from lightning_nd.mesh.dims import DIM_NAMES
+from lightning_nd.planner.search import Candidate, describe_sizes
+from lightning_nd.planner.shortlist import Shortlist, per_rank_batch, shortlist
+from lightning_nd.planner.source import Holder
 
 SCRIPT = Path(__file__).resolve()
 OWN_KEYS = ("parallel", "search", "hydra.", "trainer.max_steps", "trainer.limit_val_batches", "checkpoint.")

@@ -1,5 +1,5 @@
 """Tiny random configs of any transformers family, and the family's causal LM (else its base model) built from one
-(tests/distributed/families_tp_scenario.py)."""
+(tests/distributed/hf_families_ranks.py)."""
 
 from __future__ import annotations
 

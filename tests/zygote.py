@@ -48,7 +48,7 @@ PRELOAD = ("torch", "torch.distributed.pipelining", "torch.distributed.fsdp", "t
            "lightning_nd.strategy.nd_parallel", "lightning_nd.parallel.compose", "lightning_nd.checkpoint",
            "diagnostics.callbacks.bottleneck_monitor", "diagnostics.callbacks.collective_monitor",
            "diagnostics.callbacks.memory_monitor", "diagnostics.callbacks.layout", "examples.lit", "examples.data",
-           "tests.models", "tests.distributed.parity", "tests.distributed.families")
+           "tests.models", "tests.distributed.parity_ranks", "tests.distributed.family_models")
 """What the ranks import, less what reads the environment when imported: the scenario modules (several read
 ``WORLD_SIZE`` at import) are imported by each rank."""
 

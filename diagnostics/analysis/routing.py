@@ -101,7 +101,7 @@ class LayerLoad:
 
 def ep_rank_load(tokens_per_expert: Sequence[int], ep: int) -> list[int]:
     """Assignments each expert-parallel rank runs: rank r holds experts ``r * E/ep .. (r+1) * E/ep - 1`` (the
-    placement `lightning_nd.parallel.expert` applies and the Layout's ``experts`` record)."""
+    placement `lightning_nd.expert_parallel.dispatch` applies and the Layout's ``experts`` record)."""
     experts = len(tokens_per_expert)
     if ep < 1 or experts % ep:
         raise ValueError(f"ep={ep} does not divide the {experts} experts")

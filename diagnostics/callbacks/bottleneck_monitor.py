@@ -46,7 +46,7 @@ from diagnostics.report.tensorboard import log_figure, log_text, spread
 from lightning_nd.cost.hardware import parse_hardware
 from lightning_nd.cost.shape import ModelShape
 from lightning_nd.cost.step_time import flops_per_token
-from lightning_nd.layout.batch import whole_tokens
+from lightning_nd.model.batch import whole_tokens
 
 log = logging.getLogger("lightning_nd")
 

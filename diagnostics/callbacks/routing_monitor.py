@@ -42,7 +42,7 @@ from diagnostics.report.routing_card import (
     routing_summary,
 )
 from diagnostics.report.tensorboard import log_count_histogram, log_figure, log_text
-from lightning_nd.layout.batch import token_shape
+from lightning_nd.model.batch import token_shape
 
 log = logging.getLogger("lightning_nd")
 

@@ -40,7 +40,7 @@ from diagnostics.records import (
 from lightning_nd.cost.hardware import parse_hardware
 from lightning_nd.cost.layout_cost import cost_layout
 from lightning_nd.cost.shape import Workload
-from lightning_nd.layout.batch import token_shape, whole_tokens
+from lightning_nd.model.batch import token_shape, whole_tokens
 from lightning_nd.runtime.errors import exception_chain
 
 log = logging.getLogger(__name__)

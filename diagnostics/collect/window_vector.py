@@ -5,7 +5,7 @@ saw and the full sequence length. Only this module knows the positions."""
 from __future__ import annotations
 
 from diagnostics.records import PHASES, RankTimes
-from lightning_nd.layout.roles import EXPERT_ROLES, ROLE_DIMS
+from lightning_nd.mesh.roles import EXPERT_ROLES, ROLE_DIMS
 
 ROLES = (*ROLE_DIMS, *EXPERT_ROLES, "world", "group", "other")
 """The roles a rank's communication is gathered under (a trace's unknown role counts as ``other``)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lightning_nd.check.run import CheckResult, RankOutcome
-from lightning_nd.layout.dims import MESH_DIMS
+from lightning_nd.mesh.dims import MESH_DIMS
 
 VERDICTS = {
     "ok": "set up, one step (forward, backward, optimizer)",

@@ -17,7 +17,7 @@ from typing import Any, cast
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_nd.parallel.pipeline.stage import PipelineStages
+from lightning_nd.pipeline_parallel.stage import PipelineStages
 
 
 class Names:

@@ -53,7 +53,7 @@ class Saved:
 def saved_tensors(shape: ModelShape, element_bytes: int, recompute: str = "none", *, cp: int = 1, ep: int = 1,
                   etp: bool = False, moe: bool = True) -> tuple[Saved, ...]:
     """What one block saves per token (see the module docstring). ``cp`` > 1: attention is the ring of
-    `nn/ring_attention.py`, which keeps what the fused kernel keeps for this rank's tokens. ``etp``: experts
+    `context_parallel/ring_attention.py`, which keeps what the fused kernel keeps for this rank's tokens. ``etp``: experts
     split over tp (their intermediates are cut by tp). ``moe``: False for a dense block of an MoE model."""
     h, e = shape.hidden, element_bytes
     if recompute == "full":
@@ -78,7 +78,7 @@ def attention_saved(shape: ModelShape, e: int, cp: int = 1, recompute: str = "no
     kept = (Saved("query and attention output", 2 * h, e, "tp"), Saved("keys and values", 2 * shape.kv_dim, e, "tp"),
             Saved("logsumexp", heads, LSE_BYTES, "tp"))
     if cp == 1 or recompute != "selective":
-        # SDPA's fused kernel, and the ring (`nn/ring_attention.py`), whose backward recomputes block by block
+        # SDPA's fused kernel, and the ring (`context_parallel/ring_attention.py`), whose backward recomputes block by block
         # from these: the query, the output, this rank's own K and V (not expanded) and the fp32 log-sum-exp.
         return kept
     # Selective recomputation also keeps the outputs of the fused-kernel calls inside the ring (the policy saves
@@ -97,7 +97,7 @@ def _mlp(shape: ModelShape, e: int, recompute: str, ep: int, etp: bool = False, 
         inner = shape.dense_intermediate if shape.experts and shape.dense_intermediate else inner
         elements = (2 if gated else 1) * inner if recompute == "selective" else (4 if gated else 2) * inner
         return (Saved("MLP matmul outputs" if recompute == "selective" else "MLP intermediates", elements, e, "tp"),)
-    # Mixture of experts (`nn/moe.py`, `parallel/expert.py`), per copy of a token (k of them): the copy gathered
+    # Mixture of experts (`nn/moe.py`, `expert_parallel/dispatch.py`), per copy of a token (k of them): the copy gathered
     # for its expert (h), the expert's gate/up output (2I), activation and product (2I), its output (h) and the
     # weighted output the scatter-add keeps (h); under ep the expert's output is kept by the out-of-place
     # add that collects it and the copy that comes back by the weighting (h more). Selective keeps the

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from lightning_nd.layout.dims import closest_name
+from lightning_nd.mesh.dims import closest_name
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_nd.layout.structure import find_blocks, is_experts, read_model_facts
+from lightning_nd.model.structure import find_blocks, is_experts, read_model_facts
 
 GATED_MLP_NAMES = ("gate_proj", "w3", "gate_up_proj", "up_proj")
 PRECISION_BYTES = {"32-true": 4, "64-true": 8, "bf16-mixed": 2, "16-mixed": 2, "bf16-true": 2, "16-true": 2}

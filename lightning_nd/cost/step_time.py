@@ -26,7 +26,7 @@ from lightning_nd.cost.comm import comm_per_step
 from lightning_nd.cost.hardware import Hardware
 from lightning_nd.cost.shape import ModelShape, Workload
 from lightning_nd.layout.record import Layout
-from lightning_nd.layout.schedules import theoretical_bubble
+from lightning_nd.pipeline_parallel.schedules import theoretical_bubble
 
 OVERLAPPED = ("fsdp", "dp_replicate", "expert_dp")
 RECOMPUTE_FACTOR = {"none": 1.0, "selective": 1.0, "full": 4 / 3}

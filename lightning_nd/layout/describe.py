@@ -10,7 +10,7 @@ import re
 from collections import Counter
 
 from lightning_nd.layout.record import Layout, RankHolding
-from lightning_nd.layout.roles import ROLE_MEANING
+from lightning_nd.mesh.roles import ROLE_MEANING
 
 DIM_MEANING = {
     "pp": "layers into pipeline stages",

@@ -9,10 +9,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from lightning_nd.layout.dims import closest_name
-from lightning_nd.layout.positions import CP_POSITIONS
-from lightning_nd.layout.schedules import check_schedule
-from lightning_nd.layout.tp_checks import is_torch_style
+from lightning_nd.mesh.dims import closest_name
+from lightning_nd.context_parallel.positions import CP_POSITIONS
+from lightning_nd.pipeline_parallel.schedules import check_schedule
+from lightning_nd.tensor_parallel.infer.checks import is_torch_style
 
 ZERO_STAGES = (1, 2, 3)
 AC_MODES = ("none", "full", "selective")
@@ -56,7 +56,7 @@ class ParallelConfig:
     cp_positions: Literal["position_ids", "model"] = "position_ids"
     """Under cp, how the model learns its tokens' global positions: ``position_ids`` (its forward takes them; the
     strategy passes them; a model without the argument is refused) or ``model`` (it finds them itself, e.g. from
-    ``lightning_nd.parallel.context.region.current_positions()``, or uses none: nothing is passed or checked)."""
+    ``lightning_nd.context_parallel.region.current_positions()``, or uses none: nothing is passed or checked)."""
 
     def __post_init__(self) -> None:
         if self.zero_stage is not None and (self.zero_stage not in ZERO_STAGES or isinstance(self.zero_stage, bool)):

@@ -12,18 +12,19 @@ from typing import Any, TypeVar, cast
 
 from torch import Tensor, nn
 
-from lightning_nd.layout.dims import ParallelDims
-from lightning_nd.layout.hf_styles import experts_modules
+from lightning_nd.mesh.dims import ParallelDims
+from lightning_nd.tensor_parallel.infer.hugging_face import experts_modules
 from lightning_nd.layout.holdings import rank_holdings
 from lightning_nd.layout.options import ParallelConfig, ResolvedOptions, block_class_list, jsonable, resolve_options
-from lightning_nd.layout.pipeline_split import pipeline_model, split_stages, stage_ranks, used_twice
-from lightning_nd.layout.positions import describe_positions
-from lightning_nd.layout.record import ExpertsPlacement, Layout, StagePlan, Technique, TPEntry
-from lightning_nd.layout.roles import role_groups, role_names
-from lightning_nd.layout.schedules import ZERO_BUBBLE
-from lightning_nd.layout.structure import ModelFacts, find_blocks, is_experts, read_model_facts, unsupported_experts
-from lightning_nd.layout.structure_plan import left_whole
-from lightning_nd.layout.tp_plan import TPPlan, resolve_tp_plan
+from lightning_nd.pipeline_parallel.split import pipeline_model, split_stages, stage_ranks, used_twice
+from lightning_nd.context_parallel.positions import describe_positions
+from lightning_nd.layout.record import ExpertsPlacement, Layout, Technique, TPEntry
+from lightning_nd.pipeline_parallel.split import StagePlan
+from lightning_nd.mesh.roles import role_groups, role_names
+from lightning_nd.pipeline_parallel.schedules import ZERO_BUBBLE
+from lightning_nd.model.structure import ModelFacts, find_blocks, is_experts, read_model_facts, unsupported_experts
+from lightning_nd.tensor_parallel.infer.structure import left_whole
+from lightning_nd.tensor_parallel.infer.resolve import TPPlan, resolve_tp_plan
 from lightning_nd.layout.validate import check_config, check_model, warn
 
 T = TypeVar("T")
@@ -143,7 +144,7 @@ def _experts(module: nn.Module, dims: ParallelDims) -> tuple[ExpertsPlacement, .
 
 
 def _expert_tp(module: nn.Module, dims: ParallelDims, config: ParallelConfig, notes: list[str]) -> tuple[str, ...]:
-    """The experts modules split over tp (expert tensor parallelism, `lightning_nd.parallel.expert_tp`; under ep
+    """The experts modules split over tp (expert tensor parallelism, `lightning_nd.tensor_parallel.apply.experts`; under ep
     too, each expert is split both ways): under tp without sequence parallelism (there each tp rank routes other
     tokens), every stacked experts module, when each has nothing beyond its two stacks and an intermediate size tp
     divides, and under ep when one rank holds each expert (FSDP over experts split both ways is not implemented);

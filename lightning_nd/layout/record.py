@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from lightning_nd.layout.options import ResolvedOptions
-from lightning_nd.layout.pipeline_split import StageLayout
+from lightning_nd.pipeline_parallel.split import StageLayout, StagePlan
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -28,24 +28,6 @@ class TPEntry:
     source: str
     """``explicit`` (``NDParallel(tp_plan=...)``), ``declared`` (the model's own plan), ``pattern`` (its name),
     or ``sequence_parallel`` (a residual norm added because sequence_parallel=True)."""
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """Where the model lives on the LightningModule, how it splits, and which stages each pp rank runs."""
-
-    attribute: str
-    split: StageLayout
-    ranks: tuple[tuple[int, ...], ...]
-    """``ranks[r]``: the stage indices pp rank ``r`` runs (looped: r, r+pp, ...; V-shaped: r, 2pp-1-r)."""
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.split.stages)
-
-    def units(self) -> list[str]:
-        """The whole model's units, stage by stage (the unsplit model's order)."""
-        return [unit for stage in self.split.stages for unit in stage]
 
 
 @dataclass(frozen=True)

@@ -193,7 +193,7 @@ class MoE(nn.Module):
         """The auxiliary losses (recomputation rebuilds them the same way); with ``count``, stats, step, load."""
         experts, counts = self.gate.num_experts, self.experts.last_counts
         assert counts is not None, "the experts ran in this forward"
-        fraction = counts.float() / counts.sum()  # global under expert parallelism (see parallel/expert.py)
+        fraction = counts.float() / counts.sum()  # global under expert parallelism (see expert_parallel/dispatch.py)
         mean_score = self.gate.scores(logits).mean(dim=0)
         balance = experts * (fraction * mean_score).sum()
         z_loss = torch.logsumexp(logits, dim=-1).square().mean()
@@ -229,7 +229,7 @@ _ADDED_BY_PIPELINE: ContextVar[list[bool] | None] = ContextVar("moe_aux_added_by
 @contextmanager
 def aux_losses_added_by_pipeline() -> Iterator[list[bool]]:
     """Inside a pipelined step every stage adds its layers' auxiliary losses itself
-    (`lightning_nd/parallel/pipeline/aux_losses.py`): `moe_aux_loss` returns 0.0 and notes that it was asked."""
+    (`lightning_nd/pipeline_parallel/aux_losses.py`): `moe_aux_loss` returns 0.0 and notes that it was asked."""
     asked: list[bool] = []
     token = _ADDED_BY_PIPELINE.set(asked)
     try:

@@ -34,7 +34,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_nd.layout.structure import model_of
+from lightning_nd.model.structure import model_of
 
 
 class _UnitOptions(TypedDict):

@@ -1,1 +1,1 @@
-"""The dry run, ``python -m lightning_nd.plan``: a layout's plan for a model, shown before any process starts."""
+"""``python -m lightning_nd.plan``: the planner's command line under its first name (it lives in `planner/`)."""

@@ -4,7 +4,7 @@
 different meshes (FSDP-only vs FSDP x TP) and costs one collective per mesh dim otherwise. Here
 each rank sums ``|g|^p`` over its local shards, weighting each by how many ranks hold the same
 shard, and one all-reduce over all ranks gives the norm of the unsharded gradients. A weight tied between
-the first and the last pipeline stage has a copy on each (`parallel/pipeline/tied.py`), with equal
+the first and the last pipeline stage has a copy on each (`pipeline_parallel/tied.py`), with equal
 gradients: it counts once, as the first stage's (Megatron-LM skips the shared copy in the same way).
 """
 

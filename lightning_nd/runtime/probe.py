@@ -12,7 +12,7 @@ from typing import cast
 
 import torch
 
-from lightning_nd.layout.structure import torch_class
+from lightning_nd.model.structure import torch_class
 from lightning_nd.runtime.init_record import InitRecorder
 from lightning_nd.runtime.model_init import Lost, ModelInit, scratch_copy
 from lightning_nd.runtime.ties import tensor_slots

@@ -9,7 +9,7 @@ Only while a profiler records (a check of about 0.2 us otherwise). The names are
   time outside the microbatches is the stage waiting for its neighbours);
 - ``nd::comm::<role>::<op>``: a collective or point-to-point operation of this project's own code (ring
   attention's hops over cp, the MoE all-to-all over ep, the loss reduction, the clipping norm, tied weights over
-  pp), ``role`` a mesh role of `lightning_nd.layout.roles`.
+  pp), ``role`` a mesh role of `lightning_nd.mesh.roles`.
 """
 
 from __future__ import annotations

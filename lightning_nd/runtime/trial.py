@@ -1,5 +1,5 @@
 """Whether the forward running now is a trial: torch's pipelining runs every stage once before the first step to
-learn its shapes (`lightning_nd.parallel.pipeline.shape_inference`). A trial is no training step's forward: the MoE
+learn its shapes (`lightning_nd.pipeline_parallel.shape_inference`). A trial is no training step's forward: the MoE
 layers do not count its routing, nor does the `RoutingMonitor`."""
 
 from __future__ import annotations

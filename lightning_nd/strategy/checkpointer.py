@@ -27,8 +27,8 @@ from torch.optim import Optimizer
 from lightning_nd.checkpoint.full import load_full
 from lightning_nd.checkpoint.names import Names, group_names, model_state, optimizer_state
 from lightning_nd.checkpoint.sharded import gather, load_sharded, save_sharded
-from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.record import Layout
+from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.strategy.data_position import DataPosition, resume_loader
 from lightning_nd.strategy.events import CheckpointLoaded, CheckpointSaved, EventBus
 from lightning_nd.strategy.failure_monitor import FailureMonitor

@@ -63,7 +63,7 @@ class GroupInfo:
     """The process group's name (as in flight-recorder dumps)."""
     desc: str
     role: str
-    """A mesh role (`layout/roles.py`) or ``world``."""
+    """A mesh role (`mesh/roles.py`) or ``world``."""
     ranks: tuple[int, ...]
 
 

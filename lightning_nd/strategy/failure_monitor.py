@@ -20,7 +20,6 @@ from lightning_nd.runtime.timeouts import set_timeout
 from lightning_nd.runtime.watchdog import RankWatchdog
 from lightning_nd.strategy.events import VERDICT_BUDGET_S
 
-
 WATCHDOG = "lightning-nd-watchdog"  # the watchdog thread's name, as a verdict's ``thread``
 
 # What a rank sees when a peer dies under it (gloo, NCCL, the store): wait for the watchdog to name the peer.

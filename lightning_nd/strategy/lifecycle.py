@@ -11,9 +11,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_nd.layout.dims import ParallelDims
-from lightning_nd.layout.roles import role_names
-from lightning_nd.runtime.mesh import NDMesh
+from lightning_nd.mesh.build import NDMesh
+from lightning_nd.mesh.dims import ParallelDims
+from lightning_nd.mesh.roles import role_names
 from lightning_nd.runtime.errors import out_of_memory_in
 from lightning_nd.strategy.events import (
     BeforeProcessGroup,

@@ -1,54 +1,74 @@
-"""`NDParallel`: the Lightning glue. Its hooks read top to bottom, in the order a run calls them, and each hands its
-work to a collaborator it owns, giving it only what that one needs (the dims, the mesh, the Layout, the event
-bus, the precision plugin, a typed record): the plan and the composer (`run_plan.py`), every step's way through
-cp, loss parallel and the pipeline (`steps.py`), the checkpointer, the failure monitor, the pre-flight and the
-events (`events.py`, `step_events.py`, `lifecycle.py`).
+"""`NDParallel`: N-D parallel training as a Lightning strategy. This file is what a user writes and reads: the
+keywords (their docs generated from `layout/arguments.py`'s table), `from_config`, the run's Layout, report and
+timings; what Lightning calls is `hooks.py`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
 
-import torch
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor
-from torch.optim import Optimizer
-from typing_extensions import override
-
 from lightning_nd.layout.arguments import KEYWORDS, check_keywords, read_arguments, split_arguments
-from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.record import Layout
-from lightning_nd.parallel.compose import ParallelizeReport
-from lightning_nd.parallel.fsdp import accumulate_without_sync
-from lightning_nd.parallel.pipeline.schedule import full_value
-from lightning_nd.runtime.mesh import NDMesh, build_mesh
 from lightning_nd.runtime.timeouts import HEARTBEAT_TIMEOUT, INIT_TIMEOUT, STEP_TIMEOUT, check_timeouts
-from lightning_nd.strategy import lifecycle
-from lightning_nd.strategy.checkpointer import CheckpointedRun, Checkpointer
-from lightning_nd.strategy.cluster_checks import check_launch
-from lightning_nd.strategy.events import EventBus, FailureVerdict
+from lightning_nd.strategy.checkpointer import Checkpointer
+from lightning_nd.strategy.events import EventBus
 from lightning_nd.strategy.failure_monitor import FailureMonitor
+from lightning_nd.strategy.hooks import LightningHooks
 from lightning_nd.strategy.meta_build import MetaBuild
 from lightning_nd.strategy.preflight import Preflight
-from lightning_nd.strategy.run_plan import Placement, RunPlan
+from lightning_nd.strategy.run_plan import RunPlan
 from lightning_nd.strategy.step_events import StepEvents
 from lightning_nd.strategy.steps import Steps
 
 
-class NDParallel(ModelParallelStrategy):
+class NDParallel(LightningHooks):
     """N-D parallel training of an ordinary LightningModule (every knob: docs/pages/strategy.md, "Knobs").
-
-    ``dp_replicate, dp_shard, cp, tp, pp, ep``: the dim sizes (`ParallelDims`; ``dp_shard=-1`` fills the world);
-    the keywords after them: how to parallelize (`ParallelConfig`), ``init_on_meta`` (build `configure_model`'s
-    layers on meta, materialise each rank's shards), the three timeouts (`runtime/timeouts.py`,
-    `failure_monitor.py`) and ``process_group_backend`` (chosen from the device when None).
     After ``connect``, ``strategy.layout`` is the run's `Layout`; ``strategy.config`` stays what was passed.
+
+    Arguments:
+        dp_replicate: Copies of the model (HSDP's replicas); each holds every shard FSDP makes inside it.
+        dp_shard: Ranks FSDP shards parameters, gradients and optimizer state over; -1 fills the world.
+        cp: Context parallelism: ranks each sequence is split over (ring attention).
+        tp: Tensor parallelism: ranks each block's layers are split over (+ sequence parallel).
+        pp: Pipeline parallelism: ranks the model's blocks are split over, in stages.
+        ep: Expert parallelism: ranks a layer's experts are spread over, borrowed from ``dp_shard x cp``.
+        zero_stage: What FSDP shards: 3 = params+grads+optimizer (params freed after forward), 2 = params kept from
+            forward to backward, 1 = only optimizer state across a gradient-accumulation window. Default: 3, or 2
+            under pipeline parallelism (each microbatch would gather the parameters again).
+        tp_plan: Explicit TP plan: module-name pattern (``*`` = one component) -> style name or `ParallelStyle`.
+        sequence_parallel: Shard the residual stream (norms, dropout) over tp along the sequence: saves activation
+            memory.
+        loss_parallel: Keep the head's logits sharded over the vocabulary; the loss is computed without gathering
+            them.
+        block_classes: Classes (or class names) of the repeated blocks; auto-detected when None.
+        activation_checkpointing: Recompute activations per block in backward: all of them, or all but
+            matmul/attention outputs.
+        compile: ``torch.compile`` each block; a string names the backend (True means ``"inductor"``).
+        cpu_offload: Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP2 offload policy).
+        pp_schedule: Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv,
+            dualpipev.
+        pp_microbatches: Microbatches each batch splits into under pp; default 2 x pp. More shrink the bubble.
+        pp_stages_per_rank: Stages (virtual stages) per pp rank: 1 for gpipe/1f1b, default 2 for the looped and
+            V-shaped schedules.
+        pp_layers_per_stage: Blocks per stage, first to last (e.g. [3, 4, 4, 3] for lighter end stages); default:
+            balanced by parameters.
+        pp_split: Names of the blocks where stages 1, 2, ... start (e.g. ['layers.4']); the alternative to
+            pp_layers_per_stage.
+        cp_shard_keys: Under cp, the dict-batch entries split along the sequence (dim 1); default: every tensor
+            whose dim 1 is the sequence length (the length of the first integer [batch, seq] tensor).
+        cp_positions: Under cp, how the model learns its tokens' global positions: ``position_ids`` (its forward
+            takes them; the strategy passes them; a model without the argument is refused) or ``model`` (it finds
+            them itself, e.g. from ``lightning_nd.context_parallel.region.current_positions()``, or uses none:
+            nothing is passed or checked).
+        init_on_meta: Build ``configure_model``'s layers on the meta device and materialise only each rank's shards,
+            as plain construction makes the model (ties, the constructor's own init), or refuse the run.
+        timeout: Collectives after the first step: a rank waiting longer is reported hung (default 5 min).
+        init_timeout: Process-group setup and the first step, which may compile or load (default 20 min).
+        heartbeat_timeout: A rank silent this long is dead and every other rank stops with the verdict (default 60
+            s; None: no watchdog).
+        process_group_backend: The torch.distributed backend; None: gloo on CPU, nccl on CUDA.
     """
 
     strategy_name = "nd"
@@ -89,12 +109,6 @@ class NDParallel(ModelParallelStrategy):
         check_keywords(options)
         return cls(**options)
 
-    # ---- what the run is ------------------------------------------------------------------------
-
-    @property
-    def dims(self) -> ParallelDims:
-        return self.plan.dims
-
     @property
     def layout(self) -> Layout:
         return self.plan.made
@@ -104,197 +118,6 @@ class NDParallel(ModelParallelStrategy):
         return self.plan.layout
 
     @property
-    def report(self) -> ParallelizeReport | None:
-        """What the composer applied (None before ``setup``, or when `configure_model` parallelized the model)."""
-        return self.plan.report
-
-    @property
-    @override
-    def device_mesh(self) -> NDMesh:  # type: ignore[override]  # named sub-meshes (`mesh["tp"]`), not one DeviceMesh
-        return self.steps.mesh
-
-    @property
     def pipeline_timings(self) -> dict[str, float]:
         """Last step on this rank: ``step_s``, ``compute_s`` (forward/backward), ``idle_s``, ``idle_fraction``."""
         return self.steps.timings
-
-    # ---- the plan and the processes --------------------------------------------------------------
-
-    @override
-    def _configure_launcher(self) -> None:
-        self.plan.set_world(self.num_nodes * self.num_processes)  # before any process is launched
-        check_launch(self.cluster_environment, self.num_processes, self.num_nodes)
-        super()._configure_launcher()
-
-    @override
-    def connect(self, model: LightningModule) -> None:
-        super().connect(model)
-        if not self.plan.applied_to(model):  # validate/test/predict after fit: planned and parallelized already
-            self.plan.make(model, self._placement())
-
-    def _placement(self) -> Placement:
-        return Placement(self.dims, self.global_rank, self.num_processes,
-                         getattr(self.precision_plugin, "precision", None))
-
-    @override
-    def setup_environment(self) -> None:
-        trainer = self._module().trainer
-        lifecycle.before_processes(self.events, trainer, self.global_rank, self.world_size,
-                                   self._get_process_group_backend())
-        self._setup_distributed()
-        mesh = build_mesh(self.dims, self.root_device.type)
-        lifecycle.processes_started(self.events, mesh, self.dims, self.global_rank)
-        self.steps.start(self.dims, mesh)
-        self.failures.start()
-        self.step_events.attach(self.root_device, lambda: trainer.global_step)
-        # `configure_model` reads it as `self.device_mesh`: our named sub-meshes, not one DeviceMesh
-        self._module()._device_mesh = mesh  # type: ignore[assignment]
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Only ranks on different batch coordinates get different samples: tp ranks share a batch.
-        return {"num_replicas": self.device_mesh.size("batch"), "rank": self.device_mesh.local_rank("batch")}
-
-    # ---- model setup -----------------------------------------------------------------------------
-
-    @contextmanager
-    @override
-    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        with self.meta_build.context(empty_init, self.precision_plugin.tensor_init_context):
-            yield
-
-    @override
-    def setup(self, trainer: Trainer) -> None:
-        assert self.model is not None and self.accelerator is not None
-        self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.meta_build.resolve(self.model)
-        self.plan.apply(self.model, self.device_mesh, self._placement(), trainer.log_dir if trainer.loggers else None)
-        device = torch.device("cpu") if self.config.cpu_offload else self.root_device  # offload: FSDP moves them
-        self._materialize(device)
-        if not self.config.cpu_offload:
-            self.model_to_device()
-        self.steps.model_ready(self.model, self.report, self.plan.layout, self.precision_plugin, self.root_device)
-        lifecycle.sync_metrics_over_batch_ranks(self._module(), self.device_mesh.group("batch"))
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, device)
-        self.step_events.start_waiting()
-
-    def _materialize(self, device: torch.device) -> None:
-        """Meta shards become tensors (fake ones under `lightning_nd.check`); one seed for all, from rank 0."""
-        self.meta_build.materialize(self.model, device, self.broadcast, self.plan.layout)  # type: ignore[arg-type]
-
-    # ---- every step, in the order it runs ---------------------------------------------------------
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        trainer = self._module().trainer
-        if trainer.training:
-            self.step_events.batch_arrived()
-        batch = super().batch_to_device(batch, device, dataloader_idx)
-        if trainer.training:
-            self.preflight.first_batch(batch, trainer, self.plan.layout, self.global_rank, self.root_device)
-        return self.steps.batch(batch)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.checkpointer.before_training_step()
-        return self.steps.train(self._module(), super().training_step, args, kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.steps.evaluate("val", self._module(), super().validation_step, args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.steps.evaluate("test", self._module(), super().test_step, args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.steps.evaluate("predict", self._module(), super().predict_step, args, kwargs)
-
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        assert self.model is not None
-        with accumulate_without_sync(self.model, self.plan.zero_stage()):
-            yield None
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        assert self.model is not None
-        if self.steps.pipeline is not None:
-            return self.steps.pipeline_backward(self._module(), closure_loss, (self.pre_backward, self.post_backward))
-        return self.steps.backward(self.model, lambda: super(NDParallel, self).backward(
-            closure_loss, optimizer, *args, **kwargs))
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
-        result = self.steps.optimizer_step(
-            lambda closure: super(NDParallel, self).optimizer_step(optimizer, closure, *args, **kwargs), closure)
-        self.failures.after_optimizer_step()
-        return result
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean") -> Tensor | Any:
-        # A logged value is the same on tp ranks: reduce over the ranks that saw different tokens only.
-        with self.step_events.collective("reduce", "loss" if group is None else "group"):
-            group = self.device_mesh.group("loss") if group is None else group
-            return super().reduce(full_value(tensor) if isinstance(tensor, Tensor) else tensor, group, reduce_op)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        # Counted over every rank (Lightning compares the sum with world_size), not over `reduce`'s batch ranks.
-        flag = self.reduce(torch.tensor(int(decision), device=self.root_device), torch.distributed.group.WORLD, "sum")
-        return bool(flag == self.world_size) if all else bool(flag)
-
-    # ---- checkpoints and failures ----------------------------------------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.checkpointer.model_state()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self.checkpointer.optimizer_state(optimizer)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        self.checkpointer.save(checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        return self.checkpointer.load(checkpoint_path, weights_only)
-
-    @override
-    def process_dataloader(self, dataloader: Any) -> Any:
-        return self.checkpointer.resumed_loader(super().process_dataloader(dataloader))
-
-    def _checkpointed(self) -> CheckpointedRun:
-        assert self.model is not None
-        return CheckpointedRun(self.model, self.optimizers, self._module().trainer, self.dims, self.plan.layout)
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        lifecycle.out_of_memory(self.events, self.global_rank, exception, lifecycle.trainer_of(self.lightning_module))
-        self.failures.on_exception(exception)
-        super().on_exception(exception)
-
-    def _deliver_verdict(self, culprit: int, reason: str, thread: str, communication: bool) -> None:
-        lifecycle.deliver_verdict(self.events, FailureVerdict(culprit, reason, self.global_rank, thread, communication),
-                                  lifecycle.trainer_of(self.lightning_module))
-
-    @override
-    def teardown(self) -> None:
-        self.failures.teardown()
-        super().teardown()
-
-    def _module(self) -> LightningModule:
-        assert self.lightning_module is not None, "the Trainer has connected the LightningModule"
-        return self.lightning_module
-

@@ -29,8 +29,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_nd.nn.moe import aux_losses_added_by_pipeline
-from lightning_nd.parallel.pipeline.schedule import full_value
-from lightning_nd.parallel.pipeline.stage import pack_inputs
+from lightning_nd.pipeline_parallel.runner import full_value
+from lightning_nd.pipeline_parallel.stage import pack_inputs
 
 REDUCTIONS = {"mean": "mean", "sum": "sum", "max": "max", "min": "min"}
 CAPTURE = object()

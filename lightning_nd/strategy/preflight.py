@@ -23,14 +23,14 @@ from torch.optim import Optimizer
 
 from lightning_nd.cost.alternatives import Change, memory_changes, price
 from lightning_nd.cost.layout_cost import cost_layout
+from lightning_nd.cost.memory import RankMemory
 from lightning_nd.cost.shape import ModelShape, Workload, model_shape
 from lightning_nd.layout.describe import human_bytes
-from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.options import ParallelConfig
 from lightning_nd.layout.plan import plan_layout
 from lightning_nd.layout.record import Layout
-from lightning_nd.layout.batch import token_shape
-from lightning_nd.cost.memory import RankMemory
+from lightning_nd.mesh.dims import ParallelDims
+from lightning_nd.model.batch import token_shape
 from lightning_nd.strategy.events import EventBus, MemoryPlanned
 
 log = logging.getLogger("lightning_nd")

@@ -17,18 +17,18 @@ from pathlib import Path
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_nd.layout.dims import ParallelDims
 from lightning_nd.layout.options import ParallelConfig, resolve_options
 from lightning_nd.layout.plan import plan_layout
 from lightning_nd.layout.record import Layout
 from lightning_nd.layout.validate import check_config
-from lightning_nd.layout.tp_plan import custom_styles
+from lightning_nd.mesh.build import NDMesh
+from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.parallel.compose import ParallelizeReport, parallelize
 from lightning_nd.parallel.fsdp import fsdp_root
-from lightning_nd.runtime.mesh import NDMesh
 from lightning_nd.runtime.probe import already_parallel, model_to_check
 from lightning_nd.strategy.events import EventBus, LayoutApplied, LayoutReady
 from lightning_nd.strategy.preflight import Preflight
+from lightning_nd.tensor_parallel.infer.resolve import custom_styles
 
 log = logging.getLogger("lightning_nd")
 

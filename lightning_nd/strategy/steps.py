@@ -16,16 +16,16 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_nd.layout.dims import ParallelDims
+from lightning_nd.context_parallel.region import context_parallel_region
+from lightning_nd.context_parallel.sharding import every_shard_positions, shard_batch
 from lightning_nd.layout.options import ParallelConfig
 from lightning_nd.layout.record import Layout
 from lightning_nd.layout.validate import check_sequence_lengths
+from lightning_nd.mesh.build import NDMesh
+from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.nn.moe import MoE, moe_layers
 from lightning_nd.parallel.compose import ParallelizeReport
-from lightning_nd.parallel.context.region import context_parallel_region
-from lightning_nd.parallel.context.sharding import every_shard_positions, shard_batch
 from lightning_nd.runtime.clip import align_grads_to_params, clip_grad_norm_
-from lightning_nd.runtime.mesh import NDMesh
 from lightning_nd.strategy.pipeline_engine import PipelineEngine
 from lightning_nd.strategy.step_events import StepEvents
 

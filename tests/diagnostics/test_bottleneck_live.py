@@ -1,4 +1,4 @@
-"""The BottleneckMonitor on real runs, each made slow for one reason (tests/distributed/bottleneck_scenarios.py):
+"""The BottleneckMonitor on real runs, each made slow for one reason (tests/distributed/bottleneck_ranks.py):
 a loader that sleeps, one rank that sleeps in forward (under dp_shard, and under pp x dp_shard in the last stage),
 a pipeline with one microbatch, tp=4 over a wide model with a tiny batch, and a plain run. The class comes from the measured times (the monitor is told nothing of the setup);
 what TensorBoard shows is read back with TensorBoard's own reader.
@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
     found = {}
     for world, cases in ((2, TWO), (4, FOUR)):
         out = tmp_path_factory.mktemp(f"bottleneck{world}")
-        found |= launch("tests.distributed.bottleneck_scenarios:monitored", world, out, timeout=400, cases=cases,
+        found |= launch("tests.distributed.bottleneck_ranks:monitored", world, out, timeout=400, cases=cases,
                         folder=str(out))[0]
     return found
 

@@ -1,4 +1,4 @@
-"""Real faults in real 4-rank runs with `CollectiveMonitor` on (`tests/distributed/hang_scenarios.py`): every rank
+"""Real faults in real 4-rank runs with `CollectiveMonitor` on (`tests/distributed/hang_ranks.py`): every rank
 exits non-zero within ``timeout`` + 30 s with the default 60 s heartbeat, ``hang.json`` names the rank, the mesh
 dim and the op (for a stuck rank, its line), and rank 0's ``run.json`` (`RunSummary`: a sweep's row) says hang or
 crash with the culprit. ``TORCH_DISTRIBUTED_DEBUG`` is off in every run (removed from the
@@ -12,11 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed.hang_scenarios import TIMEOUT_S
+from tests.distributed.hang_ranks import TIMEOUT_S
 from tests.launcher import exits, start
 
 WORLD = 4
-SCENARIO = Path(__file__).resolve().parents[1] / "distributed" / "hang_scenarios.py"
+SCENARIO = Path(__file__).resolve().parents[1] / "distributed" / "hang_ranks.py"
 ENVIRONMENT = {"PYTHONFAULTHANDLER": None, "TORCH_DISTRIBUTED_DEBUG": None}
 
 
@@ -26,7 +26,7 @@ def _line(text: str) -> int:
 
 
 def _run(root: Path, fault: str, layout: dict, victim: int, tensorboard: bool = False, **options: object) -> dict:
-    procs = start("tests.distributed.hang_scenarios:run", WORLD, root / "out", environment=ENVIRONMENT, fault=fault,
+    procs = start("tests.distributed.hang_ranks:run", WORLD, root / "out", environment=ENVIRONMENT, fault=fault,
                   layout=layout, victim=victim, folder=str(root / "logs"), stamp=str(root / "stamp"),
                   tensorboard=tensorboard, **options)
     ended = exits(procs, timeout=240)
@@ -64,7 +64,7 @@ def test_rank_that_skips_a_collective_under_dp_shard(tmp_path):
     culprit = _culprit(run["report"], 2)
     assert culprit["kind"] == "skipped" and culprit["dim"] == "dp_shard" and culprit["op"] == "all_reduce"
     skipped = _line("dist.all_reduce(torch.ones(4), group=group)")  # the first of the two syncs
-    assert culprit["frame"].endswith(f"hang_scenarios.py:{skipped} in misbehave")
+    assert culprit["frame"].endswith(f"hang_ranks.py:{skipped} in misbehave")
     assert "rank 2 (dp_shard 2) skipped all_reduce" in run["report"]["summary"][0]
     assert run["run"] == {**run["run"], "status": "hang", "reason": run["report"]["summary"][0]}
 
@@ -86,7 +86,7 @@ def test_rank_stuck_in_python_under_dp_shard_x_tp(tmp_path):
     # rank 3 is awaited by its tp partner (a TP all-reduce) and by its fsdp partner (an all-gather): either is right
     assert culprit["kind"] == "stuck"
     assert (culprit["dim"], culprit["op"]) in {("tp", "all_reduce"), ("fsdp", "all_gather")}
-    assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
+    assert culprit["frame"].endswith(f"hang_ranks.py:{_line('time.sleep(600)')} in misbehave")
     assert "rank 3 (dp_shard 1, tp 1) never joined" in run["report"]["summary"][0]
     assert run["run"] == {**run["run"], "status": "hang", "reason": run["report"]["summary"][0]}
     # torch's own analyzer reads our gloo dumps and finds rank 3 missing too
@@ -142,7 +142,7 @@ def test_stage_stuck_in_python_under_pp_x_dp_shard(tmp_path):
     run = _run(tmp_path, "stuck", {"pp": 2, "dp_shard": 2}, victim=2)
     culprit = _culprit(run["report"], 2)
     assert (culprit["kind"], culprit["dim"], culprit["op"]) == ("stuck", "fsdp", "all_gather")
-    assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
+    assert culprit["frame"].endswith(f"hang_ranks.py:{_line('time.sleep(600)')} in misbehave")
     assert run["run"]["status"] == "hang" and run["run"]["dims"]["pp"] == 2, run["run"]
 
 
@@ -152,7 +152,7 @@ def test_rank_stuck_at_an_epoch_boundary_under_cp_x_dp_shard(tmp_path):
     run = _run(tmp_path, "stuck", {"cp": 2, "dp_shard": 2}, victim=1, epoch_steps=True)
     culprit = _culprit(run["report"], 1)  # FSDP shards over dp_shard x cp: the flattened "fsdp" group
     assert (culprit["kind"], culprit["dim"], culprit["op"]) == ("stuck", "fsdp", "all_gather"), culprit
-    assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
+    assert culprit["frame"].endswith(f"hang_ranks.py:{_line('time.sleep(600)')} in misbehave")
 
 
 def test_rank_stuck_in_python_under_ep(tmp_path):
@@ -160,4 +160,4 @@ def test_rank_stuck_in_python_under_ep(tmp_path):
     culprit = _culprit(run["report"], 2)  # its peers wait in FSDP's all-gather, before any expert exchange
     assert (culprit["kind"], culprit["dim"], culprit["op"]) == ("stuck", "dp_shard", "all_gather"), culprit
     assert run["run"]["status"] == "hang" and run["run"]["dims"]["ep"] == 2, run["run"]
-    assert culprit["frame"].endswith(f"hang_scenarios.py:{_line('time.sleep(600)')} in misbehave")
+    assert culprit["frame"].endswith(f"hang_ranks.py:{_line('time.sleep(600)')} in misbehave")

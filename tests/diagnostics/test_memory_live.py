@@ -1,4 +1,4 @@
-"""A rank of 4 really runs out of memory (`tests/distributed/memory_scenarios.py`): every rank writes its memory
+"""A rank of 4 really runs out of memory (`tests/distributed/memory_ranks.py`): every rank writes its memory
 report and exits non-zero in time; the model state it measured is the shards the Layout says; the advice is
 ranked, and each saving it promises is what a measured re-run with that change saves (within 15%)."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.distributed.memory_scenarios import OOM_STEP, TIMEOUT_S
+from tests.distributed.memory_ranks import OOM_STEP, TIMEOUT_S
 from tests.launcher import exits, launch, start
 
 WORLD = 4
@@ -19,7 +19,7 @@ VICTIM = 2
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("oom")
-    procs = start("tests.distributed.memory_scenarios:oom", WORLD, root / "out", victim=VICTIM,
+    procs = start("tests.distributed.memory_ranks:oom", WORLD, root / "out", victim=VICTIM,
                   folder=str(root / "logs"), stamp=str(root / "stamp"))
     ended = exits(procs, timeout=180)
     logs = {rank: (root / "out" / f"rank{rank}.log").read_text() for rank in range(WORLD)}
@@ -74,7 +74,7 @@ def test_advice_is_ranked_and_shown_in_tensorboard(crashed):
 def test_each_advised_saving_is_what_a_measured_rerun_saves(crashed, tmp_path):
     advice = crashed["reports"][VICTIM]["advice"]
     changes = [{}] + [a["change"] for a in advice]
-    baseline, *after = launch("tests.distributed.memory_scenarios:measure", WORLD, tmp_path, timeout=600,
+    baseline, *after = launch("tests.distributed.memory_ranks:measure", WORLD, tmp_path, timeout=600,
                               changes=changes)[0]
     print("measured baseline", baseline, {a["action"]: (baseline - peak, a["saving_bytes"])
                                           for a, peak in zip(advice, after)})
@@ -98,7 +98,7 @@ LAYOUTS = {
 def crashed_under(request, tmp_path_factory) -> dict:
     layout, victim, experts = LAYOUTS[request.param]
     root = tmp_path_factory.mktemp(f"oom_{request.param}")
-    procs = start("tests.distributed.memory_scenarios:oom", WORLD, root / "out", victim=victim,
+    procs = start("tests.distributed.memory_ranks:oom", WORLD, root / "out", victim=victim,
                   folder=str(root / "logs"), stamp=str(root / "stamp"), layout=layout, experts=experts)
     ended = exits(procs, timeout=180)
     logs = {rank: (root / "out" / f"rank{rank}.log").read_text() for rank in range(WORLD)}

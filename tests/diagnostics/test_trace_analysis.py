@@ -1,6 +1,6 @@
 """Profiler traces -> each step's parts (`diagnostics/analysis/trace.py`) on the recorded CPU traces in
 tests/data/traces (4 gloo ranks of a tiny Llama, one folder per layout, recorded by
-``tests/distributed/bottleneck_scenarios.py:record_traces``), checked against figures computed here from the raw
+``tests/distributed/bottleneck_ranks.py:record_traces``), checked against figures computed here from the raw
 events; a plain trace without our labels; reading and finding trace files; and gloo's work spans on a synthetic
 trace. The synthetic NCCL GPU traces are in test_trace_gpu.py."""
 

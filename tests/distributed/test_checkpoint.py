@@ -16,7 +16,7 @@ import torch
 from examples.data import TokenDataModule
 from examples.lit import CausalLM, logits_of
 from lightning_nd.checkpoint import export, latest_checkpoint, read_sharded
-from tests.distributed.checkpoint_scenarios import GLOBAL_BATCH, SAVE_EVERY, SEQ_LEN, STEPS, probe_tokens
+from tests.distributed.checkpoint_ranks import GLOBAL_BATCH, SAVE_EVERY, SEQ_LEN, STEPS, probe_tokens
 from tests.launcher import REPO, launch
 from tests.models import VOCAB, build
 
@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
         if name not in done:
             model, base, layouts = LAUNCHES[name]
             root = tmp_path_factory.mktemp(f"ckpt_{name}")
-            results = launch("tests.distributed.checkpoint_scenarios:resume_and_reshard", 4, root / "out", timeout=900,
+            results = launch("tests.distributed.checkpoint_ranks:resume_and_reshard", 4, root / "out", timeout=900,
                              ckpt_dir=str(root / "ckpt"), base=base, layouts=layouts, export_to=str(root / "full.ckpt"),
                              model=model)
             done[name] = (root, results)
@@ -98,7 +98,7 @@ def test_export_cli_loads_into_one_process_with_the_same_outputs_and_resumes_the
     shutil.copytree(step3, truncated)
     shard = truncated / "__2_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
-    one = launch("tests.distributed.checkpoint_scenarios:one_process", 1, tmp_path / "out", timeout=300,
+    one = launch("tests.distributed.checkpoint_ranks:one_process", 1, tmp_path / "out", timeout=300,
                  sharded=str(step3), full=str(tmp_path / "full.ckpt"), truncated=str(truncated))[0]
     assert torch.equal(one["sharded"], one["full"])
     expected = results[0]["uninterrupted"]["losses"][SAVE_EVERY]

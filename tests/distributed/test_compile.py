@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from tests.distributed.parity import techniques
+from tests.distributed.parity_ranks import techniques
 from tests.launcher import launch
 
 
 def test_inductor_compiled_blocks_match_one_process(tmp_path):
-    per_rank = launch("tests.distributed.parity:run_layouts", 4, tmp_path, timeout=900, model_name="llama",
+    per_rank = launch("tests.distributed.parity_ranks:run_layouts", 4, tmp_path, timeout=900, model_name="llama",
                       layouts={"fsdp4_inductor": {"dp_shard": 4, "compile": True}})
     result = per_rank[0]["fsdp4_inductor"]
     parallel, reference = result["parallel"], result["reference"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.meta_starts import assert_starts_like_plain
-from tests.distributed.parity import STEPS, assert_training_matches, launcher
+from tests.distributed.meta_starts_ranks import assert_starts_like_plain
+from tests.distributed.parity_ranks import STEPS, assert_training_matches, launcher
 
 CP2 = {"cp2": {"cp": 2, "dp_shard": 1}, "cp2_ac_full": {"cp": 2, "dp_shard": 1, "activation_checkpointing": "full"},
        # selective recomputation keeps the fused kernels' outputs inside the ring and re-runs its hops
@@ -23,7 +23,7 @@ CP4 = {"cp4": {"cp": 4, "dp_shard": 1}, "cp2_fsdp2": {"cp": 2, "dp_shard": 2}, "
 LAUNCHES = {"llama_cp2": (2, "llama", CP2, 2), "llama_cp4": (4, "llama8", CP4, 4), "gpt_cp2": (2, "gpt", CP2, 2),
             "hf_cp2": (2, "hf_llama", {"cp2": CP2["cp2"]}, 2)}
 CASES = [(name, layout) for name, (_, _, layouts, _) in LAUNCHES.items() for layout in layouts]
-# Models built in `configure_model` (tests/distributed/meta_starts.py), started in the cp4 launch.
+# Models built in `configure_model` (tests/distributed/meta_starts_ranks.py), started in the cp4 launch.
 STARTS = {"llama_cp4": {f"{model}_cp2_fsdp2": (model, CP4["cp2_fsdp2"]) for model in ("gpt", "own_init", "llama")}}
 
 

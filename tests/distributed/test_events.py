@@ -1,4 +1,4 @@
-"""The strategy's typed events, heard by an ordinary Trainer callback in real 4-rank runs (events_scenario.py)."""
+"""The strategy's typed events, heard by an ordinary Trainer callback in real 4-rank runs (events_ranks.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ WORLD = 4
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("events")
-    return launch("tests.distributed.events_scenario:run_all", WORLD, out / "logs", timeout=600, folder=str(out))
+    return launch("tests.distributed.events_ranks:run_all", WORLD, out / "logs", timeout=600, folder=str(out))
 
 
 def _events(path: str) -> list[dict]:

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.meta_starts import assert_starts_like_plain
-from tests.distributed.parity import assert_training_matches, launcher, techniques
+from tests.distributed.meta_starts_ranks import assert_starts_like_plain
+from tests.distributed.parity_ranks import assert_training_matches, launcher, techniques
 from tests.launcher import launch
 
 TOLERANCE = {"float64": 1e-10, "float32": 2e-4}
@@ -26,7 +26,7 @@ TOLERANCE = {"float64": 1e-10, "float32": 2e-4}
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory):
-    return launch("tests.distributed.ep_scenario:run_all", 4, tmp_path_factory.mktemp("ep"), timeout=600)
+    return launch("tests.distributed.expert_parallel_ranks:run_all", 4, tmp_path_factory.mktemp("ep"), timeout=600)
 
 
 def test_expert_parallel_layer_matches_one_process(per_rank):
@@ -68,7 +68,7 @@ ETP = {"moe_etp", "mixtral_etp"}
 CLIP = {"ep2_fsdp2_clip": 0.5}
 ACCUMULATE = {"ep2_fsdp4_accum": 2}
 CASES = [(name, layout) for name, (_, _, layouts, _) in LAUNCHES.items() for layout in layouts]
-# The example MoE model (conf/model/moe.yaml) built in `configure_model` (tests/distributed/meta_starts.py), started
+# The example MoE model (conf/model/moe.yaml) built in `configure_model` (tests/distributed/meta_starts_ranks.py), started
 # in the ep4 launch under ep and every other dim family.
 # A Hugging Face Mixtral too: its `_init_weights` picks its experts by class, which the ep shards still are.
 STARTS = {"moe_ep4": {f"moe_{name}": ("moe", layout) for name, layout in {

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lightning_nd.checkpoint import is_complete, latest_checkpoint, read_sharded
-from tests.distributed.checkpoint_scenarios import FAST_FAILURE, STEPS
+from tests.distributed.checkpoint_ranks import FAST_FAILURE, STEPS
 from tests.launcher import exits, launch, start
 
 WORLD = 4
@@ -18,7 +18,7 @@ WORLD = 4
 
 def _die(scenario: str, root: Path, rank: int, step: int) -> dict[int, tuple[int, float]]:
     """Run a dying scenario; each rank's exit code and exit time after the victim's death."""
-    procs = start(f"tests.distributed.checkpoint_scenarios:{scenario}", WORLD, root / "out", ckpt_dir=str(root / "ckpt"),
+    procs = start(f"tests.distributed.checkpoint_ranks:{scenario}", WORLD, root / "out", ckpt_dir=str(root / "ckpt"),
                   stamp=str(root / "stamp"), rank=rank, step=step)
     ended = exits(procs, timeout=300)
     assert len(ended) == WORLD, f"ranks {set(range(WORLD)) - set(ended)} still ran 300 s later"
@@ -72,7 +72,7 @@ def test_sigkill_mid_save_leaves_no_newest_half_checkpoint(mid_save):
 
 def test_resume_from_last_after_the_crash_matches_an_uninterrupted_run(mid_save, tmp_path):
     root, _ = mid_save
-    results = launch("tests.distributed.checkpoint_scenarios:resume_last", WORLD, tmp_path / "out", timeout=600,
+    results = launch("tests.distributed.checkpoint_ranks:resume_last", WORLD, tmp_path / "out", timeout=600,
                      ckpt_dir=str(root / "ckpt"), fresh_dir=str(tmp_path / "fresh"))
     resumed, uninterrupted = results[0]["resumed"], results[0]["uninterrupted"]
     assert resumed["losses"] == uninterrupted["losses"][3:] and resumed["step"] == STEPS

@@ -5,7 +5,7 @@ transposed experts split over tp; Bloom, no declared plan
 and no known names, planned from its structure), and PyTorch's own `nn.TransformerEncoder` (its
 `nn.MultiheadAttention` split by heads, its feed-forward pair found from the structure) under FSDP, HSDP, tp, pp and
 cp, in one launch of 4 processes. Loss per step, gradients and parameters after 3 SGD-momentum steps match (see
-families_scenario.py for why not AdamW); a family/layout pair that is not trained must be refused while
+families_ranks.py for why not AdamW); a family/layout pair that is not trained must be refused while
 planning, for the named reason this file expects."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.families import FAMILIES
+from tests.distributed.family_models import FAMILIES
 from tests.launcher import launch
 
 LAYOUTS = {
@@ -43,7 +43,7 @@ CASES += [("mixtral", "tp4"), ("qwen3_moe", "ep2_fsdp2_tp2"), ("gpt2", "ddp2_tp2
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory):
-    return launch("tests.distributed.families_scenario:run", 4, tmp_path_factory.mktemp("families"), timeout=1200,
+    return launch("tests.distributed.families_ranks:run", 4, tmp_path_factory.mktemp("families"), timeout=1200,
                   cases=CASES, layouts=LAYOUTS, batch=BATCH, chunk=CHUNK, options=OPTIONS)
 
 

@@ -1,7 +1,7 @@
 """Every causal-LM family of the installed `transformers` (and every family declaring a tp plan) at tp=2 on 2 real
 ranks matches the same model in one process, or is on an explicit list with its reason.
 
-One launch (`families_tp_scenario.py`) runs them all: a tiny random config, `plan_layout` at tp=2, the plan applied
+One launch (`hf_families_ranks.py`) runs them all: a tiny random config, `plan_layout` at tp=2, the plan applied
 on a gloo tp mesh, one forward and backward in float64; logits and every gradient against the whole model. Outcomes:
 ``planned`` (matches), ``refused`` (the planner refuses, naming why), ``not runnable`` (the tiny model does not run in
 one process: vision or audio inputs, config checks), ``differs`` (runs under tp, wrong values) and ``failed`` (the tp
@@ -44,7 +44,7 @@ NOT_PLANNED: dict[str, tuple[str, str]] = {
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    return launch("tests.distributed.families_tp_scenario:run", 2, tmp_path_factory.mktemp("families"), timeout=900,
+    return launch("tests.distributed.hf_families_ranks:run", 2, tmp_path_factory.mktemp("families"), timeout=900,
                   families=FAMILIES, sequence_parallel=SEQUENCE_PARALLEL)[0]
 
 

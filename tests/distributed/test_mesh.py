@@ -1,12 +1,12 @@
 """The named sub-meshes hold exactly the ranks that `ParallelDims.coordinates` says, and that the mesh roles
-of `layout/roles.py` compute without a process group (8 gloo ranks)."""
+of `mesh/roles.py` compute without a process group (8 gloo ranks)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_nd.layout.dims import ParallelDims
-from lightning_nd.layout.roles import group_of, role_names
+from lightning_nd.mesh.dims import ParallelDims
+from lightning_nd.mesh.roles import group_of, role_names
 from tests.launcher import launch
 
 WORLD = 8
@@ -25,7 +25,7 @@ VARYING = {
 
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
-    return launch("tests.distributed.mesh_scenario:group_ranks", WORLD, tmp_path_factory.mktemp("mesh"),
+    return launch("tests.distributed.mesh_ranks:group_ranks", WORLD, tmp_path_factory.mktemp("mesh"),
                   timeout=300, layouts=LAYOUTS)
 
 

@@ -20,7 +20,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory):
-    return launch("tests.distributed.own_steps_scenario:run", 2, tmp_path_factory.mktemp("own_steps"), timeout=600,
+    return launch("tests.distributed.own_steps_ranks:run", 2, tmp_path_factory.mktemp("own_steps"), timeout=600,
                   cases=CASES)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.parity import assert_layout_matches_shards, techniques
+from tests.distributed.parity_ranks import assert_layout_matches_shards, techniques
 from tests.launcher import launch
 
 LAYOUTS = {
@@ -19,7 +19,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory):
-    return launch("tests.distributed.parity:run_layouts", 4, tmp_path_factory.mktemp("packed"), timeout=600,
+    return launch("tests.distributed.parity_ranks:run_layouts", 4, tmp_path_factory.mktemp("packed"), timeout=600,
                   model_name="fused_llama", layouts=LAYOUTS)
 
 

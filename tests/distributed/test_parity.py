@@ -1,8 +1,8 @@
 """Every layout matches one process: loss per step, final gradients and final parameters after 5
 AdamW steps in float32, for three models of different structure (see tests/models.py); and models built in
-`configure_model` start as plain construction makes them (tests/distributed/meta_starts.py).
+`configure_model` start as plain construction makes them (tests/distributed/meta_starts_ranks.py).
 
-One launch of 4 ranks per model trains all layouts (tests/distributed/parity.py); each layout is
+One launch of 4 ranks per model trains all layouts (tests/distributed/parity_ranks.py); each layout is
 then its own test here. Tolerances: float32 reductions in a different order differ by ~1e-7
 relative; five Adam steps at lr=1e-3 keep parameter differences below ~2e-5 (the measured maxima over
 all layouts and models are in docs/pages/performance.md, "How correct is it").
@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.meta_starts import assert_starts_like_plain
-from tests.distributed.parity import ACCUMULATE, STEPS, assert_layout_matches_shards, techniques
+from tests.distributed.meta_starts_ranks import assert_starts_like_plain
+from tests.distributed.parity_ranks import ACCUMULATE, STEPS, assert_layout_matches_shards, techniques
 from tests.launcher import launch
 
 WORLD = 4
@@ -45,7 +45,7 @@ MODELS = ("llama", "gpt", "hf_llama")
 NOT_FOR = {"gpt": {"fsdp2_tp2_sp_loss_parallel"}}
 
 
-# Models built in `configure_model` (tests/distributed/meta_starts.py), started inside the same launches: by launch,
+# Models built in `configure_model` (tests/distributed/meta_starts_ranks.py), started inside the same launches: by launch,
 # start -> (model, layout). "single" is a launch of its own: one process, dp_shard=1 (no DTensor at all).
 META = {"tp4": {"tp": 4}, "fsdp4": {"dp_shard": 4}, "fsdp2_tp2": {"dp_shard": 2, "tp": 2},
         "hsdp_2x2": {"dp_replicate": 2, "dp_shard": 2}}
@@ -74,7 +74,7 @@ def runs(tmp_path_factory):
         if model_name not in per_model:
             single = model_name == "single"
             per_model[model_name] = launch(
-                "tests.distributed.parity:run_layouts", 1 if single else WORLD,
+                "tests.distributed.parity_ranks:run_layouts", 1 if single else WORLD,
                 tmp_path_factory.mktemp(f"parity_{model_name}"), timeout=900, model_name=model_name,
                 layouts={} if single else layouts_for(model_name), clip=CLIP, accumulate=ACCUMULATING,
                 starts=STARTS.get(model_name, {}),

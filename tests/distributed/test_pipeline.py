@@ -15,10 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nd.layout.pipeline_split import stage_ranks
-from lightning_nd.layout.schedules import SCHEDULES, SINGLE_STAGE
-from tests.distributed.meta_starts import assert_starts_like_plain
-from tests.distributed.parity import assert_training_matches, launcher
+from lightning_nd.pipeline_parallel.split import stage_ranks
+from lightning_nd.pipeline_parallel.schedules import SCHEDULES, SINGLE_STAGE
+from tests.distributed.meta_starts_ranks import assert_starts_like_plain
+from tests.distributed.parity_ranks import assert_training_matches, launcher
 from tests.launcher import launch
 
 PP2 = {f"pp2_{name}": {"pp": 2, "dp_shard": 1, "pp_schedule": name} for name in SCHEDULES}
@@ -44,7 +44,7 @@ ACCUMULATE = {"pp2_interleaved_accum": 2, "pp2_fsdp2_accum": 2, "tied_pp2_hsdp_a
 LAUNCHES = {"pp2": (2, "llama8", PP2, 4), "pp4": (4, "llama8", PP4, 8), "pp8": (8, "llama8", PP8, 4),
             "hf": (2, "hf_llama", HF, 4), "tied": (4, "gpt4", TIED, 8)}
 CASES = [(launch_name, layout) for launch_name, (_, _, layouts, _) in LAUNCHES.items() for layout in layouts]
-# Models built in `configure_model` (tests/distributed/meta_starts.py), started in the tied launch: a tie spanning
+# Models built in `configure_model` (tests/distributed/meta_starts_ranks.py), started in the tied launch: a tie spanning
 # stages (the GPTs' heads) held on two ranks, on one rank (zbv), and a tie inside one stage (own_init's norms).
 PP2_FSDP2 = {"pp": 2, "dp_shard": 2}
 STARTS = {"tied": {"gpt_pp2_fsdp2": ("gpt", PP2_FSDP2), "gpt_pp4": ("gpt", {"pp": 4, "dp_shard": 1}),
@@ -111,7 +111,7 @@ def test_stage_timings_split_each_step_into_compute_and_idle(runs, launch_name):
 
 def test_a_batch_the_microbatches_do_not_divide_stops_every_rank_with_a_hint(tmp_path):
     with pytest.raises(RuntimeError) as failed:
-        launch("tests.distributed.parity:run_layouts", 2, tmp_path, timeout=300, model_name="llama8",
+        launch("tests.distributed.parity_ranks:run_layouts", 2, tmp_path, timeout=300, model_name="llama8",
                layouts={"pp2": {"pp": 2, "dp_shard": 1}}, batch={"pp2": 3})
     report = str(failed.value)
     assert "exit codes {0: 1, 1: 1}" in report  # both ranks raised (none killed after a hang)
@@ -119,7 +119,7 @@ def test_a_batch_the_microbatches_do_not_divide_stops_every_rank_with_a_hint(tmp
 
 
 def test_a_short_last_batch_resizes_the_pipeline_and_matches_one_process(tmp_path):
-    per_rank = launch("tests.distributed.pipeline_scenarios:short_last_batch", 2, tmp_path, timeout=300)
+    per_rank = launch("tests.distributed.pipeline_ranks:short_last_batch", 2, tmp_path, timeout=300)
     expected = per_rank[0]["expected"]
     assert len(expected) == 2
     for result in per_rank:

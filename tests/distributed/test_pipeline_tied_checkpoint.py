@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.checkpoint_scenarios import SAVE_EVERY, STEPS
+from tests.distributed.checkpoint_ranks import SAVE_EVERY, STEPS
 from tests.launcher import launch
 
 BASE = {"pp": 2, "dp_shard": 2}
@@ -23,7 +23,7 @@ COPY, WEIGHT = "out.weight", "tok.weight"  # the head's copy on the last stage, 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("tied_ckpt")
-    return launch("tests.distributed.pipeline_scenarios:tied_checkpoint", 4, root / "out", timeout=900,
+    return launch("tests.distributed.pipeline_ranks:tied_checkpoint", 4, root / "out", timeout=900,
                   ckpt_dir=str(root / "ckpt"), export_to=str(root / "full.ckpt"), base=BASE, layouts=LAYOUTS)
 
 

@@ -17,7 +17,7 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    return launch("tests.distributed.refusal_scenarios:run_all", 2, tmp_path_factory.mktemp("refusals"), timeout=300)
+    return launch("tests.distributed.refusals_ranks:run_all", 2, tmp_path_factory.mktemp("refusals"), timeout=300)
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_nd.parallel.context.sharding import attention_flops_per_rank, shard_positions
+from lightning_nd.context_parallel.sharding import attention_flops_per_rank, shard_positions
 from tests.launcher import launch
 
 TOLERANCE = {"float64": 1e-12, "float32": 2e-5}
@@ -13,7 +13,7 @@ TOLERANCE = {"float64": 1e-12, "float32": 2e-5}
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory):
-    return launch("tests.distributed.ring_scenario:run_all", 4, tmp_path_factory.mktemp("ring"), timeout=600)
+    return launch("tests.distributed.ring_attention_ranks:run_all", 4, tmp_path_factory.mktemp("ring"), timeout=600)
 
 
 def test_every_case_matches_plain_attention_on_every_rank(per_rank):

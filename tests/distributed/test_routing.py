@@ -1,4 +1,4 @@
-"""The `RoutingMonitor` on 4 processes (tests/distributed/routing_scenario.py): the tokens per expert it writes to
+"""The `RoutingMonitor` on 4 processes (tests/distributed/routing_ranks.py): the tokens per expert it writes to
 ``routing.jsonl`` equal, interval by interval, expert by expert and layer by layer, what one process's routers chose
 on the same batches, for routers the test skewed: the reference MoE under dp_shard=4 x ep=2 (with accumulation
 steps and checkpointed blocks), pp=2 x dp_shard=2 x ep=2 (microbatches), ep=2 x tp=2 (with a capacity limit: the
@@ -17,14 +17,14 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 from tensorboard.util.tensor_util import make_ndarray
 
 from diagnostics.records import RoutingInterval, read_intervals
-from tests.distributed.routing_scenario import CAPACITY, CASES, EVERY, STEPS
+from tests.distributed.routing_ranks import CAPACITY, CASES, EVERY, STEPS
 from tests.launcher import launch
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     folder = tmp_path_factory.mktemp("routing")
-    return launch("tests.distributed.routing_scenario:run_all", 4, folder, timeout=600, folder=str(folder))[0]
+    return launch("tests.distributed.routing_ranks:run_all", 4, folder, timeout=600, folder=str(folder))[0]
 
 
 def _expected(reference: dict, first: int, last: int) -> dict[str, list[int]]:

@@ -1,5 +1,5 @@
 """The biggest layouts at parity with one process (loss per step, gradients and parameters after 5 AdamW steps,
-validation loss; the tolerances of tests/distributed/parity.py), on Hugging Face models no other parity test trains
+validation loss; the tolerances of tests/distributed/parity_ranks.py), on Hugging Face models no other parity test trains
 at this size: 4-D (pp=2 x dp_shard=2 x cp=2 x tp=2 with sequence parallelism) on 16 processes with a Llama, and
 5-D + EP (pp=2 x dp_replicate=2 x dp_shard=2 x cp=2 x tp=2, experts over ep=2 borrowed from dp_shard x cp) on 32
 with a Mixtral. One launch each (25 s and 67 s here on 2 cores, forked from the session's zygotes)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.parity import assert_training_matches, launcher, techniques
+from tests.distributed.parity_ranks import assert_training_matches, launcher, techniques
 
 FOUR_D = {"pp2_fsdp2_cp2_tp2_sp": {"pp": 2, "dp_shard": 2, "cp": 2, "tp": 2, "sequence_parallel": True}}
 FIVE_D = {"pp2_hsdp2x2_cp2_tp2_ep2": {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 2, "ep": 2}}

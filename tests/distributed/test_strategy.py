@@ -1,4 +1,4 @@
-"""What `NDParallel` promises beyond parity, checked on 4 real ranks (see scenarios.py)."""
+"""What `NDParallel` promises beyond parity, checked on 4 real ranks (see strategy_ranks.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from tests.launcher import launch
 
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory):
-    return launch("tests.distributed.scenarios:run_all", 4, tmp_path_factory.mktemp("scenarios"), timeout=900)
+    return launch("tests.distributed.strategy_ranks:run_all", 4, tmp_path_factory.mktemp("scenarios"), timeout=900)
 
 
 def result(outcomes, name: str, rank: int = 0):

@@ -9,7 +9,7 @@ from tests.launcher import launch
 
 
 def test_a_packed_shard_is_saved_and_loaded_where_the_whole_tensor_has_it(tmp_path):
-    per_rank = launch("tests.distributed.strided_scenario:round_trip", 2, tmp_path, timeout=120, folder=str(tmp_path))
+    per_rank = launch("tests.distributed.strided_checkpoint_ranks:round_trip", 2, tmp_path, timeout=120, folder=str(tmp_path))
     assert per_rank[0]["written_equal"] is True  # read back in one process: the whole tensor, in the model's order
     for rank, result in enumerate(per_rank):
         assert result["kept"] and result["loaded_in_place"], (rank, result)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.mha_scenario import CASES
+from tests.distributed.tp_attention_ranks import CASES
 from tests.launcher import launch
 
 
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory):
-    return launch("tests.distributed.mha_scenario:compare", 2, tmp_path_factory.mktemp("mha"), timeout=120)
+    return launch("tests.distributed.tp_attention_ranks:compare", 2, tmp_path_factory.mktemp("mha"), timeout=120)
 
 
 @pytest.mark.parametrize("case", [*CASES, "lightning_demo_transformer", "per_feature_scales"])

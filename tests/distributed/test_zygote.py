@@ -10,7 +10,7 @@ import torch
 from tests.launcher import exits, launch, start
 from tests.zygotes import Rank
 
-SCENARIO = "tests.distributed.process_scenario"
+SCENARIO = "tests.distributed.zygote_ranks"
 
 
 def test_forked_ranks_are_fresh_processes(tmp_path):

@@ -20,9 +20,14 @@ PHASES = (
     # package ``x`` and every module in it.
     (("diagnostics.analysis.*", "diagnostics.records.*"),
      ("torch", "lightning_nd", *LIGHTNING, "transformers")),
-    (("lightning_nd", "lightning_nd.layout.*", "lightning_nd.cost.*", "lightning_nd.plan.*"),
+    (("lightning_nd", "lightning_nd.layout.*", "lightning_nd.cost.*", "lightning_nd.planner.*", "lightning_nd.plan.*",
+      "lightning_nd.mesh.*", "lightning_nd.model.*", "lightning_nd.tensor_parallel", "lightning_nd.tensor_parallel.infer.*",
+      "lightning_nd.pipeline_parallel", "lightning_nd.pipeline_parallel.split", "lightning_nd.pipeline_parallel.schedules",
+      "lightning_nd.context_parallel", "lightning_nd.context_parallel.positions", "lightning_nd.context_parallel.sharding"),
      (*LIGHTNING, "transformers", "torch.distributed.pipelining")),
-    (("lightning_nd.nn.*", "lightning_nd.parallel.*", "lightning_nd.runtime.*", "lightning_nd.checkpoint.*"),
+    (("lightning_nd.nn.*", "lightning_nd.parallel.*", "lightning_nd.runtime.*", "lightning_nd.checkpoint.*",
+      "lightning_nd.tensor_parallel.*", "lightning_nd.pipeline_parallel.*", "lightning_nd.context_parallel.*",
+      "lightning_nd.expert_parallel.*"),
      (*LIGHTNING, "transformers")),
 )
 OURS = ("lightning_nd", "diagnostics")

@@ -105,9 +105,9 @@ def test_the_many_dim_layouts_plan_for_the_world_they_name(option, model, world)
     import torch
 
     from examples.train import model_factory
-    from lightning_nd.layout.dims import DIM_NAMES
-    from lightning_nd.plan.dry_run import dry_run
-    from lightning_nd.plan.source import Holder
+    from lightning_nd.mesh.dims import DIM_NAMES
+    from lightning_nd.planner.dry_run import dry_run
+    from lightning_nd.planner.source import Holder
 
     cfg = _compose([f"parallel={option}", f"model={model}", f"trainer.devices={world}"])
     with torch.device("meta"):

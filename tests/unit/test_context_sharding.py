@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_nd.layout.batch import sequence_length
-from lightning_nd.parallel.context.region import (
+from lightning_nd.model.batch import sequence_length
+from lightning_nd.context_parallel.region import (
     attach_position_hooks,
     context_parallel_region,
     current_positions,
     inject_positions,
     regions_of_this_thread_only,
 )
-from lightning_nd.parallel.context.sharding import shard_batch, shard_positions, shard_sequence
+from lightning_nd.context_parallel.sharding import shard_batch, shard_positions, shard_sequence
 from tests.models import build
 
 
@@ -207,7 +207,7 @@ def test_the_plan_says_how_the_model_gets_its_positions_or_refuses():
 def test_torch_transformer_attention_is_routed_causal_in_training_and_evaluation(monkeypatch):
     """`nn.MultiheadAttention` calls SDPA; a causal mask `nn.TransformerEncoder` recognises becomes `is_causal`, and
     without the region's switch the evaluation fast path would skip SDPA altogether."""
-    from lightning_nd.parallel.context import region
+    from lightning_nd.context_parallel import region
 
     routed, plain = [], F.scaled_dot_product_attention
 

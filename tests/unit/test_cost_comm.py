@@ -8,8 +8,8 @@ import torch
 from examples.models.llama import Llama, LlamaConfig
 from lightning_nd.cost.comm import comm_per_step
 from lightning_nd.cost.shape import Workload, model_shape
-from lightning_nd.plan.dry_run import dry_run
-from lightning_nd.plan.source import Holder
+from lightning_nd.planner.dry_run import dry_run
+from lightning_nd.planner.source import Holder
 
 CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=4)

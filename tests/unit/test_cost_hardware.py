@@ -10,8 +10,8 @@ from lightning_nd.cost.comm import comm_per_step
 from lightning_nd.cost.hardware import PRESETS, Hardware, parse_bytes, parse_hardware
 from lightning_nd.cost.shape import Workload, model_shape
 from lightning_nd.cost.step_time import step_time
-from lightning_nd.plan.dry_run import dry_run
-from lightning_nd.plan.source import Holder
+from lightning_nd.planner.dry_run import dry_run
+from lightning_nd.planner.source import Holder
 
 CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=8)

@@ -15,7 +15,7 @@ from lightning_nd.cost.memory import rank_memory
 from lightning_nd.cost.model_state import model_state, zero_paper_bytes
 from lightning_nd.cost.shape import Workload, model_shape
 from lightning_nd.parallel.activation import apply_ac
-from lightning_nd.plan.dry_run import dry_run
+from lightning_nd.planner.dry_run import dry_run
 
 LLAMA = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=3,
                     num_attention_heads=8, num_key_value_heads=2)

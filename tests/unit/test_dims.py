@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from lightning_nd.layout.dims import DIM_NAMES, MESH_DIMS, ParallelDims
+from lightning_nd.mesh.dims import DIM_NAMES, MESH_DIMS, ParallelDims
 
 
 def _grid(dims: ParallelDims) -> np.ndarray:

@@ -26,7 +26,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from lightning_nd.layout.dims import DIM_NAMES
+from lightning_nd.mesh.dims import DIM_NAMES
 
 REPO = Path(__file__).resolve().parents[2]
 PAGES = REPO / "docs" / "pages"
@@ -108,7 +108,7 @@ def test_plan_commands_run_as_written():
     transformers are imported once."""
     plans = [argv[3:] for _, argv in COMMANDS if kind(argv) == "lightning_nd.plan"]
     assert len(plans) >= 4
-    script = ("import json, sys\nfrom lightning_nd.plan.__main__ import main\n"
+    script = ("import json, sys\nfrom lightning_nd.planner.__main__ import main\n"
               "codes = [main(argv) for argv in json.loads(sys.argv[1])]\nprint('exit codes', codes)")
     done = subprocess.run([sys.executable, "-c", script, json.dumps(plans)], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
@@ -159,8 +159,8 @@ TRAINING = [c for c in COMMANDS if kind(c[1]) in ("examples/train.py", "torchrun
 @pytest.mark.parametrize("file, argv", TRAINING, ids=_ids(TRAINING))
 def test_training_commands_compose_and_plan_as_written(file, argv):
     from examples.train import model_factory
-    from lightning_nd.plan.dry_run import dry_run
-    from lightning_nd.plan.source import Holder
+    from lightning_nd.planner.dry_run import dry_run
+    from lightning_nd.planner.source import Holder
     from tests.unit.test_conf_schema import _compose
 
     given = argv[argv.index("examples/train.py") + 1:]  # under torchrun, its own arguments come first

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lightning_nd import Layout
-from lightning_nd.plan.__main__ import main
+from lightning_nd.planner.__main__ import main
 
 LLAMA_70B = {"num_hidden_layers": 80, "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
              "intermediate_size": 28672, "vocab_size": 128256}

@@ -21,8 +21,8 @@ from torch import nn
 from examples.lit import CausalLM
 from lightning_nd import NDParallel
 from lightning_nd.layout.arguments import DIM_DEFAULTS
-from lightning_nd.plan.__main__ import build_parser, main, run
-from lightning_nd.plan.source import load_factory
+from lightning_nd.planner.__main__ import build_parser, main, run
+from lightning_nd.planner.source import load_factory
 from tests.models import build
 from tests.unit.bad_models import MIXER_PLAN, LearnedPositions, MixerNet, ReversedMixer, batch_norm_net, moe
 from tests.unit.error_cases import CASES, MODELS, Case

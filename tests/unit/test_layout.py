@@ -14,7 +14,7 @@ from examples.lit import CausalLM
 from lightning_nd import Layout, ParallelConfig, ParallelDims, plan_layout
 from lightning_nd.layout.holdings import chunk_length
 from lightning_nd.layout.plan import PlanMemo, _numel
-from lightning_nd.layout.roles import group_of, role_names
+from lightning_nd.mesh.roles import group_of, role_names
 from tests.models import build
 
 CASES = {

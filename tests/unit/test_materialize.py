@@ -16,7 +16,7 @@ from lightning_nd.runtime.init_record import InitRecorder
 from lightning_nd.runtime.materialize import materialize
 from lightning_nd.runtime.model_init import ModelInit
 from lightning_nd.runtime.probe import check_initialisable, model_to_check
-from tests.distributed.meta_starts import OwnInitGPT, conf_model, describe
+from tests.distributed.meta_starts_ranks import OwnInitGPT, conf_model, describe
 from tests.unit.bad_models import init_after_construction, scale_norm_in_configure_model
 
 CONFIG = GPTConfig(**conf_model("gpt"))

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from lightning_nd.parallel.pipeline.stage import _restrict_layer_lists
+from lightning_nd.pipeline_parallel.stage import _restrict_layer_lists
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from torch.distributed.pipelining import PipelineStage, _utils
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from lightning_nd.parallel.pipeline.shape_inference import zero_trial_inputs
+from lightning_nd.pipeline_parallel.shape_inference import zero_trial_inputs
 
 
 @pytest.fixture

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nd.parallel.pipeline.stage import PipelineStages, StageModule, pack_inputs
-from lightning_nd.layout.schedules import check_schedule, theoretical_bubble
-from lightning_nd.layout.pipeline_split import balanced_counts, split_stages, stage_ranks
-from lightning_nd.layout.structure import find_blocks
+from lightning_nd.pipeline_parallel.stage import PipelineStages, StageModule, pack_inputs
+from lightning_nd.pipeline_parallel.schedules import check_schedule, theoretical_bubble
+from lightning_nd.pipeline_parallel.split import balanced_counts, split_stages, stage_ranks
+from lightning_nd.model.structure import find_blocks
 from tests.models import build
 
 
@@ -113,7 +113,7 @@ def test_a_dict_batch_is_never_split_by_its_key_names():
 
 
 def test_tied_embeddings_are_one_copy_on_the_first_and_one_on_the_last_stage():
-    from lightning_nd.layout.dims import ParallelDims
+    from lightning_nd.mesh.dims import ParallelDims
     from lightning_nd.layout.holdings import rank_holdings
     from lightning_nd.layout.record import StagePlan
 
@@ -145,7 +145,7 @@ def test_a_weight_shared_across_stages_other_than_first_and_last_is_refused():
 
 
 def test_the_dry_run_says_a_hugging_face_gpt2_head_is_tied_and_held_by_the_last_stage(capsys):
-    from lightning_nd.plan.__main__ import main
+    from lightning_nd.planner.__main__ import main
 
     config = '{"n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 1000, "tie_word_embeddings": true}'
     assert main(["--hf-model-type", "gpt2", "--hf-kwargs", config, "--devices", "2", "--layout", "pp=2"]) == 0
@@ -158,7 +158,7 @@ def test_a_stage_hands_on_its_auxiliary_losses_without_returning_a_view():
     """`attach` (a stage's MoE losses riding on its output): the value is the output's, the losses get gradient
     ``scale``, and the tensor is no view (FSDP2 warned "FSDPStageModule returned a view tensor" on every MoE step
     under pp x dp_shard)."""
-    from lightning_nd.parallel.pipeline.aux_losses import attach
+    from lightning_nd.pipeline_parallel.aux_losses import attach
 
     weight, coef = torch.randn(3, requires_grad=True), torch.tensor(2.0, requires_grad=True)
     output, aux = weight * 2, coef * 3

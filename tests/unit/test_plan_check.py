@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_nd.check.world import FakeWorld, Hang, PeerFailed
-from lightning_nd.plan.__main__ import main
+from lightning_nd.planner.__main__ import main
 
 LLAMA = ("--model", "examples.models.llama:Llama")
 

@@ -10,7 +10,7 @@ import torch
 
 from lightning_nd.cost.model_state import model_state
 from lightning_nd.layout.record import Layout
-from lightning_nd.plan.__main__ import main
+from lightning_nd.planner.__main__ import main
 from tests.unit.test_dry_run import LLAMA_70B
 
 SMALL = ["--model", "examples.models.llama:Llama", "--devices", "8", "--gpus-per-node", "4", "--seq-len", "64",
@@ -56,9 +56,9 @@ def test_each_layout_says_the_longest_sequence_it_fits_and_one_step_longer_does_
     from examples.models.llama import Llama, LlamaConfig
     from lightning_nd.cost.memory import rank_memories
     from lightning_nd.cost.shape import Workload, model_shape
-    from lightning_nd.plan.dry_run import dry_run
-    from lightning_nd.plan.search import longest_sequence
-    from lightning_nd.plan.source import Holder
+    from lightning_nd.planner.dry_run import dry_run
+    from lightning_nd.planner.search import longest_sequence
+    from lightning_nd.planner.source import Holder
 
     code, out, _ = _run(capsys, *SMALL, "--gpu-memory", "2MB", "--json")
     assert code == 0
@@ -173,7 +173,7 @@ def test_parameters_are_priced_as_the_trainers_precision_keeps_them(capsys):
     code, out, _ = _run(capsys, *argv)
     assert code == 0 and ("Parameters priced in float32, as bf16-mixed keeps them (the config's dtype, bfloat16, is"
                           " its checkpoint's storage).") in out, out[:400]
-    from lightning_nd.plan.source import storage_line
+    from lightning_nd.planner.source import storage_line
 
     built_in_bf16 = torch.nn.Linear(4, 4, dtype=torch.bfloat16, device="meta")  # a factory's own choice
     assert "keeps no fp32 master weights. HINT: build it in float32" in storage_line(built_in_bf16, "bf16-mixed")

@@ -10,10 +10,10 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from examples.models.gpt import GPT, GPTConfig
-from lightning_nd.layout.declared import pattern_to_regex
-from lightning_nd.layout.structure import read_model_facts
-from lightning_nd.layout.structure_plan import left_whole
-from lightning_nd.layout.tp_plan import resolve_tp_plan
+from lightning_nd.tensor_parallel.infer.declared import pattern_to_regex
+from lightning_nd.model.structure import read_model_facts
+from lightning_nd.tensor_parallel.infer.structure import left_whole
+from lightning_nd.tensor_parallel.infer.resolve import resolve_tp_plan
 from tests.models import build
 
 LLAMA_LAYER_PLAN = {
@@ -193,7 +193,7 @@ def test_hf_styles_keep_their_hugging_face_meaning():
 
 
 def test_a_declared_style_not_applied_here_is_refused_by_name():
-    from lightning_nd.layout.hf_styles import TPPlanRefusal
+    from lightning_nd.tensor_parallel.infer.hugging_face import TPPlanRefusal
 
     model = build("hf_llama")
     model.model.layers[0].self_attn._tp_plan = {"q_proj": "some_future_style"}

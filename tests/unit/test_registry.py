@@ -12,8 +12,8 @@ from lightning.pytorch import Trainer
 import lightning_nd  # noqa: F401  (registers "nd")
 from examples.lit import CausalLM
 from lightning_nd import NDParallel
-from lightning_nd.layout.dims import DIM_NAMES, MESH_DIMS
-from lightning_nd.plan.dry_run import plan_for, read_layout_arguments
+from lightning_nd.mesh.dims import DIM_NAMES, MESH_DIMS
+from lightning_nd.planner.dry_run import plan_for, read_layout_arguments
 from tests.models import build
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "parallel"

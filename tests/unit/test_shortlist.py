@@ -1,4 +1,4 @@
-"""The layout search's plan (`lightning_nd/plan/shortlist.py`, `examples/search.py`), without running anything:
+"""The layout search's plan (`lightning_nd/planner/shortlist.py`, `examples/search.py`), without running anything:
 every candidate is a valid layout at the same global batch, the knobs vary (ZeRO stage, microbatches under pp),
 distinct dim sizes come first, those predicted not to fit are dropped, and each candidate's command-line overrides
 compose through Hydra into the very layout the planner costed."""
@@ -13,11 +13,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from lightning_nd.cost.hardware import parse_hardware
-from lightning_nd.layout.dims import DIM_NAMES
-from lightning_nd.plan.dry_run import dry_run
-from lightning_nd.plan.search import describe_sizes
-from lightning_nd.plan.shortlist import per_rank_batch, shortlist
-from lightning_nd.plan.source import Holder
+from lightning_nd.mesh.dims import DIM_NAMES
+from lightning_nd.planner.dry_run import dry_run
+from lightning_nd.planner.search import describe_sizes
+from lightning_nd.planner.shortlist import per_rank_batch, shortlist
+from lightning_nd.planner.source import Holder
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 

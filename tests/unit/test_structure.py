@@ -7,7 +7,7 @@ from torch import nn
 
 from examples.models.gpt import GPT, GPTConfig
 from examples.models.llama import Attention, DecoderLayer, Llama, LlamaConfig
-from lightning_nd.layout.structure import find_blocks, read_model_facts
+from lightning_nd.model.structure import find_blocks, read_model_facts
 from tests.models import build
 
 

@@ -8,8 +8,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from examples.lit import CausalLM
 from lightning_nd import ParallelConfig, ParallelDims, plan_layout
 from lightning_nd.layout.describe import layout_markdown
-from lightning_nd.layout.tp_checks import is_colwise
-from lightning_nd.parallel.tp_styles import ShardingSequenceParallel, style_for
+from lightning_nd.tensor_parallel.infer.checks import is_colwise
+from lightning_nd.tensor_parallel.apply.styles import ShardingSequenceParallel, style_for
 from tests.models import build
 
 
@@ -52,7 +52,7 @@ def test_dropout_masks_differ_across_tp_ranks_only_where_activations_are_split()
     import torch
     from torch import nn
 
-    from lightning_nd.parallel.tp_dropout import fork_rng_per_rank, has_dropout
+    from lightning_nd.tensor_parallel.apply.dropout import fork_rng_per_rank, has_dropout
 
     def masks(tp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         torch.manual_seed(0)

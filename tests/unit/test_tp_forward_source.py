@@ -1,4 +1,4 @@
-"""What a module's forward shows that its parameters do not (`lightning_nd.layout.forward_source`): TrOCR's attention
+"""What a module's forward shows that its parameters do not (`lightning_nd.tensor_parallel.infer.forward_source`): TrOCR's attention
 reshapes with its input's width, so a guessed head split leaves it whole (its MLP split); BigBird's block-sparse
 attention replaces its attention module in forward, so its plan is refused naming the mode that plans. Values under
 tp=2 for TrOCR are checked on real ranks by tests/distributed/test_hf_families.py."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nd.layout.forward_source import reshapes_with_input_width
-from lightning_nd.layout.structure import read_model_facts
-from lightning_nd.layout.tp_plan import resolve_tp_plan
+from lightning_nd.tensor_parallel.infer.forward_source import reshapes_with_input_width
+from lightning_nd.model.structure import read_model_facts
+from lightning_nd.tensor_parallel.infer.resolve import resolve_tp_plan
 
 transformers = pytest.importorskip("transformers")
 

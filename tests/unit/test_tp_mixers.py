@@ -1,4 +1,4 @@
-"""Recurrent mixers split by channels under tp (`lightning_nd.layout.ssm_plan`): Mamba's, Falcon-Mamba's and RWKV's
+"""Recurrent mixers split by channels under tp (`lightning_nd.tensor_parallel.infer.ssm`): Mamba's, Falcon-Mamba's and RWKV's
 mixers are recognised by their shapes, Mamba-2's (one projection of unequal parts) are not, and a mixer with a layer
 of another shape stays whole. Values under tp are checked on real ranks for Mamba, Falcon-Mamba, RWKV (Mamba and
 RWKV also with SP) and Jamba by tests/distributed/test_hf_families.py."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nd.layout.ssm_plan import selective_scan_plan
-from lightning_nd.layout.structure import read_model_facts
-from lightning_nd.layout.tp_checks import tp_split
-from lightning_nd.layout.tp_plan import resolve_tp_plan
+from lightning_nd.tensor_parallel.infer.ssm import selective_scan_plan
+from lightning_nd.model.structure import read_model_facts
+from lightning_nd.tensor_parallel.infer.checks import tp_split
+from lightning_nd.tensor_parallel.infer.resolve import resolve_tp_plan
 
 transformers = pytest.importorskip("transformers")
 

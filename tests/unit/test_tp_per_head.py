@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nd.layout.hf_styles import TPPlanRefusal
-from lightning_nd.layout.latent import rope_dim
-from lightning_nd.layout.structure import read_model_facts
-from lightning_nd.layout.tp_checks import tp_split
-from lightning_nd.layout.tp_plan import resolve_tp_plan
+from lightning_nd.tensor_parallel.infer.hugging_face import TPPlanRefusal
+from lightning_nd.tensor_parallel.infer.mla import rope_dim
+from lightning_nd.model.structure import read_model_facts
+from lightning_nd.tensor_parallel.infer.checks import tp_split
+from lightning_nd.tensor_parallel.infer.resolve import resolve_tp_plan
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,8 +95,8 @@ def test_attention_sinks_are_split_with_their_heads():
 def test_deepseek_v3_at_tp2_holds_half_of_its_parameters_per_rank():
     """MLA split by heads and routed experts split over tp (ETP): only the latents' down projections, norms and
     routers stay whole, so a rank holds about half the model (0.501 for the 6-layer real-width model of the note)."""
-    from lightning_nd.plan.dry_run import dry_run
-    from lightning_nd.plan.source import Holder
+    from lightning_nd.planner.dry_run import dry_run
+    from lightning_nd.planner.source import Holder
 
     config = transformers.DeepseekV3Config(**{**MLA, "hidden_size": 256, "intermediate_size": 512,
                                               "moe_intermediate_size": 128, "num_hidden_layers": 4,

@@ -1,5 +1,5 @@
 """Experts stored as one ``[E, out, in]`` weight (JetMoE's ``ParallelExperts``) split over tp
-(`lightning_nd.layout.stacked_plan`): its MoE MLP as a packed feed-forward pair, its mixture of attention heads by
+(`lightning_nd.tensor_parallel.infer.stacked_experts`): its MoE MLP as a packed feed-forward pair, its mixture of attention heads by
 key/value heads with the shared ``[k; v]`` projection; refused under SP (the router would see a sequence shard).
 Values under tp=2 are checked on real ranks by tests/distributed/test_hf_families.py (a mutation without the input's
 gradient sum makes JetMoE differ by 0.85)."""
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nd.layout.structure import read_model_facts
-from lightning_nd.layout.tp_checks import check_plan, tp_split
-from lightning_nd.layout.tp_plan import resolve_tp_plan
+from lightning_nd.model.structure import read_model_facts
+from lightning_nd.tensor_parallel.infer.checks import check_plan, tp_split
+from lightning_nd.tensor_parallel.infer.resolve import resolve_tp_plan
 
 transformers = pytest.importorskip("transformers")
 

@@ -39,8 +39,8 @@ def test_an_error_in_a_module_the_strategy_imports_counts(cache: Path, tmp_path:
     for part in ("lightning_nd", "diagnostics"):
         shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
-    wrong = tmp_path / "lightning_nd" / "layout" / "dims.py"
+    wrong = tmp_path / "lightning_nd" / "mesh" / "dims.py"
     wrong.write_text(wrong.read_text() + "\n\ndef _typed_wrong() -> int:\n    return 'not an int'\n")
     result = _mypy(tmp_path, cache)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "lightning_nd/layout/dims.py" in result.stdout and "Incompatible return value" in result.stdout, result.stdout
+    assert "lightning_nd/mesh/dims.py" in result.stdout and "Incompatible return value" in result.stdout, result.stdout

@@ -1,2 +1,0 @@
-"""Pipeline parallelism: stage modules built from the split (`layout/pipeline_split.py`), the schedule runner and
-forward-only evaluation."""
