@@ -21,7 +21,7 @@ _PUBLIC = {
     "NDParallel": ("lightning_nd.strategy.nd_parallel", "NDParallel"),
     "ParallelConfig": ("lightning_nd.layout.options", "ParallelConfig"),
     "ParallelDims": ("lightning_nd.mesh.dims", "ParallelDims"),
-    "TP_STYLES": ("lightning_nd.tensor_parallel.infer.resolve", "STYLES"),
+    "TP_STYLES": ("lightning_nd.tensor_parallel.styles", "STYLES"),
     "parallelize": ("lightning_nd.parallel.compose", "parallelize"),
     "plan_layout": ("lightning_nd.layout.plan", "plan_layout"),
 }

@@ -1,8 +1,8 @@
 """Packed tensor-parallel shards through DCP: a ``_StridedShard`` tensor is saved and loaded as a plain ``Shard``.
 
 A fused weight split part by part over tp (``[gate; up]``, ``[q; k; v]``, experts' ``gate_up_proj``:
-`lightning_nd.tensor_parallel.apply.styles.FusedColwiseParallel`, `lightning_nd.tensor_parallel.apply.experts`) is a DTensor with a
-``_StridedShard`` placement: rank r holds part r of each part, which is not one contiguous block of the whole
+`lightning_nd.tensor_parallel.apply.linear.FusedColwiseParallel`, `lightning_nd.tensor_parallel.apply.experts`) is a
+DTensor with a ``_StridedShard`` placement: rank r holds part r of each part, which is not one contiguous block of the whole
 tensor. DCP describes every local shard by one offset and size (torch 2.13 gives rank 1 of
 ``_StridedShard(1, split_factor=2)`` over 2 ranks the offset of row I/2, where it holds rows I/2.. and 3I/2..), so
 such a tensor would be written to, and read from, the wrong places. `contiguous` swaps each one for its

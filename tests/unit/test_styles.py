@@ -1,7 +1,9 @@
-"""Style names become the torch `ParallelStyle` the mode needs; the layout card reads as a table."""
+"""Style names become the torch `ParallelStyle` the mode needs, one factory per style of the facts table; the layout
+card reads as a table."""
 
 from __future__ import annotations
 
+import pytest
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -9,7 +11,9 @@ from examples.lit import CausalLM
 from lightning_nd import ParallelConfig, ParallelDims, plan_layout
 from lightning_nd.layout.describe import layout_markdown
 from lightning_nd.tensor_parallel.infer.checks import is_colwise
-from lightning_nd.tensor_parallel.apply.styles import ShardingSequenceParallel, style_for
+from lightning_nd.tensor_parallel.apply.styles import FACTORIES, style_for
+from lightning_nd.tensor_parallel.apply.whole import ShardingSequenceParallel
+from lightning_nd.tensor_parallel.styles import STYLE_FACTS, STYLES, styles_where
 from tests.models import build
 
 
@@ -65,3 +69,25 @@ def test_dropout_masks_differ_across_tp_ranks_only_where_activations_are_split()
     assert not torch.equal(split0, split1)
     assert torch.equal(after0, after1)
     assert has_dropout(nn.Sequential(nn.Dropout(0.1))) and not has_dropout(nn.Sequential(nn.Dropout(0.0)))
+
+
+def test_every_style_of_the_facts_table_has_a_factory_or_is_applied_by_apply_tp():
+    applied_by_apply_tp = {"replicate", "channel_mixer", "channel_params"}  # whole, or split by `ChannelMixer`
+    assert set(FACTORIES) == set(STYLES) - applied_by_apply_tp
+    for name in FACTORIES:
+        for sequence_parallel in (False, True):
+            for loss_parallel in (False, True):
+                assert style_for(name, sequence_parallel, loss_parallel, rope_dim=4) is not None
+    with pytest.raises(ValueError, match="Unknown TP style 'colwize'"):
+        style_for("colwize", False, False)
+
+
+def test_the_facts_agree_with_each_other():
+    for name, style in STYLE_FACTS.items():
+        assert not (style.whole and (style.shards or style.weight)), name
+        assert style.parts == 1 or (style.weight == "colwise" and style.sharded_output), name
+        assert not style.sharded_output or style.weight == "colwise", name
+        assert not style.outer or (style.weight and not style.shards), name
+    packed = style_for("packed_qkv", False, False)
+    assert packed.parts == STYLE_FACTS["packed_qkv"].parts == 3
+    assert set(styles_where(whole=True)) == {"replicate", "replicated_with_grad_allreduce", "down_projection"}

@@ -26,16 +26,11 @@ from lightning_nd.model.structure import (
     torch_class,
     widths,
 )
-from lightning_nd.tensor_parallel.infer.stacked_experts import STACKED_STYLES
+from lightning_nd.tensor_parallel.styles import PACKED_PARTS, STACKED_STYLES, styles_where
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-SHARDED_OUTPUT = ("colwise", "packed_colwise", "packed_qkv")
-"""Colwise styles whose output stays split (heads or features per rank): a rowwise layer must take it back."""
-PACKED_PARTS: dict[object, int] = {"packed_colwise": 2, "packed_qkv": 3}
-COLWISE_WEIGHT = ("colwise", "colwise_rep", "colwise_gather_output", "embedding_colwise", *PACKED_PARTS)
-ROWWISE_WEIGHT = ("rowwise", "rowwise_split_input", "embedding_rowwise", "per_head_rowwise", "rowwise_shared_output")
 
 
 def is_torch_style(value: object, name: str = "ParallelStyle") -> bool:
@@ -47,7 +42,7 @@ def is_torch_style(value: object, name: str = "ParallelStyle") -> bool:
 def is_colwise(style: object) -> bool:
     """Styles that fan a module's input out into per-rank heads or features."""
     # A ColwiseParallel exists only once torch.distributed.tensor, and so its Replicate, is loaded.
-    return style in SHARDED_OUTPUT or (is_torch_style(style, "ColwiseParallel") and not isinstance(
+    return style in styles_where(sharded_output=True) or (is_torch_style(style, "ColwiseParallel") and not isinstance(
         cast("ColwiseParallel", style).output_layouts[0],
         cast(type, torch_class("torch.distributed.tensor", "Replicate"))))
 
@@ -130,8 +125,8 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
         return MHA_SPLITS.get(param_name)
     if style == "transposed_experts":  # Llama 4's [E, H, 2I] / [E, I, H]: each expert's intermediate features
         return {"gate_up_proj": (2, 2), "down_proj": (1, 1)}.get(param_name)
-    colwise = style in COLWISE_WEIGHT or is_torch_style(style, "ColwiseParallel")
-    rowwise = style in ROWWISE_WEIGHT or is_torch_style(style, "RowwiseParallel")
+    colwise = style in styles_where(weight="colwise") or is_torch_style(style, "ColwiseParallel")
+    rowwise = style in styles_where(weight="rowwise") or is_torch_style(style, "RowwiseParallel")
     if isinstance(module, nn.Embedding):
         return (1, 1) if colwise else (0, 1) if rowwise else None
     out_dim = 1 if is_conv1d(module) else 0

@@ -50,39 +50,13 @@ from lightning_nd.tensor_parallel.infer.names import (
 )
 from lightning_nd.tensor_parallel.infer.per_feature import per_feature_owners, per_head_outputs
 from lightning_nd.tensor_parallel.infer.ssm import selective_scan_plan
-from lightning_nd.tensor_parallel.infer.stacked_experts import STACKED_STYLES, stacked_experts_plan
+from lightning_nd.tensor_parallel.infer.stacked_experts import stacked_experts_plan
 from lightning_nd.tensor_parallel.infer.structure import structure_plan
 from lightning_nd.tensor_parallel.infer.suggest import no_plan_message
+from lightning_nd.tensor_parallel.styles import STACKED_STYLES, STYLES, styles_where
 
 log = logging.getLogger(__name__)
 
-STYLES = (
-    "colwise",
-    "rowwise",
-    "packed_colwise",
-    "packed_qkv",
-    "colwise_rep",
-    "rowwise_split_input",
-    "embedding_rowwise",
-    "embedding_colwise",
-    "colwise_gather_output",
-    "sequence_parallel",
-    "replicated_with_grad_allreduce",
-    "mla_kv_a_proj",
-    "down_projection",
-    "per_head_params",
-    "per_head_rowwise",
-    "rowwise_shared_output",
-    "channel_mixer",
-    "channel_params",
-    "per_channel_vectors",
-    *STACKED_STYLES,
-    "multihead_attention",
-    "transposed_experts",
-    "replicate",
-)
-SHARDING_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_qkv", "colwise_rep", "rowwise_split_input",
-                   "multihead_attention", "transposed_experts", "channel_mixer", *STACKED_STYLES)
 @dataclass
 class TPPlan:
     """A resolved plan: concrete module name -> style name (or `ParallelStyle`), plus where it came from."""
@@ -154,7 +128,7 @@ def resolve_tp_plan(
             source = "name patterns and the blocks' structure"
     check_three_equal_parts(model, entries)
     splits_experts = kind == "declared" and bool(experts_modules(model))  # split over tp by the layout itself
-    if not splits_experts and not any(not isinstance(style, str) or style in SHARDING_STYLES for style in entries.values()):
+    if not splits_experts and not any(not isinstance(style, str) or style in styles_where(shards=True) for style in entries.values()):
         known = NAME_PATTERNS["colwise"][:6]
         raise ValueError(no_plan_message(model, tp, kind == "declared", known))
     entries = drop_extended_embeddings(model, drop_tied(model, entries))
@@ -211,10 +185,6 @@ def resolve_tp_plan(
     return TPPlan(entries, source, {name: sources[name] for name in entries})
 
 
-OWNERS = ("per_head_params", "channel_mixer", "per_channel_vectors")
-"""Styles on a module that split its own parameters only, not its children's."""
-
-
 def _partial_gradients(model: nn.Module, entries: Mapping[str, object], widths: Mapping[str, set[int]]) -> list[str]:
     """Unplanned modules with parameters inside an attention or MLP module whose layers the plan splits (Qwen3-VL-MoE's
     per-head ``q_norm``/``k_norm``, Apertus' xIELU ``act_fn`` with its two scalars): they work on one tp rank's heads
@@ -227,7 +197,7 @@ def _partial_gradients(model: nn.Module, entries: Mapping[str, object], widths: 
         for child, module in get_submodule(model, parent).named_modules():
             name = f"{parent}.{child}"
             if (child and name not in entries and not is_linear(module) and not isinstance(module, nn.Embedding)
-                    and not any(name.startswith(entry + ".") for entry, style in entries.items() if style not in OWNERS)
+                    and not any(name.startswith(entry + ".") for entry, style in entries.items() if style not in styles_where(owns=True))
                     and any(True for _ in module.parameters(recurse=False))
                     and not (parent_name(name) == parent and feeds_colwise(module, inputs))):
                 found.append(name)

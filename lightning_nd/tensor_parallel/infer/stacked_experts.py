@@ -16,9 +16,6 @@ from torch import nn
 
 from lightning_nd.model.structure import is_experts, is_linear, parent_name, widths
 
-STACKED_STYLES = {"stacked_colwise": (1, 1), "stacked_packed_colwise": (1, 2), "stacked_rowwise": (2, 1)}
-"""style -> (dim, parts) of the ``[E, out, in]`` weight it splits."""
-
 
 def stacked_experts_plan(model: nn.Module, planned: Mapping[str, object]) -> dict[str, str]:
     """Plan entries for every unplanned mixture of stacked experts (none where nothing matches)."""
