@@ -82,7 +82,8 @@ def check_family(model_type: str, mesh, sequence_parallel: bool = False) -> tupl
     for name, grad in expected.items():
         errors[f"{name}.grad"] = (grad - got[name]).abs().max().item() / max(grad.abs().max().item(), 1e-6)
     wrong = sorted((name for name, error in errors.items() if error > TOLERANCE), key=errors.__getitem__, reverse=True)
-    detail = f"{len(wrong)} of {len(errors)} tensors differ, e.g. {', '.join(wrong[:3])}" if wrong else ""
+    styles = "styles: " + ", ".join(sorted({entry.style for entry in layout.tp}))
+    detail = f"{len(wrong)} of {len(errors)} tensors differ, e.g. {', '.join(wrong[:3])}" if wrong else styles
     return ("differs" if wrong else "planned"), detail, max(errors.values())
 
 

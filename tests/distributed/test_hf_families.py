@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.distributed.family_rules import RULES
 from tests.launcher import launch
 
 transformers = pytest.importorskip("transformers")
@@ -61,3 +62,11 @@ def test_family_trains_under_tp2_as_in_one_process(outcomes, model_type, record_
 def test_the_enumeration_found_the_families_and_most_plan(outcomes):
     planned = sum(outcome == "planned" for outcome, _, _ in outcomes.values())
     assert len(FAMILIES) > 200 and planned > 100, (len(FAMILIES), planned)
+
+
+def test_each_rule_is_what_its_families_plan_with(outcomes):
+    """`family_rules.py`: every family listed for a style plans at tp=2 with that style (``planned: styles``)."""
+    for style, (_, _, families) in RULES.items():
+        for family in families:
+            outcome, detail, _ = outcomes[family]
+            assert outcome == "planned" and style in detail.split("styles: ", 1)[-1].split(", "), (style, family, detail)

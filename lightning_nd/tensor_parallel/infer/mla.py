@@ -1,12 +1,12 @@
-"""Layers a tp plan keeps whole in front of a colwise layer: multi-head latent attention (MLA, DeepSeek-V2 and
-V3) compresses the attention's input to a low-rank latent (``q_a_proj``, ``kv_a_proj_with_mqa``), normalises it
-(``q_a_layernorm``, ``kv_a_layernorm``) and expands it per head (``q_b_proj``, ``kv_b_proj``: colwise).
+"""Layers a tp plan keeps whole in front of a colwise layer (which families:
+tests/distributed/family_rules.py): a low-rank latent of the attention's input, normalised, then expanded per head.
 
-The whole layers see the full latent on every tp rank and get a whole gradient back (the colwise layer after them
-sums its input gradient over tp), so their parameter gradients must not be summed again; they are told apart from
-per-head layers (Qwen3's ``q_norm`` after a colwise layer, whose gradients are summed) by width: their output is
-the input width of a colwise sibling. The one exception is MLA's shared rotary key, the last
-``qk_rope_head_dim`` outputs of ``kv_a_proj_with_mqa``, which go to every head directly (`rope_dim`).
+E.g. multi-head latent attention: ``q_a_proj`` and ``kv_a_proj_with_mqa`` (and their norms) stay whole, ``q_b_proj``
+and ``kv_b_proj`` are colwise. The whole layers see the full latent on every tp rank and get a whole gradient back
+(the colwise layer after them sums its input gradient over tp), so their gradients are not summed again; they are
+told apart from per-head layers (a ``q_norm`` after a colwise layer, whose gradients are summed) by width: their
+output is the input width of a colwise sibling. The exception is a shared rotary key, the last ``qk_rope_head_dim``
+outputs of ``kv_a_proj_with_mqa``, which goes to every head directly (`rope_dim`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
-"""Per-head and per-feature state beside the layers a tp plan splits: a module's own vectors with one entry per split
-feature or head (split with them), and linear layers with one output per head (split by their outputs).
+"""Per-head and per-feature state beside the layers a tp plan splits (which families:
+tests/distributed/family_rules.py): a module's own vector with one entry per split feature or head is split with
+them (`PerHeadParameters`), and so is a linear layer with one output per head.
 
-nGPT-style models (Dory) scale the outputs of a split layer by a learned vector inside the module that owns it:
-``gate_proj(x) * suv_gate`` in the MLP, ``query * sqk`` over all heads' features in the attention; NeoMME's
-exclusive self-attention, a child of the attention, scales each head by ``tanh(alpha)``. Each tp rank holds a
-contiguous slice of those features (or heads), so the vector is split the same way (`PerHeadParameters`, the
-style of declared attention sinks); left whole, it would meet a slice of the features it scales. A module's own
-vector is read as per-feature when its length is the full output width of a colwise layer directly below the
-module, or a head count; a child's (not a norm: Qwen3's per-head ``q_norm`` is as wide as one head) when its
-length is a head count. A wrong guess cannot pass silently: a vector split that scales whole-width values, or kept
-whole on split ones, fails at its first use on a shape.
+A module's own vector is per-feature when its length is the full output width of a colwise layer directly below
+the module, or a head count; a child's (not a norm: a per-head ``q_norm`` is as wide as one head) when its length is
+a head count. E.g. ``gate_proj(x) * suv_gate`` in an MLP: ``suv_gate`` is split as ``gate_proj``'s outputs are. A
+wrong guess cannot pass silently: a split vector that scales whole-width values, or a whole one on split values,
+fails at its first use on a shape.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
-"""Recurrent mixers recognised by their shapes and split by channels: selective state-space mixers (Mamba,
-Falcon-Mamba, Jamba's Mamba layers; `lightning_nd.tensor_parallel.apply.ssm_channels`) and RWKV's time and channel mixing.
+"""Recurrent mixers recognised by their shapes and split by channels (which families:
+tests/distributed/family_rules.py).
 
-A mixer is a module with a depthwise ``nn.Conv1d`` over I channels, one linear layer H -> 2I (``in_proj``: the
-channels' inputs and gates, ``packed_colwise``), one I -> H (``out_proj``, rowwise), linear layers reading the I
-channels into something narrower (``x_proj``: ``rowwise_shared_output``), linear layers writing I channels from
-something else (``dt_proj``: ``channel_params``), and own parameters with one row per channel (``A_log``, ``D``).
-Norms on ``x_proj``'s outputs (Jamba's ``dt_layernorm``) stay whole, their gradients summed over tp like any
-per-rank use of a whole parameter. Anything else in the module (another layer, a parameter of another length)
-leaves it unrecognised: it stays whole. Mamba-2's mixers (one fused projection of unequal parts, heads) are not
-this shape.
+A selective state-space mixer is a module with a depthwise ``nn.Conv1d`` over I channels, one linear layer H -> 2I
+(inputs and gates, ``packed_colwise``), one I -> H (rowwise), layers reading the I channels into something narrower
+(``rowwise_shared_output``) or writing them (``channel_params``), and own parameters with one row per channel;
+anything else in the module leaves it whole. E.g. Mamba's ``in_proj``, ``conv1d``, ``x_proj``, ``dt_proj``,
+``out_proj``, ``A_log`` and ``D``; applied by `lightning_nd.tensor_parallel.apply.ssm_channels`.
 
-RWKV's time mixing is an attention without heads: key, value and receptance H -> A colwise, output A -> H rowwise,
-the recurrence channel by channel with per-channel ``time_decay``/``time_first`` split (``per_channel_vectors``);
-its channel mixing a feed-forward pair (key colwise, value rowwise) beside a whole H -> H gate. Both mix their input
-with its shifted self through whole ``[1, 1, H]`` weights before any projection, so they take a plain input
-(`lightning_nd.tensor_parallel.apply.model`).
+An RWKV-style mixer (an attention without heads) splits its key/value/receptance colwise and output rowwise, with
+its per-channel recurrence vectors (``per_channel_vectors``); it mixes its input with its shifted self through whole
+``[1, 1, H]`` weights, so it takes a plain input.
 """
 
 from __future__ import annotations
