@@ -64,8 +64,8 @@ class AllToAllBytes(TorchDispatchMode):
 
 def measure(mesh, seed: int) -> AllToAllBytes:
     """One forward and backward of the layer split over ``mesh`` (ep, or (ep, tp)); ``seed``: this rank's tokens."""
-    from lightning_nd.nn.moe import MoE
     from lightning_nd.expert_parallel.dispatch import apply_ep
+    from lightning_nd.nn.moe import MoE
 
     torch.manual_seed(0)
     layer = MoE(HIDDEN, INNER, EXPERTS, TOP_K)

@@ -9,8 +9,8 @@ stages beside it on its own coordinates, so each checked pipeline is whole.
 
 from __future__ import annotations
 
-from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.layout.record import Layout
+from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.mesh.roles import role_groups
 
 

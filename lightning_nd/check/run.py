@@ -30,8 +30,8 @@ from lightning_nd.check.ranks import pipelines_to_check
 from lightning_nd.check.strategy import CheckedParallel, FakeCluster
 from lightning_nd.check.values import CheckTensorMode, logging_outside_fake_tensors
 from lightning_nd.check.world import FakeWorld, Hang, PeerFailed
-from lightning_nd.layout.record import Layout
 from lightning_nd.context_parallel.region import regions_of_this_thread_only
+from lightning_nd.layout.record import Layout
 from lightning_nd.pipeline_parallel.stage import StageModule
 from lightning_nd.runtime.errors import exception_chain, first_line
 

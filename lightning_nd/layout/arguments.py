@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from lightning_nd.mesh.dims import ParallelDims, closest_name
 from lightning_nd.layout.options import ParallelConfig
 from lightning_nd.layout.validate import check_config
+from lightning_nd.mesh.dims import ParallelDims, closest_name
 
 DIM_DEFAULTS = {"dp_replicate": 1, "dp_shard": -1, "cp": 1, "tp": 1, "pp": 1, "ep": 1}
 """`NDParallel`'s dim keywords, in its order, with their defaults (``dp_shard`` fills the world)."""

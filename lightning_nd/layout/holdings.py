@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.layout.record import ParamShard, RankHolding
-from lightning_nd.pipeline_parallel.split import StagePlan
+from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.model.structure import is_norm, parent_name
+from lightning_nd.pipeline_parallel.split import StagePlan
 from lightning_nd.tensor_parallel.infer.checks import tp_split
 
 PRECISION_PARAM_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}

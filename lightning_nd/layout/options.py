@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from lightning_nd.mesh.dims import closest_name
 from lightning_nd.context_parallel.positions import CP_POSITIONS
+from lightning_nd.mesh.dims import closest_name
 from lightning_nd.pipeline_parallel.schedules import check_schedule
 from lightning_nd.tensor_parallel.infer.checks import is_torch_style
 

@@ -12,20 +12,19 @@ from typing import Any, TypeVar, cast
 
 from torch import Tensor, nn
 
-from lightning_nd.mesh.dims import ParallelDims
-from lightning_nd.tensor_parallel.infer.hugging_face import experts_modules
+from lightning_nd.context_parallel.positions import describe_positions
 from lightning_nd.layout.holdings import rank_holdings
 from lightning_nd.layout.options import ParallelConfig, ResolvedOptions, block_class_list, jsonable, resolve_options
-from lightning_nd.pipeline_parallel.split import pipeline_model, split_stages, stage_ranks, used_twice
-from lightning_nd.context_parallel.positions import describe_positions
 from lightning_nd.layout.record import ExpertsPlacement, Layout, Technique, TPEntry
-from lightning_nd.pipeline_parallel.split import StagePlan
-from lightning_nd.mesh.roles import role_groups, role_names
-from lightning_nd.pipeline_parallel.schedules import ZERO_BUBBLE
-from lightning_nd.model.structure import ModelFacts, find_blocks, is_experts, read_model_facts, unsupported_experts
-from lightning_nd.tensor_parallel.infer.structure import left_whole
-from lightning_nd.tensor_parallel.infer.resolve import TPPlan, resolve_tp_plan
 from lightning_nd.layout.validate import check_config, check_model, warn
+from lightning_nd.mesh.dims import ParallelDims
+from lightning_nd.mesh.roles import role_groups, role_names
+from lightning_nd.model.structure import ModelFacts, find_blocks, is_experts, read_model_facts, unsupported_experts
+from lightning_nd.pipeline_parallel.schedules import ZERO_BUBBLE
+from lightning_nd.pipeline_parallel.split import StagePlan, pipeline_model, split_stages, stage_ranks, used_twice
+from lightning_nd.tensor_parallel.infer.hugging_face import experts_modules
+from lightning_nd.tensor_parallel.infer.resolve import TPPlan, resolve_tp_plan
+from lightning_nd.tensor_parallel.infer.structure import left_whole
 
 T = TypeVar("T")
 

@@ -9,11 +9,11 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from lightning_nd.model.batch import sequence_length
-from lightning_nd.mesh.dims import ParallelDims, divisors
 from lightning_nd.layout.options import ParallelConfig, block_class_list
-from lightning_nd.pipeline_parallel.schedules import check_schedule
+from lightning_nd.mesh.dims import ParallelDims, divisors
+from lightning_nd.model.batch import sequence_length
 from lightning_nd.model.structure import ModelFacts, is_experts, unsupported_experts
+from lightning_nd.pipeline_parallel.schedules import check_schedule
 
 log = logging.getLogger("lightning_nd")
 

@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_nd.layout.record import Layout, Technique
-from lightning_nd.model.structure import get_submodule
-from lightning_nd.parallel.activation import apply_ac, apply_compile
 from lightning_nd.context_parallel.region import attach_position_hooks
 from lightning_nd.expert_parallel.dispatch import apply_ep, expert_modules, expert_parameters
+from lightning_nd.layout.record import Layout, Technique
+from lightning_nd.mesh.build import NDMesh
+from lightning_nd.model.structure import get_submodule
+from lightning_nd.parallel.activation import apply_ac, apply_compile
 from lightning_nd.parallel.fsdp import apply_fsdp, fsdp_root
 from lightning_nd.pipeline_parallel.build import build_stages, stage_blocks, stage_tp_entries
 from lightning_nd.pipeline_parallel.stage import PipelineStages, StageModule
 from lightning_nd.tensor_parallel.apply.model import apply_tp
-from lightning_nd.mesh.build import NDMesh
 
 log = logging.getLogger("lightning_nd")
 

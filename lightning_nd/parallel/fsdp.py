@@ -23,8 +23,6 @@ from typing import TypedDict
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -33,6 +31,8 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_nd.model.structure import model_of
 

@@ -6,10 +6,9 @@ runs their backward actions, which fail without a backward).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-import time
 
 import torch
 import torch.distributed as dist

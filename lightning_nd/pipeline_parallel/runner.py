@@ -17,15 +17,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor
 
 from lightning_nd.pipeline_parallel.forward_only import forward_only
+from lightning_nd.pipeline_parallel.schedules import SINGLE_STAGE, check_microbatches
 from lightning_nd.pipeline_parallel.shape_inference import zero_trial_inputs
 from lightning_nd.pipeline_parallel.stage import pack_inputs
 from lightning_nd.runtime.profiling import PIPELINE, label, phase_label
-from lightning_nd.pipeline_parallel.schedules import SINGLE_STAGE, check_microbatches
 
 TORCH_NAMES = {
     "gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",

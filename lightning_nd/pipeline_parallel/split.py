@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_nd.pipeline_parallel.schedules import V_SHAPED
 from lightning_nd.model.structure import get_submodule, model_child, owns_parameters
+from lightning_nd.pipeline_parallel.schedules import V_SHAPED
 
 
 @dataclass(frozen=True)

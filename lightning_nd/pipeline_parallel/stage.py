@@ -21,9 +21,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_nd.pipeline_parallel.split import StageLayout
-from lightning_nd.pipeline_parallel.aux_losses import StageAuxLosses, attach
 from lightning_nd.model.structure import get_submodule, parent_name
+from lightning_nd.pipeline_parallel.aux_losses import StageAuxLosses, attach
+from lightning_nd.pipeline_parallel.split import StageLayout
+
 
 class _Slot:
     """What a stage hands between its wrapper and the stand-ins and hooks inside the copied model."""

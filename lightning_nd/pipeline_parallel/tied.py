@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_nd.mesh.build import NDMesh
 from lightning_nd.pipeline_parallel.split import StagePlan
 from lightning_nd.pipeline_parallel.stage import StageModule
 from lightning_nd.runtime.clip import PIPELINE_COPY
-from lightning_nd.mesh.build import NDMesh
 from lightning_nd.runtime.profiling import comm_label
 
 

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_nd.context_parallel.sharding import shard_batch
 from lightning_nd.layout.arguments import LayoutArguments, read_arguments, split_arguments
-from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.layout.plan import PlanMemo, plan_layout
 from lightning_nd.layout.record import Layout
-from lightning_nd.pipeline_parallel.schedules import check_microbatches
 from lightning_nd.layout.validate import check_config, check_sequence_lengths
-from lightning_nd.context_parallel.sharding import shard_batch
+from lightning_nd.mesh.dims import ParallelDims
+from lightning_nd.pipeline_parallel.schedules import check_microbatches
 from lightning_nd.runtime.probe import model_to_check
 from lightning_nd.runtime.timeouts import DEFAULTS, check_timeouts
 

@@ -20,9 +20,9 @@ from lightning_nd.cost.layout_cost import LayoutCost, cost_layout
 from lightning_nd.cost.model_state import OPTIMIZER_STATES, check_optimizer
 from lightning_nd.cost.shape import Workload, model_shape
 from lightning_nd.layout.describe import human_bytes
-from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.layout.plan import PlanMemo
 from lightning_nd.layout.record import Layout
+from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.planner.dry_run import dry_run, parse_layout, read_layout_arguments
 from lightning_nd.planner.params_only import params_only_markdown, params_only_rows
 from lightning_nd.planner.search import Batching, Search, batch_options, print_progress, search

@@ -21,8 +21,8 @@ from lightning_nd.cost.hardware import Hardware
 from lightning_nd.cost.layout_cost import LayoutCost, cost_layout
 from lightning_nd.cost.memory import rank_memories
 from lightning_nd.cost.shape import ModelShape, Workload
-from lightning_nd.mesh.dims import divisors
 from lightning_nd.layout.record import Layout
+from lightning_nd.mesh.dims import divisors
 
 RECOMPUTE_ORDER = ("none", "selective", "full")
 

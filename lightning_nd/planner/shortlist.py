@@ -17,9 +17,9 @@ from torch import nn
 
 from lightning_nd.cost.hardware import Hardware
 from lightning_nd.cost.shape import model_shape
-from lightning_nd.mesh.dims import divisors
 from lightning_nd.layout.plan import PlanMemo
 from lightning_nd.layout.record import Layout
+from lightning_nd.mesh.dims import divisors
 from lightning_nd.planner.dry_run import dry_run
 from lightning_nd.planner.search import Batching, Candidate, describe_sizes, search
 

@@ -23,7 +23,6 @@ from torch import nn
 
 from lightning_nd.runtime.probe import lightning_base
 
-
 TRUE_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64, "64": torch.float64}
 
 

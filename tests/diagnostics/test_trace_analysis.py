@@ -17,8 +17,15 @@ from statistics import median
 
 import pytest
 
-from diagnostics.analysis.trace import (TraceStep, dims_from_trace, find_traces, rank_times, read_trace, trace_rank,
-                                        trace_steps)
+from diagnostics.analysis.trace import (
+    TraceStep,
+    dims_from_trace,
+    find_traces,
+    rank_times,
+    read_trace,
+    trace_rank,
+    trace_steps,
+)
 from diagnostics.records import PHASES
 from tests.diagnostics.trace_cases import op
 

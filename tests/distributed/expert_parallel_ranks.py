@@ -10,8 +10,8 @@ import copy
 import torch
 import torch.distributed as dist
 
-from lightning_nd.nn.moe import MoE
 from lightning_nd.expert_parallel.dispatch import apply_ep
+from lightning_nd.nn.moe import MoE
 from lightning_nd.tensor_parallel.apply.experts import tp_slice
 
 TOKENS, HIDDEN, INNER, EXPERTS = 12, 16, 24, 8

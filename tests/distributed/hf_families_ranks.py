@@ -38,9 +38,9 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def check_family(model_type: str, mesh, sequence_parallel: bool = False) -> tuple[str, str, float]:
     from lightning_nd import ParallelConfig, ParallelDims, plan_layout
-    from lightning_nd.tensor_parallel.infer.hugging_face import TPPlanRefusal
     from lightning_nd.expert_parallel.dispatch import apply_ep
     from lightning_nd.tensor_parallel.apply.model import apply_tp
+    from lightning_nd.tensor_parallel.infer.hugging_face import TPPlanRefusal
     from tests.hf_tiny import tiny_model
 
     torch.manual_seed(0)

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.mesh.build import build_mesh
+from lightning_nd.mesh.dims import ParallelDims
 
 
 def group_ranks(layouts: list[dict[str, int]]) -> list[dict[str, Any]]:

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
-
 from torch.utils.data import DataLoader
 
 from examples.data import SyntheticTokens, TokenDataModule

@@ -24,7 +24,6 @@ from lightning_nd import NDParallel
 from tests.distributed.parity_ranks import LossRecorder, reference
 from tests.models import VOCAB, build
 
-
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", 1))  # read at import: Lightning's teardown unsets it
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nd.pipeline_parallel.split import stage_ranks
 from lightning_nd.pipeline_parallel.schedules import SCHEDULES, SINGLE_STAGE
+from lightning_nd.pipeline_parallel.split import stage_ranks
 from tests.distributed.meta_starts_ranks import assert_starts_like_plain
 from tests.distributed.parity_ranks import assert_training_matches, launcher
 from tests.launcher import launch

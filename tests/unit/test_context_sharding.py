@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_nd.model.batch import sequence_length
 from lightning_nd.context_parallel.region import (
     attach_position_hooks,
     context_parallel_region,
@@ -17,6 +16,7 @@ from lightning_nd.context_parallel.region import (
     regions_of_this_thread_only,
 )
 from lightning_nd.context_parallel.sharding import shard_batch, shard_positions, shard_sequence
+from lightning_nd.model.batch import sequence_length
 from tests.models import build
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_nd.pipeline_parallel.stage import PipelineStages, StageModule, pack_inputs
+from lightning_nd.model.structure import find_blocks
 from lightning_nd.pipeline_parallel.schedules import check_schedule, theoretical_bubble
 from lightning_nd.pipeline_parallel.split import balanced_counts, split_stages, stage_ranks
-from lightning_nd.model.structure import find_blocks
+from lightning_nd.pipeline_parallel.stage import PipelineStages, StageModule, pack_inputs
 from tests.models import build
 
 
@@ -113,9 +113,9 @@ def test_a_dict_batch_is_never_split_by_its_key_names():
 
 
 def test_tied_embeddings_are_one_copy_on_the_first_and_one_on_the_last_stage():
-    from lightning_nd.mesh.dims import ParallelDims
     from lightning_nd.layout.holdings import rank_holdings
     from lightning_nd.layout.record import StagePlan
+    from lightning_nd.mesh.dims import ParallelDims
 
     model = build("gpt4")
     layout = split_stages(model, find_blocks(model), 4)

@@ -10,10 +10,10 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from examples.models.gpt import GPT, GPTConfig
-from lightning_nd.tensor_parallel.infer.declared import pattern_to_regex
 from lightning_nd.model.structure import read_model_facts
-from lightning_nd.tensor_parallel.infer.structure import left_whole
+from lightning_nd.tensor_parallel.infer.declared import pattern_to_regex
 from lightning_nd.tensor_parallel.infer.resolve import resolve_tp_plan
+from lightning_nd.tensor_parallel.infer.structure import left_whole
 from tests.models import build
 
 LLAMA_LAYER_PLAN = {

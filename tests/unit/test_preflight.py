@@ -10,8 +10,8 @@ from examples.models.llama import Llama, LlamaConfig
 from lightning_nd.cost.alternatives import memory_changes, price
 from lightning_nd.cost.memory import peak_rank
 from lightning_nd.cost.shape import Workload, model_shape
-from lightning_nd.planner.dry_run import dry_run
 from lightning_nd.model.batch import token_shape
+from lightning_nd.planner.dry_run import dry_run
 from lightning_nd.strategy.preflight import _over_capacity, optimizer_name
 
 CONFIG = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4)

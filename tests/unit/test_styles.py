@@ -10,9 +10,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from examples.lit import CausalLM
 from lightning_nd import ParallelConfig, ParallelDims, plan_layout
 from lightning_nd.layout.describe import layout_markdown
-from lightning_nd.tensor_parallel.infer.checks import is_colwise
 from lightning_nd.tensor_parallel.apply.styles import FACTORIES, style_for
 from lightning_nd.tensor_parallel.apply.whole import ShardingSequenceParallel
+from lightning_nd.tensor_parallel.infer.checks import is_colwise
 from lightning_nd.tensor_parallel.styles import STYLE_FACTS, STYLES, styles_where
 from tests.models import build
 

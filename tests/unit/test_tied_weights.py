@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from lightning_nd.pipeline_parallel.split import split_stages, stage_ranks
 from lightning_nd.layout.record import StagePlan
 from lightning_nd.model.structure import find_blocks
+from lightning_nd.pipeline_parallel.split import split_stages, stage_ranks
 from lightning_nd.pipeline_parallel.stage import StageModule
 from lightning_nd.pipeline_parallel.tied import TiedWeights
 from lightning_nd.runtime.clip import clip_grad_norm_, global_grad_norm

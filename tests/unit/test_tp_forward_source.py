@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nd.tensor_parallel.infer.forward_source import reshapes_with_input_width
 from lightning_nd.model.structure import read_model_facts
+from lightning_nd.tensor_parallel.infer.forward_source import reshapes_with_input_width
 from lightning_nd.tensor_parallel.infer.resolve import resolve_tp_plan
 
 transformers = pytest.importorskip("transformers")

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nd.tensor_parallel.infer.ssm import selective_scan_plan
 from lightning_nd.model.structure import read_model_facts
 from lightning_nd.tensor_parallel.infer.checks import tp_split
 from lightning_nd.tensor_parallel.infer.resolve import resolve_tp_plan
+from lightning_nd.tensor_parallel.infer.ssm import selective_scan_plan
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nd.tensor_parallel.infer.hugging_face import TPPlanRefusal
-from lightning_nd.tensor_parallel.infer.mla import rope_dim
 from lightning_nd.model.structure import read_model_facts
 from lightning_nd.tensor_parallel.infer.checks import tp_split
+from lightning_nd.tensor_parallel.infer.hugging_face import TPPlanRefusal
+from lightning_nd.tensor_parallel.infer.mla import rope_dim
 from lightning_nd.tensor_parallel.infer.resolve import resolve_tp_plan
 
 transformers = pytest.importorskip("transformers")
