@@ -66,6 +66,7 @@ MOVED = {
     "lightning_nd.plan.source": "lightning_nd.planner.source",
     "lightning_nd.plan.table": "lightning_nd.planner.table",
     "lightning_nd.runtime.mesh": "lightning_nd.mesh.build",
+    "lightning_nd.strategy.own_steps": "lightning_nd.pipeline_parallel.own_steps",
 }
 
 

@@ -35,7 +35,7 @@ from lightning_nd.pipeline_parallel.runner import PipelineRunner, full_value
 from lightning_nd.pipeline_parallel.stage import pack_inputs
 from lightning_nd.pipeline_parallel.tied import TiedWeights
 from lightning_nd.runtime.clip import align_grads_to_params
-from lightning_nd.strategy import own_steps
+from lightning_nd.pipeline_parallel import own_steps
 
 
 def split_batch(module: LightningModule, batch: Any, need_target: bool = True) -> tuple[Any, Any]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_nd.strategy import own_steps
+from lightning_nd.pipeline_parallel import own_steps
 
 
 class Stepper(nn.Module):
