@@ -128,7 +128,8 @@ def resolve_tp_plan(
             source = "name patterns and the blocks' structure"
     check_three_equal_parts(model, entries)
     splits_experts = kind == "declared" and bool(experts_modules(model))  # split over tp by the layout itself
-    if not splits_experts and not any(not isinstance(style, str) or style in styles_where(shards=True) for style in entries.values()):
+    shards = styles_where(shards=True)
+    if not splits_experts and not any(not isinstance(style, str) or style in shards for style in entries.values()):
         known = NAME_PATTERNS["colwise"][:6]
         raise ValueError(no_plan_message(model, tp, kind == "declared", known))
     entries = drop_extended_embeddings(model, drop_tied(model, entries))
