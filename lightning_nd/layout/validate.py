@@ -77,7 +77,7 @@ def _check_pipeline_config(pp: int, config: ParallelConfig) -> None:
 def check_model(module: nn.Module, dims: ParallelDims, config: ParallelConfig, blocks: list[tuple[str, nn.Module]],
                 facts: ModelFacts, notes: list[str]) -> None:
     """Everything about the model alone that can be wrong for these dims (the TP plan and the stage split are
-    checked where they are made, in `tp_plan.py` and `pipeline_split.py`)."""
+    checked where they are made, in `tensor_parallel/infer/resolve.py` and `pipeline_parallel/split.py`)."""
     classes = block_class_list(config)
     if classes and not blocks:
         raise ValueError(

@@ -1,7 +1,7 @@
 """`PipelineEngine`: how `NDParallel` runs Lightning's steps under pp, through the pipeline schedule.
 
 By default the module's own ``training_step`` / ``validation_step`` / ``test_step`` drive the pipeline
-(`own_steps.py`): their model call gives the first stage's inputs, and on the last stage it returns the
+(`pipeline_parallel/own_steps.py`): their model call gives the first stage's inputs, and on the last stage it returns the
 model's output for each microbatch, so the loss and what the step logs are the module's own.
 
 Two optional hooks replace parts of that:
