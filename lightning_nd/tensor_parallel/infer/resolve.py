@@ -1,9 +1,19 @@
-"""Where a tensor-parallel plan comes from, in order: the user's explicit plan > the plan the model
-declares (Hugging Face ``_tp_plan`` / ``config.base_model_tp_plan``) > name-pattern auto-detection.
+"""Where a tensor-parallel plan comes from: `resolve_tp_plan` runs the passes in this order, each in the file
+named for what it reads.
 
-A plan maps module-name patterns (``*`` matches one name component, as in ``layers.*.q_proj``) to a
-style name. The resolved plan names concrete modules and is checked against ``tp`` before any
-weight is touched.
+1. The source: the user's explicit plan, else the plan the model declares (`declared.py`, read with Hugging Face's
+   meaning by `hugging_face.py`, its left-out feed-forward layers completed by `names.py`), else name patterns
+   (`names.py`: ``q_proj``, ``c_attn``, ``fc1``...).
+2. What names leave out, from the blocks' structure (`structure.py`), recurrent mixers (`ssm.py`) and experts stored
+   as one weight (`stacked_experts.py`).
+3. Checks that refuse (`checks.py`), or the refusal of a model nothing splits with a plan to copy (`suggest.py`).
+4. What stays whole (`keep_whole.py`: ties, vocabularies tp does not divide, splits the forward shows wrong,
+   `forward_source.py`), and layers with one output per head (`per_feature.py`).
+5. What sits beside the split layers: a low-rank latent kept whole (`mla.py`), per-head vectors split with their
+   heads (`per_feature.py`), whole parameters whose gradients are partial, and the residual norms under SP.
+
+A plan maps module-name patterns (``*`` matches one name component, as in ``layers.*.q_proj``) to a style name
+(`lightning_nd/tensor_parallel/styles.py`); the resolved plan names concrete modules, each with its source.
 """
 
 from __future__ import annotations
