@@ -11,12 +11,17 @@ fails at its first use on a shape.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 
 from torch import nn
 
 from lightning_nd.model.structure import ModelFacts, get_submodule, is_linear, is_norm, parent_name, widths
 from lightning_nd.tensor_parallel.infer.checks import head_counts, is_colwise, tp_split
+from lightning_nd.tensor_parallel.infer.mla import feeds_colwise
+from lightning_nd.tensor_parallel.styles import styles_where
+
+log = logging.getLogger(__name__)
 
 
 def per_feature_owners(model: nn.Module, entries: Mapping[str, object], parents: Iterable[str],
@@ -111,3 +116,24 @@ def per_head_outputs(model: nn.Module, entries: Mapping[str, object], facts: Mod
 
 def _per_head_fix(name: str, style: str | None) -> str:
     return f"name `{name}` '{style}' in" if style else "pass"
+
+
+def partial_gradients(model: nn.Module, entries: Mapping[str, object], widths: Mapping[str, set[int]]) -> list[str]:
+    """Unplanned modules with parameters inside an attention or MLP module whose layers the plan splits (Qwen3-VL-MoE's
+    per-head ``q_norm``/``k_norm``, Apertus' xIELU ``act_fn`` with its two scalars): they work on one tp rank's heads
+    or features, so each rank's gradient of their (whole) parameters is a part, summed over tp
+    (``replicated_with_grad_allreduce``). ``widths``: the modules the plan splits, not blocks (a block's own norms
+    see the whole residual stream), each with its colwise layers' input widths. A norm in front of a colwise layer (MLA's ``kv_a_layernorm``,
+    `lightning_nd.tensor_parallel.infer.mla`) sees the whole latent and is left whole."""
+    found, owners = [], styles_where(owns=True)
+    for parent, inputs in widths.items():
+        for child, module in get_submodule(model, parent).named_modules():
+            name = f"{parent}.{child}"
+            if (child and name not in entries and not is_linear(module) and not isinstance(module, nn.Embedding)
+                    and not any(name.startswith(entry + ".") for entry, style in entries.items() if style not in owners)
+                    and any(True for _ in module.parameters(recurse=False))
+                    and not (parent_name(name) == parent and feeds_colwise(module, inputs))):
+                found.append(name)
+    if found:
+        log.info("Parameters seeing one tp rank's heads or features, their gradients summed over tp: %s", ", ".join(found))
+    return found
