@@ -17,12 +17,14 @@ from typing import Any
 def lazy_exports(
     package: str, exports: Mapping[str, str]
 ) -> tuple[list[str], Callable[[str], Any], Callable[[], list[str]]]:
-    """``__all__``, a module ``__getattr__`` and ``__dir__`` for ``package``: ``exports`` maps a name to its module."""
+    """``__all__``, a module ``__getattr__`` and ``__dir__`` for ``package``: ``exports`` maps a name to its module
+    (``"module:attribute"`` where the module calls it otherwise)."""
 
     def __getattr__(name: str) -> Any:
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(exports[name]), name)
+        module, _, attribute = exports[name].partition(":")
+        value = getattr(importlib.import_module(module), attribute or name)
         setattr(sys.modules[package], name, value)
         return value
 

@@ -67,15 +67,11 @@ STYLES = tuple(STYLE_FACTS)
 """Every style name a plan may use, in the order the refusal of an unknown one lists them."""
 
 
-def facts(style: object) -> Style | None:
-    """The facts of a style name; None for a torch `ParallelStyle` object or a name that is no style."""
-    return STYLE_FACTS.get(style) if isinstance(style, str) else None
-
-
-def styles_where(**wanted: object) -> tuple[str, ...]:
-    """The style names whose facts have every given value, e.g. ``styles_where(whole=True)``."""
-    return tuple(name for name, style in STYLE_FACTS.items()
-                 if all(getattr(style, key) == value for key, value in wanted.items()))
+def style_has(style: object, **wanted: object) -> bool:
+    """Whether a style name's facts have every given value, e.g. ``style_has(style, whole=True)``; False for a torch
+    `ParallelStyle` object or a name that is no style."""
+    facts = STYLE_FACTS.get(style) if isinstance(style, str) else None
+    return facts is not None and all(getattr(facts, key) == value for key, value in wanted.items())
 
 
 PACKED_PARTS: dict[object, int] = {name: s.parts for name, s in STYLE_FACTS.items() if s.parts > 1}

@@ -8,12 +8,13 @@ a markdown link (`[hangs](diagnostics/hangs.md)`) is a page, which MkDocs' stric
 
 from __future__ import annotations
 
-import importlib
 import re
 import warnings
 from pathlib import Path
 
 import pytest
+
+from tests.unit.dotted import resolve
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs" / "pages").rglob("*.md"))]
@@ -55,19 +56,10 @@ def test_every_dotted_path_the_docs_name_imports_from_its_home():
     assert len(named) > 10, named
     failed = []
     for doc, dotted in named:
-        parts = dotted.split(".")
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)  # an old path still imports, but the docs name the new
-            for cut in range(len(parts), 0, -1):
-                try:
-                    found: object = importlib.import_module(".".join(parts[:cut]))
-                    break
-                except ModuleNotFoundError:
-                    continue
-            for attribute in parts[cut:]:
-                found = getattr(found, attribute, None)
-        if found is None:
-            failed.append((doc, dotted))
+            if resolve(dotted) is None:
+                failed.append((doc, dotted))
     assert not failed, failed
 
 

@@ -20,22 +20,12 @@ QUIET = ["lightning_nd.NDParallel", "lightning_nd.plan_layout", "lightning_nd.nn
          "lightning_nd.checkpoint.latest_checkpoint", "lightning_nd.cost.hardware"]
 # A fresh interpreter imports each path twice (the longest module prefix, then the attributes), recording warnings.
 PROBE = """
-import importlib, json, sys, warnings
-found, caught = {}, []
+import json, sys, warnings
+from tests.unit.dotted import resolve
 with warnings.catch_warnings(record=True) as records:
     warnings.simplefilter("always")
     for _ in range(2):
-        for dotted in sys.argv[1:]:
-            parts = dotted.split(".")
-            for cut in range(len(parts), 0, -1):
-                try:
-                    value = importlib.import_module(".".join(parts[:cut]))
-                    break
-                except ModuleNotFoundError:
-                    continue
-            for attribute in parts[cut:]:
-                value = getattr(value, attribute, None)
-            found[dotted] = getattr(value, "__name__", None) if value is not None else None
+        found = {dotted: getattr(resolve(dotted), "__name__", None) for dotted in sys.argv[1:]}
     caught = [(r.category.__name__, str(r.message), r.filename) for r in records]
 print(json.dumps({"found": found, "warnings": caught}))
 """

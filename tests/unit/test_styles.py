@@ -13,7 +13,7 @@ from lightning_nd.layout.describe import layout_markdown
 from lightning_nd.tensor_parallel.apply.styles import FACTORIES, style_for
 from lightning_nd.tensor_parallel.apply.whole import ShardingSequenceParallel
 from lightning_nd.tensor_parallel.infer.checks import is_colwise
-from lightning_nd.tensor_parallel.styles import STYLE_FACTS, STYLES, styles_where
+from lightning_nd.tensor_parallel.styles import STYLE_FACTS, STYLES, style_has
 from tests.models import build
 
 
@@ -90,4 +90,6 @@ def test_the_facts_agree_with_each_other():
         assert not style.outer or (style.weight and not style.shards), name
     packed = style_for("packed_qkv", False, False)
     assert packed.parts == STYLE_FACTS["packed_qkv"].parts == 3
-    assert set(styles_where(whole=True)) == {"replicate", "replicated_with_grad_allreduce", "down_projection"}
+    assert {name for name in STYLES if style_has(name, whole=True)} == {"replicate", "replicated_with_grad_allreduce",
+                                                                 "down_projection"}
+    assert not style_has(ColwiseParallel(), weight="colwise") and not style_has("colwize")

@@ -40,7 +40,7 @@ from lightning_nd.tensor_parallel.communication import gather_sequence
 from lightning_nd.tensor_parallel.infer.checks import head_counts, is_colwise
 from lightning_nd.tensor_parallel.infer.mla import rope_dim
 from lightning_nd.tensor_parallel.infer.per_feature import split_input_widths, split_output_widths, works_on_its_input
-from lightning_nd.tensor_parallel.styles import PACKED_PARTS, STACKED_STYLES, styles_where
+from lightning_nd.tensor_parallel.styles import PACKED_PARTS, STACKED_STYLES, style_has
 
 
 def apply_tp(
@@ -154,8 +154,7 @@ one: CodeGen's ``embed_dim // mp_num`` is the width of a group of its fused rows
 def _whole_children(name: str, module: nn.Module, entries: Mapping[str, object]) -> list[tuple[str, nn.Module]]:
     """Children of a split module (by full name) that hold linear layers the plan leaves whole, none of their own in
     the plan (DeepSeek-V3.2's sparse-attention indexer): they run whole on every tp rank, on local inputs."""
-    kept_whole = styles_where(whole=True)
-    planned = lambda child: any((entry == child or entry.startswith(child + ".")) and style not in kept_whole  # noqa: E731
+    planned = lambda child: any((entry == child or entry.startswith(child + ".")) and not style_has(style, whole=True)  # noqa: E731
                                 for entry, style in entries.items())
     prefix = f"{name}." if name else ""
     children = [(prefix + child_name, child) for child_name, child in module.named_children()]

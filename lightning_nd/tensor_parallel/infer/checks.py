@@ -26,7 +26,7 @@ from lightning_nd.model.structure import (
     torch_class,
     widths,
 )
-from lightning_nd.tensor_parallel.styles import PACKED_PARTS, STACKED_STYLES, styles_where
+from lightning_nd.tensor_parallel.styles import PACKED_PARTS, STACKED_STYLES, style_has
 
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -42,7 +42,7 @@ def is_torch_style(value: object, name: str = "ParallelStyle") -> bool:
 def is_colwise(style: object) -> bool:
     """Styles that fan a module's input out into per-rank heads or features."""
     # A ColwiseParallel exists only once torch.distributed.tensor, and so its Replicate, is loaded.
-    return style in styles_where(sharded_output=True) or (is_torch_style(style, "ColwiseParallel") and not isinstance(
+    return style_has(style, sharded_output=True) or (is_torch_style(style, "ColwiseParallel") and not isinstance(
         cast("ColwiseParallel", style).output_layouts[0],
         cast(type, torch_class("torch.distributed.tensor", "Replicate"))))
 
@@ -125,8 +125,8 @@ def tp_split(module: nn.Module, param_name: str, style: object) -> tuple[int, in
         return MHA_SPLITS.get(param_name)
     if style == "transposed_experts":  # Llama 4's [E, H, 2I] / [E, I, H]: each expert's intermediate features
         return {"gate_up_proj": (2, 2), "down_proj": (1, 1)}.get(param_name)
-    colwise = style in styles_where(weight="colwise") or is_torch_style(style, "ColwiseParallel")
-    rowwise = style in styles_where(weight="rowwise") or is_torch_style(style, "RowwiseParallel")
+    colwise = style_has(style, weight="colwise") or is_torch_style(style, "ColwiseParallel")
+    rowwise = style_has(style, weight="rowwise") or is_torch_style(style, "RowwiseParallel")
     if isinstance(module, nn.Embedding):
         return (1, 1) if colwise else (0, 1) if rowwise else None
     out_dim = 1 if is_conv1d(module) else 0

@@ -20,7 +20,7 @@ from lightning_nd.tensor_parallel.infer.checks import (
     vocabulary_split_with_own_forward,
 )
 from lightning_nd.tensor_parallel.infer.forward_source import reshapes_with_input_width
-from lightning_nd.tensor_parallel.styles import styles_where
+from lightning_nd.tensor_parallel.styles import style_has
 
 log = logging.getLogger("lightning_nd.tensor_parallel.infer.resolve")
 
@@ -79,7 +79,7 @@ def drop_extended_embeddings(model: nn.Module, entries: dict[str, object]) -> di
 def drop_indivisible_vocabulary(model: nn.Module, entries: dict[str, object], tp: int) -> dict[str, object]:
     """An embedding or output head of a declared or guessed plan whose vocabulary tp does not divide (Moshi's 129
     rows) stays whole on every tp rank; the rest of the plan applies. (An explicit plan naming it is refused.)"""
-    dropped = sorted(name for name, style in entries.items() if style in styles_where(outer=True)
+    dropped = sorted(name for name, style in entries.items() if style_has(style, outer=True)
                      and (size := _vocabulary(get_submodule(model, name), style)) is not None and size % tp)
     if dropped:
         log.warning("tp=%d does not divide the vocabulary of %s: left whole on every tp rank.", tp, ", ".join(dropped))

@@ -13,7 +13,7 @@ from torch import nn
 from lightning_nd.model.structure import find_blocks, get_submodule, is_linear, parent_name, widths
 from lightning_nd.tensor_parallel.infer.checks import is_colwise
 from lightning_nd.tensor_parallel.infer.hugging_face import experts_modules
-from lightning_nd.tensor_parallel.styles import styles_where
+from lightning_nd.tensor_parallel.styles import style_has
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def pattern_plan(model: nn.Module) -> dict[str, str]:
         for style, leaves in NAME_PATTERNS.items():
             if leaf not in leaves:
                 continue
-            outer_only = style in styles_where(outer=True)
+            outer_only = style_has(style, outer=True)
             kind_ok = isinstance(module, nn.Embedding) if style == "embedding_rowwise" else is_linear(module)
             if kind_ok and not (outer_only and inside(name)):
                 plan[name] = style

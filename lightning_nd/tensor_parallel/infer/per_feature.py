@@ -19,7 +19,7 @@ from torch import nn
 from lightning_nd.model.structure import ModelFacts, get_submodule, is_linear, is_norm, parent_name, widths
 from lightning_nd.tensor_parallel.infer.checks import head_counts, is_colwise, tp_split
 from lightning_nd.tensor_parallel.infer.mla import feeds_colwise
-from lightning_nd.tensor_parallel.styles import styles_where
+from lightning_nd.tensor_parallel.styles import style_has
 
 log = logging.getLogger(__name__)
 
@@ -125,12 +125,13 @@ def partial_gradients(model: nn.Module, entries: Mapping[str, object], widths: M
     (``replicated_with_grad_allreduce``). ``widths``: the modules the plan splits, not blocks (a block's own norms
     see the whole residual stream), each with its colwise layers' input widths. A norm in front of a colwise layer (MLA's ``kv_a_layernorm``,
     `lightning_nd.tensor_parallel.infer.mla`) sees the whole latent and is left whole."""
-    found, owners = [], styles_where(owns=True)
+    found = []
     for parent, inputs in widths.items():
         for child, module in get_submodule(model, parent).named_modules():
             name = f"{parent}.{child}"
             if (child and name not in entries and not is_linear(module) and not isinstance(module, nn.Embedding)
-                    and not any(name.startswith(entry + ".") for entry, style in entries.items() if style not in owners)
+                    and not any(name.startswith(entry + ".") for entry, style in entries.items()
+                                if not style_has(style, owns=True))
                     and any(True for _ in module.parameters(recurse=False))
                     and not (parent_name(name) == parent and feeds_colwise(module, inputs))):
                 found.append(name)

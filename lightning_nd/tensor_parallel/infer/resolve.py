@@ -62,7 +62,7 @@ from lightning_nd.tensor_parallel.infer.ssm import selective_scan_plan
 from lightning_nd.tensor_parallel.infer.stacked_experts import stacked_experts_plan
 from lightning_nd.tensor_parallel.infer.structure import structure_plan
 from lightning_nd.tensor_parallel.infer.suggest import no_plan_message
-from lightning_nd.tensor_parallel.styles import STACKED_STYLES, STYLES, styles_where
+from lightning_nd.tensor_parallel.styles import STACKED_STYLES, STYLES, style_has
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +163,7 @@ def _splits_something(plan: _Resolution) -> None:
     """A plan that splits nothing is refused with a plan to copy."""
     check_three_equal_parts(plan.model, plan.entries)
     splits_experts = plan.kind == "declared" and bool(experts_modules(plan.model))  # split over tp by the layout itself
-    shards = styles_where(shards=True)
-    if not splits_experts and not any(not isinstance(style, str) or style in shards for style in plan.entries.values()):
+    if not splits_experts and not any(not isinstance(style, str) or style_has(style, shards=True) for style in plan.entries.values()):
         known = NAME_PATTERNS["colwise"][:6]
         raise ValueError(no_plan_message(plan.model, plan.tp, plan.kind == "declared", known))
 
