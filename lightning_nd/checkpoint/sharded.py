@@ -27,21 +27,22 @@ SHOWN = 5
 log = logging.getLogger("lightning_nd")
 
 
-def gather(value: Any) -> list[Any]:
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
+def gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, value, group=group)
     return gathered
 
 
-def on_rank0(action: Callable[[], Any]) -> None:
-    """Run ``action`` on rank 0 only; if it fails, every rank raises its error (none is left waiting)."""
+def on_rank0(action: Callable[[], Any], group: dist.ProcessGroup | None = None) -> None:
+    """Run ``action`` on rank 0 only; if it fails, every rank raises its error (none is left waiting).
+    ``group``: one over every rank (rank 0 in it is global rank 0)."""
     error: list[str | None] = [None]
     if dist.get_rank() == 0:
         try:
             action()
         except Exception as failure:
             error[0] = f"{type(failure).__name__}: {failure}"
-    dist.broadcast_object_list(error, src=0)
+    dist.broadcast_object_list(error, src=0, group=group)
     if error[0] is not None:
         raise CheckpointError(f"Saving the checkpoint failed on rank 0: {error[0]}")
 
@@ -50,7 +51,18 @@ def save_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any], rng: d
     """Every rank: write ``state`` (DCP), its ``rng``; rank 0 also ``meta`` and, once all are done, commits."""
     import torch.distributed.checkpoint as dcp
 
-    rank = dist.get_rank()
+    staging = begin_save(path, meta)
+    swaps = contiguous(state)
+    try:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))
+    finally:
+        restore(swaps, loaded=False)
+    torch.save(rng, staging / files.rng_file(dist.get_rank()))
+    finish_save(path, info)
+
+
+def begin_save(path: Path, meta: dict[str, Any]) -> Path:
+    """Every rank: the hidden staging folder of ``path``, made empty by rank 0 with Lightning's ``meta`` in it."""
     staging = files.staging_path(path)
 
     def prepare() -> None:
@@ -60,14 +72,16 @@ def save_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any], rng: d
         torch.save(meta, staging / files.META)
 
     on_rank0(prepare)
-    swaps = contiguous(state)
-    try:
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))
-    finally:
-        restore(swaps, loaded=False)
-    torch.save(rng, staging / files.rng_file(rank))
-    written = gather(files.own_files(staging, rank))
-    on_rank0(lambda: files.commit(staging, path, {name: entry for part in written for name, entry in part.items()}, info))
+    return staging
+
+
+def finish_save(path: Path, info: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
+    """Every rank, once its files are written: what each rank wrote is gathered and rank 0 commits (`files.commit`).
+    ``group``: where these collectives run (the checkpoint's own group when a background thread calls this)."""
+    staging = files.staging_path(path)
+    written = gather(files.own_files(staging, dist.get_rank()), group)
+    on_rank0(lambda: files.commit(staging, path, {name: entry for part in written for name, entry in part.items()}, info),
+             group)
 
 
 def verify(path: Path) -> None:
