@@ -36,6 +36,7 @@ from diagnostics.records import CAPTURE_FILE, HANG_FILE, GroupRecord, RankCaptur
 from diagnostics.report.hang_card import hang_markdown, hang_text
 from diagnostics.report.tensorboard import log_text, spread
 from diagnostics.report.topology_card import topology_markdown
+from lightning_nd.runtime.job import store_prefix
 
 _fits = itertools.count()  # every rank counts its fits alike: one store prefix per fit
 
@@ -104,7 +105,7 @@ class CollectiveMonitor(Callback):
         store = _get_default_store().clone() if dist.is_initialized() and self.world_size > 1 else None
         if store is not None:
             store.set_timeout(timedelta(seconds=5))  # a host gone without closing its socket: no long block
-        prefix = f"lightning_nd/diagnostics/{next(_fits)}/"
+        prefix = f"{store_prefix('diagnostics')}{next(_fits)}/"  # a restarted generation starts clean
         assert self.folder is not None
         self.exchange = CaptureExchange(store, prefix, self.folder, self.rank, self.world_size)
         self.exchange.put(f"host/{self.rank}", f"{socket.gethostname()}|{os.getpid()}")

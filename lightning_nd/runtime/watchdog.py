@@ -23,6 +23,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from lightning_nd.runtime.job import store_prefix
+
 
 def _store_gone(error: Exception) -> tuple[int, str]:
     return 0, f"died or is unreachable: the rendezvous store does not answer ({error})"
@@ -42,7 +44,8 @@ class RankWatchdog:
 
         # Its own connection: a client serialises its requests, and the main thread may block in one (a store
         # barrier, NCCL set-up) for longer than the heartbeat timeout.
-        self.store = dist.PrefixStore(f"lightning_nd/watchdog/{next(_runs)}/", store.clone())
+        # Keyed by the restart round too: torchrun keeps the store across restarts (`job.py`).
+        self.store = dist.PrefixStore(f"{store_prefix('watchdog')}{next(_runs)}/", store.clone())
         self.rank, self.dead_after, self.interval, self.hint = rank, dead_after, interval, hint
         self.world_size, self.confirm_after = world_size, min(confirm_after, dead_after)
         self.on_verdict, self.verdict_budget = on_verdict, verdict_budget

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -27,12 +28,14 @@ from lightning_nd.parallel.compose import ParallelizeReport
 from lightning_nd.parallel.fsdp import accumulate_without_sync
 from lightning_nd.pipeline_parallel.runner import full_value
 from lightning_nd.strategy import lifecycle
+from lightning_nd.strategy.auto_resume import AutoResume
 from lightning_nd.strategy.checkpointer import CheckpointedRun, Checkpointer
 from lightning_nd.strategy.cluster_checks import check_launch
 from lightning_nd.strategy.events import EventBus, FailureVerdict
 from lightning_nd.strategy.failure_monitor import FailureMonitor
 from lightning_nd.strategy.meta_build import MetaBuild
 from lightning_nd.strategy.preflight import Preflight
+from lightning_nd.strategy.process_group import start_default_group
 from lightning_nd.strategy.run_plan import Placement, RunPlan
 from lightning_nd.strategy.step_events import StepEvents
 from lightning_nd.strategy.steps import Steps
@@ -50,6 +53,7 @@ class LightningHooks(ModelParallelStrategy):
     plan: RunPlan
     failures: FailureMonitor
     checkpointer: Checkpointer
+    auto_resume: AutoResume
 
     @property
     def dims(self) -> ParallelDims:
@@ -79,6 +83,17 @@ class LightningHooks(ModelParallelStrategy):
         if not self.plan.applied_to(model):  # validate/test/predict after fit: planned and parallelized already
             self.plan.make(model, self._placement())
 
+    @override
+    def _setup_distributed(self) -> None:
+        # As Lightning's, but on this restart round's keys of the launcher's store (`process_group.py`).
+        super(ModelParallelStrategy, self).setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        start_default_group(self.cluster_environment, self._process_group_backend, self._timeout, device_id=device_id)
+
     def _placement(self) -> Placement:
         return Placement(self.dims, self.global_rank, self.num_processes,
                          getattr(self.precision_plugin, "precision", None))
@@ -89,6 +104,7 @@ class LightningHooks(ModelParallelStrategy):
         lifecycle.before_processes(self.events, trainer, self.global_rank, self.world_size,
                                    self._get_process_group_backend())
         self._setup_distributed()
+        self.auto_resume.install(trainer)  # `ckpt_path="auto"`: rank 0 chooses, for every rank
         mesh = build_mesh(self.dims, self.root_device.type)
         lifecycle.processes_started(self.events, mesh, self.dims, self.global_rank)
         self.steps.start(self.dims, mesh)
@@ -151,6 +167,7 @@ class LightningHooks(ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.checkpointer.before_training_step()
+        self.checkpointer.poll_save()
         return self.steps.train(self._module(), super().training_step, args, kwargs)
 
     @override
@@ -215,6 +232,10 @@ class LightningHooks(ModelParallelStrategy):
         self.checkpointer.save(checkpoint, filepath, storage_options)
 
     @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.checkpointer.remove(lambda: super(LightningHooks, self).remove_checkpoint(filepath))
+
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         return self.checkpointer.load(checkpoint_path, weights_only)
 
@@ -238,6 +259,7 @@ class LightningHooks(ModelParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        self.checkpointer.end_saves()  # before the barrier: every rank's save commits, or is given up after a failure
         self.failures.teardown()
         super().teardown()
 
