@@ -36,8 +36,10 @@ RUNTIME_MEANINGS = {
     "heartbeat_timeout": "A rank silent this long is dead and every other rank stops with the verdict (default 60 s;"
                          " None: no watchdog).",
     "process_group_backend": "The torch.distributed backend; None: gloo on CPU, nccl on CUDA.",
+    "async_save": "Checkpoint saves during fit return once the state is copied to CPU memory; the write and the commit"
+                  " go on in the background (at most one in flight; older checkpoints leave once it commits).",
 }
-"""How the run's processes behave (meta-device init, timeouts, backend): no part of the plan."""
+"""How the run's processes behave (meta-device init, timeouts, backend, checkpoint saves): no part of the plan."""
 RUNTIME_KEYWORDS = tuple(RUNTIME_MEANINGS)
 KEYWORDS = (*DIM_DEFAULTS, *OPTION_KEYWORDS, *RUNTIME_KEYWORDS)
 

@@ -5,6 +5,10 @@ Lightning asks the strategy for the model's and optimizers' state, then hands th
 (loops, schedulers) for Lightning to restore. Both run under the long (start-up) timeout. What is saved or loaded
 comes from the strategy as one `CheckpointedRun`: this rank's model and optimizers, the Trainer, the dims and
 the Layout.
+
+With ``async_save``, a save during a running fit returns once the state is staged and commits in the background
+(`lightning_nd.checkpoint.async_save`); the next save, a removal of an older checkpoint and the end of training wait
+for that commit (the removal in the background), and each training step looks whether it has landed.
 """
 
 from __future__ import annotations
@@ -20,20 +24,24 @@ import torch.distributed as dist
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn, TrainerStatus
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_nd.checkpoint.async_save import AsyncSaver, SaveInFlight
+from lightning_nd.checkpoint.files import CheckpointError
 from lightning_nd.checkpoint.full import load_full
 from lightning_nd.checkpoint.names import Names, group_names, model_state, optimizer_state
 from lightning_nd.checkpoint.sharded import gather, load_sharded, save_sharded
 from lightning_nd.layout.record import Layout
 from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.strategy.data_position import DataPosition, resume_loader
-from lightning_nd.strategy.events import CheckpointLoaded, CheckpointSaved, EventBus
+from lightning_nd.strategy.events import CheckpointCommitted, CheckpointLoaded, CheckpointSaved, EventBus
 from lightning_nd.strategy.failure_monitor import FailureMonitor
 
 log = logging.getLogger("lightning_nd")
+AFTER_FAILURE_WAIT_S = 30.0
+"""How long the end of a failed run waits for the save in flight to commit before it gives it up."""
 
 
 @dataclass(frozen=True)
@@ -58,9 +66,10 @@ class Checkpointer:
     folder, or one file of whole tensors (an export, or any Lightning checkpoint)."""
 
     def __init__(self, bus: EventBus, failures: FailureMonitor, run: Callable[[], CheckpointedRun],
-                 broadcast: Callable[[str], str]) -> None:
+                 broadcast: Callable[[str], str], async_save: bool = False) -> None:
         """``run``: what is saved or loaded, asked at each call; ``broadcast``: rank 0's value on every rank."""
         self.bus, self.failures, self._run, self._broadcast = bus, failures, run, broadcast
+        self._saver = AsyncSaver(failures.init_timeout) if async_save else None
         self._data_position: DataPosition | None = None
         self._pending_rng: dict[str, Any] | None = None
         self.last_checkpoint: Path | None = None
@@ -87,10 +96,60 @@ class Checkpointer:
         optimizer_states = checkpoint.pop("optimizer_states", [])  # none when saving weights only
         state.update({f"optimizer_{i}": s for i, s in enumerate(optimizer_states)})
         checkpoint["lightning_nd"] = info = _layout_info(run, len(optimizer_states))
+        step = checkpoint.get("global_step")
+        self.wait_for_save()  # at most one in flight
+        if self._saver is None or run.trainer.state.status != TrainerStatus.RUNNING:  # no end of fit would wait for it
+            with self.failures.long_timeout():
+                save_sharded(path, state, checkpoint, _collect_rng_states(), info | {"global_step": step})
+            self.last_checkpoint = path
+            self.bus.emit(CheckpointSaved(str(path), step, time.perf_counter() - start))
+            return
         with self.failures.long_timeout():
-            save_sharded(path, state, checkpoint, _collect_rng_states(), info | {"global_step": checkpoint.get("global_step")})
-        self.last_checkpoint = path
-        self.bus.emit(CheckpointSaved(str(path), checkpoint.get("global_step"), time.perf_counter() - start))
+            in_flight = self._saver.save(path, state, checkpoint, _collect_rng_states(), info | {"global_step": step}, step)
+        self._saver.keep_timeout()  # its write may take as long as a synchronous save's, which the long timeout covers
+        in_flight.after_commit(lambda: self._landed(path))
+        self.bus.emit(CheckpointSaved(str(path), step, time.perf_counter() - start, committed=False))
+
+    def _landed(self, path: Path) -> None:
+        self.last_checkpoint = path  # in the commit thread: the resume hint names it before any older one is removed
+
+    def remove(self, remove: Callable[[], None]) -> None:
+        """Remove an older checkpoint (`ModelCheckpoint`'s top-k) now, or once the save in flight has committed (in
+        the background; never if it fails), so a crash meanwhile leaves the older one the newest complete one."""
+        in_flight = self._saver.in_flight if self._saver is not None else None
+        if in_flight is None:
+            remove()
+        else:
+            in_flight.after_commit(remove)
+
+    def poll_save(self) -> None:
+        """Deliver `CheckpointCommitted` if the save in flight has committed (no waiting, no collective)."""
+        if self._saver is not None and (save := self._saver.poll()) is not None:
+            self._committed(save)
+
+    def wait_for_save(self, timeout: float | None = None) -> None:
+        """Wait for the save in flight to commit; raises `CheckpointError` if it failed."""
+        if self._saver is not None and (save := self._saver.wait(timeout)) is not None:
+            self._committed(save)
+
+    def end_saves(self) -> None:
+        """At the end of a stage: the save in flight commits first. After a failure, wait at most
+        ``AFTER_FAILURE_WAIT_S`` and raise nothing (the run's own error is the one to tell)."""
+        if self._saver is None or self._saver.in_flight is None:
+            return
+        if self._run().trainer.state.status != TrainerStatus.INTERRUPTED:
+            self.wait_for_save()
+            return
+        try:
+            self.wait_for_save(AFTER_FAILURE_WAIT_S)
+        except (TimeoutError, CheckpointError) as error:
+            reason = str(error) or f"not within {AFTER_FAILURE_WAIT_S:.0f} s"
+            log.warning(f"lightning-nd: the checkpoint being saved when the run failed did not commit ({reason}); the"
+                        " one before it is the newest complete one.")
+
+    def _committed(self, save: SaveInFlight) -> None:
+        landed = save.committed.result()
+        self.bus.emit(CheckpointCommitted(str(save.path), save.step, landed - save.started))
 
     def load(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load model and optimizers in place; returns the rest of the checkpoint for Lightning to restore."""

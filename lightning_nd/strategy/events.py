@@ -14,7 +14,9 @@ Who delivers what, and when:
   `PointToPoint` (issued / completed, by our code and by the pipeline schedule), `CollectiveWait` (the
   strategy's own collectives: loss and metric reductions, the clipping norm), `CheckpointSaved` /
   `CheckpointLoaded`: on the main thread. Steps are
-  the Trainer's ``global_step``.
+  the Trainer's ``global_step``. Under ``async_save`` a checkpoint commits in the background; its
+  `CheckpointCommitted` is delivered on the main thread when it next looks: at the next training step, save,
+  checkpoint removal or the end of training.
 - `MemoryPlanned`: at the first training batch, on the main thread (the pre-flight: `strategy/preflight.py`).
 - `OutOfMemory`, then `FailureVerdict` (once per rank): before the process exits. A rank's own failure, or
   a peer's death seen first by the main thread, is delivered on the main thread; a peer's death seen by the
@@ -144,6 +146,19 @@ class CheckpointSaved(Event):
     path: str
     step: int | None
     seconds: float
+    """How long the training loop waited: the whole save, or under ``async_save`` the staging (and any wait for the
+    save before it to commit)."""
+    committed: bool = True
+    """False under ``async_save``: the checkpoint is still being written; `CheckpointCommitted` follows."""
+
+
+@dataclass(frozen=True)
+class CheckpointCommitted(Event):
+    hook: ClassVar[str] = "on_nd_checkpoint_committed"
+    path: str
+    step: int | None
+    seconds: float
+    """From the ``save_checkpoint`` call until the checkpoint was whole (its manifest written, its folder in place)."""
 
 
 @dataclass(frozen=True)
@@ -195,8 +210,8 @@ class FailureVerdict(Event):
 
 
 ALL_EVENTS = (BeforeProcessGroup, ProcessGroupsCreated, LayoutReady, LayoutApplied, StepPhase, StageTiming,
-              PointToPoint, CollectiveWait, CheckpointSaved, CheckpointLoaded, MemoryPlanned, OutOfMemory,
-              FailureVerdict)
+              PointToPoint, CollectiveWait, CheckpointSaved, CheckpointCommitted, CheckpointLoaded, MemoryPlanned,
+              OutOfMemory, FailureVerdict)
 
 
 class EventBus:

@@ -69,6 +69,8 @@ class NDParallel(LightningHooks):
         heartbeat_timeout: A rank silent this long is dead and every other rank stops with the verdict (default 60
             s; None: no watchdog).
         process_group_backend: The torch.distributed backend; None: gloo on CPU, nccl on CUDA.
+        async_save: Checkpoint saves during fit return once the state is copied to CPU memory; the write and the
+            commit go on in the background (at most one in flight; older checkpoints leave once it commits).
     """
 
     strategy_name = "nd"
@@ -84,7 +86,7 @@ class NDParallel(LightningHooks):
         cp_shard_keys: Sequence[str] | None = None, cp_positions: Literal["position_ids", "model"] = "position_ids",
         timeout: timedelta | float = STEP_TIMEOUT, init_timeout: timedelta | float = INIT_TIMEOUT,
         heartbeat_timeout: timedelta | float | None = HEARTBEAT_TIMEOUT,
-        process_group_backend: str | None = None,
+        process_group_backend: str | None = None, async_save: bool = False,
     ) -> None:
         given = {key: value for key, value in locals().items() if key in KEYWORDS}
         timeout, init_timeout, heartbeat_timeout = check_timeouts(timeout, init_timeout, heartbeat_timeout)
@@ -101,7 +103,9 @@ class NDParallel(LightningHooks):
         self.failures = FailureMonitor(timeout, init_timeout, heartbeat_timeout, barrier=self.barrier,
                                        resume_hint=lambda: self.checkpointer.resume_hint(),
                                        on_verdict=self._deliver_verdict)
-        self.checkpointer = Checkpointer(self.events, self.failures, self._checkpointed, self.broadcast)
+        if not isinstance(async_save, bool):
+            raise TypeError(f"`NDParallel(async_save={async_save!r})` takes True or False.")
+        self.checkpointer = Checkpointer(self.events, self.failures, self._checkpointed, self.broadcast, async_save)
 
     @classmethod
     def from_config(cls, options: Mapping[str, Any]) -> NDParallel:
