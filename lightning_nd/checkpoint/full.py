@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_nd.checkpoint import files
+from lightning_nd.checkpoint import files, trusted
 from lightning_nd.checkpoint.files import CheckpointError
 from lightning_nd.checkpoint.names import Names, get_local_names, group_names, set_optimizer_state
 from lightning_nd.checkpoint.sharded import gather
@@ -31,17 +31,23 @@ log = logging.getLogger("lightning_nd")
 
 def read_sharded(path: Path, progress: Callable[[str], None] = log.info) -> dict[str, Any]:
     """The whole state of a sharded checkpoint in this one process (no process group), checked first."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint import CheckpointException, FileSystemReader
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     manifest = files.read_manifest(path)
     progress(f"Checking {len(manifest['files'])} files of `{path}` (sizes and checksums)")
     files.raise_problems(path, files.problems(path, manifest))
+    trusted.check_dcp_metadata(path)
+    meta = trusted.load_meta(path / files.META)
     progress(f"Reading the shards of {manifest.get('world_size', '?')} ranks (layout {manifest.get('layout')})")
     state: dict[str, Any] = {}
-    _load_state_dict(state, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    meta = torch.load(path / files.META, weights_only=False)
+    try:
+        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=trusted.load_planner(path, whole=True),
+                         no_dist=True)
+    except CheckpointException as error:  # DCP wraps the failure: a value refused is said as it is
+        if (refused := trusted.refusal_in(error)) is not None:
+            raise refused from None
+        raise
     param_names = meta.get("lightning_nd", {}).get("param_names", [])
     optimizers = [positional(state[f"optimizer_{i}"], names) for i, names in enumerate(param_names)
                   if f"optimizer_{i}" in state]  # none in a weights-only checkpoint

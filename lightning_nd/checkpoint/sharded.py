@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_nd.checkpoint import files
+from lightning_nd.checkpoint import files, trusted
 from lightning_nd.checkpoint.files import CheckpointError
 from lightning_nd.checkpoint.names import Names, model_state, optimizer_state, set_model_state, set_optimizer_state
 from lightning_nd.checkpoint.strided import contiguous, restore
@@ -100,6 +100,7 @@ def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
     import torch.distributed.checkpoint as dcp
 
     verify(path)
+    meta, rng = _read_states(path)
     saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     model_target = model_state(model, names)
     missing = _check_model_keys(path, saved, set(model_target), strict)
@@ -116,9 +117,23 @@ def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
         if not target["state"]:
             optimizer.state.clear()  # saved before its first step: drop what creating the load target made
         set_optimizer_state(model, optimizer, names, target)
-    meta = torch.load(path / files.META, weights_only=False)
-    rank_rng = path / files.rng_file(dist.get_rank())
-    return meta, torch.load(rank_rng, weights_only=False) if rank_rng.exists() else None
+    return meta, rng
+
+
+def _read_states(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Every rank, before any weights: DCP's index checked, then ``meta.pt`` and its RNG file read, each through
+    `trusted`'s allow-list; a file refused on one rank is raised on all (none is left waiting in DCP's collectives)."""
+    meta, rng, error = {}, None, None
+    try:
+        trusted.check_dcp_metadata(path)
+        meta = trusted.load_meta(path / files.META)
+        rank_rng = path / files.rng_file(dist.get_rank())
+        rng = trusted.load_rng(rank_rng) if rank_rng.exists() else None
+    except CheckpointError as refused:
+        error = str(refused)
+    if errors := [message for message in gather(error) if message is not None]:
+        raise CheckpointError(errors[0])
+    return meta, rng
 
 
 def _check_optimizers(path: Path, saved: set[str], optimizers: Sequence[Optimizer]) -> None:
@@ -147,10 +162,11 @@ def _load(path: Path, state: dict[str, Any]) -> None:
 
     swaps = contiguous(state)
     try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as error:  # DCP wraps every rank's failure; say which checkpoint and what part
+        dcp.load(state, checkpoint_id=path, planner=trusted.load_planner(path))
+    except (Exception, dcp.CheckpointException) as error:  # DCP's wrapper of every rank's failure is no `Exception`
         restore(swaps, loaded=False)
-        raise CheckpointError(f"Loading `{', '.join(state)}` from `{path}` failed: {error}") from error
+        failed = CheckpointError(f"Loading `{', '.join(state)}` from `{path}` failed: {error}")
+        raise trusted.refusal_in(error) or failed from error  # a refused value is said as it is
     restore(swaps, loaded=True)
 
 
