@@ -21,7 +21,9 @@ from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
+
+from lightning_nd.runtime.job import run_key
 
 SIMPLE = (int, float, bool, str)
 SET_BY_THE_JOB = ("strategy", "logger", "callbacks")
@@ -134,6 +136,8 @@ def schemas() -> dict[str, type]:
 def register() -> None:
     """Put the schemas in Hydra's ConfigStore: ``config_schema`` (the primary config's, every group typed but the
     model) and ``model/llama_schema``, ``model/gpt_schema`` (each model file's defaults list names its own)."""
+    if not OmegaConf.has_resolver("run_key"):  # `hydra.run.dir`: one folder per job, whoever started it (job.py)
+        OmegaConf.register_new_resolver("run_key", run_key, use_cache=True)
     found = schemas()
     top = [(group, found[group], dataclasses.field(default_factory=found[group]))
            for group in ("parallel", "trainer", "data", "diagnostics")]

@@ -4,6 +4,7 @@
     python examples/train.py parallel=hsdp model=gpt trainer.devices=4
     python examples/train.py -m parallel=fsdp,fsdp_tp,hsdp trainer.devices=4 trainer.max_steps=20
     python examples/train.py parallel=fsdp trainer.devices=4 ckpt_path=outputs/<date>/<time>/checkpoints/last.ckpt
+    torchrun --nproc-per-node=4 --max-restarts=3 examples/train.py parallel=fsdp_tp
     python examples/train.py -m parallel=search trainer.devices=4 --budget 3
 
 A sweep (``-m``) ends with one comparison table of its runs (`diagnostics.CompareSweep`, also
@@ -11,9 +12,11 @@ A sweep (``-m``) ends with one comparison table of its runs (`diagnostics.Compar
 memory, hang, crash) and the sweep goes on. ``parallel=search`` asks the planner for the layouts to measure
 (`examples/search.py`).
 
-TensorBoard logs land in Hydra's run directory (``outputs/<date>/<time>/tensorboard``):
-``tensorboard --logdir outputs``; checkpoints in its ``checkpoints/`` (``last.ckpt`` links the newest), and
-``ckpt_path=`` resumes from one under any layout. Every key is typed (`examples/schema.py`): ``parallel.tp_sise=2``
+TensorBoard logs land in the run directory (``outputs/<date>/<time>/tensorboard``; under torchrun
+``outputs/torchrun-<run id>``, under SLURM ``outputs/slurm-<job id>``: the same folder for every restart of a job):
+``tensorboard --logdir outputs``; checkpoints in its ``checkpoints/`` (``last.ckpt`` links the newest). ``ckpt_path``
+defaults to ``auto``: a restarted or requeued job resumes from its newest complete checkpoint; ``ckpt_path=PATH``
+resumes from one under any layout, ``ckpt_path=null`` starts fresh. Every key is typed (`examples/schema.py`): ``parallel.tp_sise=2``
 fails before anything starts, naming the key. ``diagnostics=off|default|full`` picks the monitors.
 """
 
@@ -71,8 +74,11 @@ def main(cfg: DictConfig) -> float:
         strategy = NDParallel.from_config(OmegaConf.to_container(cfg.parallel, resolve=True))
         logger = TensorBoardLogger(save_dir=cfg.log_dir, name="", version="")
         checkpoints = ModelCheckpoint(**OmegaConf.to_container(cfg.checkpoint, resolve=True))
-        trainer = Trainer(**OmegaConf.to_container(cfg.trainer, resolve=True), strategy=strategy, logger=logger,
-                          callbacks=[checkpoints, *monitors(cfg, summary)])
+        # The run folder is the root: a SLURM requeue's `hpc_ckpt_<N>` lands beside `checkpoints/`, where
+        # `ckpt_path=auto` looks.
+        trainer = Trainer(**{"default_root_dir": hydra_config.runtime.output_dir,
+                             **OmegaConf.to_container(cfg.trainer, resolve=True)},
+                          strategy=strategy, logger=logger, callbacks=[checkpoints, *monitors(cfg, summary)])
         module = CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr)
         trainer.fit(module, datamodule=TokenDataModule(**OmegaConf.to_container(cfg.data, resolve=True)),
                     ckpt_path=cfg.ckpt_path)

@@ -4,9 +4,16 @@
 ``Trainer(ckpt_path=...)``); ``python -m lightning_nd.checkpoint`` inspects, verifies and exports.
 """
 
-from lightning_nd.checkpoint.files import CheckpointError, is_complete, latest_checkpoint
+from lightning_nd.checkpoint.files import (
+    CheckpointError,
+    CheckpointMismatch,
+    complete_checkpoints,
+    is_complete,
+    latest_checkpoint,
+    resume_path,
+)
 from lightning_nd.checkpoint.full import export, load_full, read_sharded
 from lightning_nd.checkpoint.sharded import load_sharded, save_sharded
 
-__all__ = ["CheckpointError", "export", "is_complete", "latest_checkpoint", "load_full", "load_sharded",
-           "read_sharded", "save_sharded"]
+__all__ = ["CheckpointError", "CheckpointMismatch", "complete_checkpoints", "export", "is_complete", "latest_checkpoint",
+           "load_full", "load_sharded", "read_sharded", "resume_path", "save_sharded"]

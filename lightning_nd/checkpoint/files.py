@@ -26,6 +26,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded: incomplete, truncated, corrupt, or from another model."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """A readable checkpoint of another model (other tensors, other shapes, other optimizers): an older checkpoint of
+    the same run would not fit either, so resuming never falls back past it."""
+
+
 def staging_path(path: Path) -> Path:
     return path.parent / f".{path.name}.partial"
 
@@ -92,6 +97,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(manifest_path.read_text())
+    except OSError as error:
+        raise CheckpointError(f"`{manifest_path}` cannot be read ({error.strerror or error}). HINT: give this user read"
+                              " access to the checkpoint (permissions, a mounted file system), or resume from another"
+                              " checkpoint.") from None
     except ValueError as error:
         raise CheckpointError(f"`{manifest_path}` is corrupt ({error}). HINT: resume from an older checkpoint.") from None
     if manifest.get("format", 0) > FORMAT_VERSION:
@@ -129,12 +138,38 @@ def is_complete(path: Path) -> bool:
         return False
 
 
+def complete_checkpoints(*folders: str | os.PathLike) -> list[Path]:
+    """The complete lightning-nd checkpoints in ``folders``, newest (by save time) first. Links (``last.ckpt``) are
+    skipped: what they name is found anyway. A folder that does not exist holds none."""
+    found: dict[Path, tuple[float, Path]] = {}  # by real path: two folders given may be one
+    for folder in map(Path, folders):
+        if not folder.is_dir():
+            continue
+        for path in _entries(folder):
+            if not path.name.startswith(".") and not path.is_symlink() and path.is_dir() and is_complete(path):
+                found[path.resolve()] = (read_manifest(path)["saved_at"], path)
+    return [path for _, path in sorted(found.values(), key=lambda item: (item[0], str(item[1])), reverse=True)]
+
+
+def _entries(folder: Path) -> list[Path]:
+    try:
+        return list(folder.iterdir())
+    except OSError as error:
+        raise CheckpointError(f"`{folder}` cannot be read ({error.strerror or error}). HINT: give this user read access"
+                              " to it (permissions, a mounted file system), or point at another folder.") from None
+
+
 def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
     """The newest complete lightning-nd checkpoint in ``folder`` (by save time), or None."""
     if not Path(folder).is_dir():
         raise CheckpointError(f"`{folder}` is not a folder.")
-    found = []
-    for path in Path(folder).iterdir():  # links (``last.ckpt``) name a checkpoint found anyway
-        if not path.name.startswith(".") and not path.is_symlink() and path.is_dir() and is_complete(path):
-            found.append((read_manifest(path)["saved_at"], path))
-    return max(found)[1] if found else None
+    found = complete_checkpoints(folder)
+    return found[0] if found else None
+
+
+def resume_path(*folders: str | os.PathLike) -> str | None:
+    """The newest complete checkpoint in ``folders``, for a script's own ``Trainer.fit(ckpt_path=...)`` (None: start
+    fresh). Under `NDParallel`, ``ckpt_path="auto"`` chooses the same on rank 0 for every rank, and falls back to an
+    older checkpoint when the newest fails to load."""
+    found = complete_checkpoints(*folders)
+    return str(found[0]) if found else None

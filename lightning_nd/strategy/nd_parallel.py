@@ -12,6 +12,7 @@ from typing import Any, Literal
 from lightning_nd.layout.arguments import KEYWORDS, check_keywords, read_arguments, split_arguments
 from lightning_nd.layout.record import Layout
 from lightning_nd.runtime.timeouts import HEARTBEAT_TIMEOUT, INIT_TIMEOUT, STEP_TIMEOUT, check_timeouts
+from lightning_nd.strategy.auto_resume import AutoResume
 from lightning_nd.strategy.checkpointer import Checkpointer
 from lightning_nd.strategy.events import EventBus
 from lightning_nd.strategy.failure_monitor import FailureMonitor
@@ -106,6 +107,7 @@ class NDParallel(LightningHooks):
         if not isinstance(async_save, bool):
             raise TypeError(f"`NDParallel(async_save={async_save!r})` takes True or False.")
         self.checkpointer = Checkpointer(self.events, self.failures, self._checkpointed, self.broadcast, async_save)
+        self.auto_resume = AutoResume(self.broadcast, lambda: self.is_global_zero)
 
     @classmethod
     def from_config(cls, options: Mapping[str, Any]) -> NDParallel:
