@@ -104,9 +104,7 @@ def _coordinates(layout: str | None, folders: list[Path]) -> dict[str, dict[str,
 
 def _captures(folders: list[Path], coordinates: dict[str, dict[str, int]]) -> dict:
     """The captures in the folders, and for ranks without one, a flight-recorder dump (``fr_rank_<R>``)."""
-    import pickle
-
-    from diagnostics.collect.flight_recorder import DUMP_PREFIX, capture_of_dump
+    from diagnostics.collect.flight_recorder import DUMP_PREFIX, capture_of_dump, load_dump
     from diagnostics.records import read_captures
 
     captures: dict = {}
@@ -116,12 +114,19 @@ def _captures(folders: list[Path], coordinates: dict[str, dict[str, int]]) -> di
         suffix = path.name.removeprefix(DUMP_PREFIX)
         if not suffix.isdigit() or int(suffix) in captures:
             continue
+        elsewhere = f"move it out of {path.parent} to read the other ranks' dumps"
         try:
-            dump = pickle.loads(path.read_bytes())
-        except Exception as error:  # a truncated or foreign file: say which
-            raise _Unusable(f"cannot read the flight-recorder dump {path}: {type(error).__name__}: {error}") from error
-        captures[int(suffix)] = capture_of_dump(dump, int(suffix), len(coordinates), path.stat().st_mtime,
-                                                coordinates)
+            dump = load_dump(path)
+        except OSError as error:
+            raise _Unusable(f"cannot read the flight-recorder dump {path}: {error}") from error
+        except ValueError as error:  # a truncated, foreign or crafted file: say which, and read none of it
+            raise _Unusable(f"{error}; {elsewhere}") from error
+        try:
+            captures[int(suffix)] = capture_of_dump(dump, int(suffix), len(coordinates), path.stat().st_mtime,
+                                                    coordinates)
+        except (AttributeError, KeyError, TypeError, ValueError) as error:  # plain data, but not shaped as a dump
+            reason = f"{type(error).__name__}: {error}"
+            raise _Unusable(f"{path} is not a flight-recorder dump ({reason}); {elsewhere}") from error
     return captures
 
 

@@ -7,6 +7,8 @@ On gloo torch 2.13 leaves ``pg_config`` as ``{'': {'name': '', 'ranks': '[]'}}``
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import pickle
 from collections.abc import Iterable
@@ -30,6 +32,26 @@ def read_dump() -> dict[str, Any] | None:
         return pickle.loads(dump(True, True, False))
     except Exception:  # off (buffer size 0) or a build without it: the capture says so
         return None
+
+
+class _PlainData(pickle.Unpickler):
+    """A dump holds dicts, lists, tuples, strings, numbers, booleans and None, none of which a pickle names: a file
+    that names any class or function is not a dump, and what it names is never looked up (nor run)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it names `{module}.{name}`, which a flight-recorder dump never holds")
+
+
+def load_dump(path: Path) -> dict[str, Any]:
+    """A dump file (torch's pickle, or its JSON form) as plain data; ValueError naming the file when it is not one."""
+    data = path.read_bytes()
+    try:  # a pickle never starts with `{`
+        dump = json.loads(data) if data.lstrip()[:1] == b"{" else _PlainData(io.BytesIO(data)).load()
+    except Exception as error:  # noqa: BLE001 (garbage, a truncated or crafted file: each fails its own way)
+        raise ValueError(f"{path} is not a flight-recorder dump ({type(error).__name__}: {error})") from None
+    if isinstance(dump, dict):
+        return dump
+    raise ValueError(f"{path} is not a flight-recorder dump (it holds a {type(dump).__name__}, not a dict)")
 
 
 def entries_of(dump: dict[str, Any]) -> tuple[CollectiveEntry, ...]:
