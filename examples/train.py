@@ -76,9 +76,9 @@ def main(cfg: DictConfig) -> float:
         checkpoints = ModelCheckpoint(**OmegaConf.to_container(cfg.checkpoint, resolve=True))
         # The run folder is the root: a SLURM requeue's `hpc_ckpt_<N>` lands beside `checkpoints/`, where
         # `ckpt_path=auto` looks.
-        trainer = Trainer(**{"default_root_dir": hydra_config.runtime.output_dir,
-                             **OmegaConf.to_container(cfg.trainer, resolve=True)},
-                          strategy=strategy, logger=logger, callbacks=[checkpoints, *monitors(cfg, summary)])
+        options = OmegaConf.to_container(cfg.trainer, resolve=True)
+        options["default_root_dir"] = options.get("default_root_dir") or hydra_config.runtime.output_dir
+        trainer = Trainer(**options, strategy=strategy, logger=logger, callbacks=[checkpoints, *monitors(cfg, summary)])
         module = CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr)
         trainer.fit(module, datamodule=TokenDataModule(**OmegaConf.to_container(cfg.data, resolve=True)),
                     ckpt_path=cfg.ckpt_path)

@@ -36,6 +36,7 @@ from lightning_nd.strategy.failure_monitor import FailureMonitor
 from lightning_nd.strategy.meta_build import MetaBuild
 from lightning_nd.strategy.preflight import Preflight
 from lightning_nd.strategy.process_group import start_default_group
+from lightning_nd.strategy.requeue import Requeue
 from lightning_nd.strategy.run_plan import Placement, RunPlan
 from lightning_nd.strategy.step_events import StepEvents
 from lightning_nd.strategy.steps import Steps
@@ -54,6 +55,7 @@ class LightningHooks(ModelParallelStrategy):
     failures: FailureMonitor
     checkpointer: Checkpointer
     auto_resume: AutoResume
+    requeue: Requeue
 
     @property
     def dims(self) -> ParallelDims:
@@ -163,6 +165,14 @@ class LightningHooks(ModelParallelStrategy):
         if trainer.training:
             self.preflight.first_batch(batch, trainer, self.plan.layout, self.global_rank, self.root_device)
         return self.steps.batch(batch)
+
+    @override
+    def on_train_start(self) -> None:
+        self.requeue.arm(self._module().trainer)  # after Lightning's own signal handlers
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.requeue.at_batch_start(self._module().trainer, self.root_device)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -19,6 +19,7 @@ from lightning_nd.strategy.failure_monitor import FailureMonitor
 from lightning_nd.strategy.hooks import LightningHooks
 from lightning_nd.strategy.meta_build import MetaBuild
 from lightning_nd.strategy.preflight import Preflight
+from lightning_nd.strategy.requeue import Requeue
 from lightning_nd.strategy.run_plan import RunPlan
 from lightning_nd.strategy.step_events import StepEvents
 from lightning_nd.strategy.steps import Steps
@@ -108,6 +109,7 @@ class NDParallel(LightningHooks):
             raise TypeError(f"`NDParallel(async_save={async_save!r})` takes True or False.")
         self.checkpointer = Checkpointer(self.events, self.failures, self._checkpointed, self.broadcast, async_save)
         self.auto_resume = AutoResume(self.broadcast, lambda: self.is_global_zero)
+        self.requeue = Requeue()
 
     @classmethod
     def from_config(cls, options: Mapping[str, Any]) -> NDParallel:

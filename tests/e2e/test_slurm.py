@@ -6,8 +6,10 @@ that are not the Trainer's devices. Skipped, saying why, where SLURM cannot be i
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -56,3 +58,47 @@ def test_a_launch_trap_is_refused_before_any_process_group(slurm, tmp_path, comm
     code, output = sbatch(slurm, tmp_path, [*command, f"hydra.run.dir={tmp_path / 'run'}"])
     assert code != 0 and message in output, output[-4000:]
     assert "Initializing distributed" not in output
+
+
+def test_a_requeue_signal_saves_between_two_steps_and_the_requeued_job_resumes(slurm, tmp_path):
+    """SIGUSR1 to the job's tasks (as ``#SBATCH --signal=USR1@90`` sends it): every rank saves ``hpc_ckpt_1`` between
+    the same two steps, rank 0 requeues the job, and the requeued job (``ckpt_path=auto``) resumes from it."""
+    run = tmp_path / "run"
+    command = ["srun", sys.executable, "tests/e2e/faulty_train.py", *TRAIN[2:], "trainer.devices=2",
+               "trainer.max_steps=40", "checkpoint.every_n_train_steps=1000", f"hydra.run.dir={run}"]
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n#SBATCH --requeue\n"
+                      f"#SBATCH --open-mode=append\n#SBATCH --output={tmp_path / 'job.out'}\n" + " ".join(command) + "\n")
+    submitted = subprocess.run(["sbatch", "--parsable", f"--chdir={REPO}", str(script)], env=slurm,
+                               capture_output=True, text=True, check=True)
+    job = submitted.stdout.strip().split(";")[0]
+    losses = run / "losses.jsonl"
+    state = wait_for(slurm, job, lambda: losses.is_file() and len(losses.read_text().splitlines()) >= 5)
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm, check=True)
+    wait_for(slurm, job, lambda: False, until=("PENDING",))  # requeued: SLURM holds it back for a while, so
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=slurm, check=True)  # release it
+    state = wait_for(slurm, job, lambda: False, until=("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+    output = (tmp_path / "job.out").read_text()
+    assert state == "COMPLETED", output[-6000:]
+    saved = re.findall(r"the requeue signal came: saving `[^`]*hpc_ckpt_1\.ckpt` at step (\d+)", output)
+    assert len(saved) == 1, output[-6000:]
+    assert f"resumes from `{run / 'hpc_ckpt_1.ckpt'}` (step {saved[0]})" in output
+    rows = [json.loads(line) for line in losses.read_text().splitlines()]
+    first = {step: loss for round_, step, loss in rows if round_ == "0.0"}
+    again = {step: loss for round_, step, loss in rows if round_ == "0.1"}
+    step = int(saved[0])
+    assert min(again) == step + 1 and max(again) == 40
+    if step + 1 in first:  # the batch that had started when the save came ran once more before the job stopped
+        assert again[step + 1] == first[step + 1]
+
+
+def wait_for(environment: dict, job: str, ready, until: tuple[str, ...] = (), timeout: float = 400) -> str:
+    """Poll the job until ``ready()`` (while it runs) or it reaches a state in ``until``; its state then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shown = subprocess.run(["scontrol", "show", "job", job], env=environment, capture_output=True, text=True).stdout
+        state = (re.findall(r"JobState=(\w+)", shown) or ["?"])[0]
+        if state in until or (state == "RUNNING" and ready()):
+            return state
+        time.sleep(1)
+    raise AssertionError(f"job {job} still {state} after {timeout} s")
