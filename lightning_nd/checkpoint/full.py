@@ -22,9 +22,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_nd.checkpoint import files, trusted
-from lightning_nd.checkpoint.files import CheckpointError
+from lightning_nd.checkpoint.files import CheckpointError, CheckpointMismatch
 from lightning_nd.checkpoint.names import Names, get_local_names, group_names, set_optimizer_state
-from lightning_nd.checkpoint.sharded import gather
+from lightning_nd.checkpoint.sharded import check_shapes, gather
 
 log = logging.getLogger("lightning_nd")
 
@@ -107,7 +107,7 @@ def load_full(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], nam
     """Load a one-file checkpoint (an export, or any Lightning checkpoint) into this rank's shards; returns
     the rest of it (loops, schedulers) for Lightning."""
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     if "state_dict" not in checkpoint:
@@ -117,11 +117,14 @@ def load_full(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], nam
     wanted = set().union(*gather({names.original(name) for name in local}))
     missing, unexpected = sorted(wanted - weights.keys()), sorted(weights.keys() - wanted)
     if (missing or unexpected) and strict:
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"`{path}` does not fit the model: missing {missing[:5]} ({len(missing)} in all), unexpected"
             f" {unexpected[:5]} ({len(unexpected)} in all). HINT: was it saved from another model? Set"
             " `strict_loading = False` on the LightningModule to load what matches."
         )
+    own = get_model_state_dict(model)  # whole shapes (a DTensor's shape is the whole tensor's)
+    check_shapes(path, {name: weights[names.original(name)].shape for name in local if names.original(name) in weights},
+                 dict(own))
     set_model_state_dict(model, {name: weights[names.original(name)] for name in local if names.original(name) in weights},
                          options=StateDictOptions(full_state_dict=True, strict=strict))
     saved = checkpoint.pop("optimizer_states", [])

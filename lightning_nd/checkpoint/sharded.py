@@ -19,7 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_nd.checkpoint import files, trusted
-from lightning_nd.checkpoint.files import CheckpointError
+from lightning_nd.checkpoint.files import CheckpointError, CheckpointMismatch
 from lightning_nd.checkpoint.names import Names, model_state, optimizer_state, set_model_state, set_optimizer_state
 from lightning_nd.checkpoint.strided import contiguous, restore
 
@@ -101,9 +101,12 @@ def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
 
     verify(path)
     meta, rng = _read_states(path)
-    saved = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = set(metadata)
     model_target = model_state(model, names)
     missing = _check_model_keys(path, saved, set(model_target), strict)
+    check_shapes(path, {name: getattr(metadata[f"model.{name}"], "size", None) for name in model_target
+                        if f"model.{name}" in metadata}, model_target)
     _load(path, {"model": {k: v for k, v in model_target.items() if k not in missing}})
     set_model_state(model, names, model_target, strict=strict)
     _check_optimizers(path, saved, optimizers)
@@ -143,7 +146,7 @@ def _check_optimizers(path: Path, saved: set[str], optimizers: Sequence[Optimize
             name, _, rest = key.partition(".")
             groups.setdefault(name, set()).update([rest.split(".")[1]] if rest.startswith("param_groups.") else [])
     if optimizers and not groups:
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"Checkpoint `{path}` holds no optimizer state (saved with `save_weights_only=True`?), so training cannot"
             " resume from it. HINT: load the weights (`LightningModule.load_state_dict`, or an export) and start the"
             " optimizer fresh, or resume from a full checkpoint."
@@ -151,7 +154,7 @@ def _check_optimizers(path: Path, saved: set[str], optimizers: Sequence[Optimize
     found = [len(groups.get(f"optimizer_{i}", ())) for i in range(len(optimizers))]
     wanted = [len(optimizer.param_groups) for optimizer in optimizers]
     if optimizers and (len(groups) != len(optimizers) or found != wanted):
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"Checkpoint `{path}` holds {len(groups)} optimizer(s) with {found} parameter groups; `configure_optimizers`"
             f" built {len(optimizers)} with {wanted}. HINT: build the same optimizers and groups as the run that saved it."
         )
@@ -181,10 +184,25 @@ def _check_model_keys(path: Path, saved: set[str], wanted: set[str], strict: boo
     if unexpected:
         errors.append(f"{len(unexpected)} tensor(s) in it are not in this model: {', '.join(unexpected[:SHOWN])}")
     if errors and strict:
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"Checkpoint `{path}` does not fit the model: {'; '.join(errors)}. HINT: was it saved from another"
             " model or another version of it? Set `strict_loading = False` on the LightningModule to load what matches."
         )
     if errors:
         log.warning(f"lightning-nd: `{path}` partly fits the model (strict_loading=False): {'; '.join(errors)}")
     return set(missing) & wanted
+
+
+def check_shapes(path: Path, saved: dict[str, Any], model_state: dict[str, Any]) -> None:
+    """Every rank: refuse (on all of them) a checkpoint whose tensors have other shapes than this model's (another
+    vocabulary, another width), naming both shapes; ``saved``: name -> its whole shape in the checkpoint."""
+    wrong = [(name, list(saved[name]), list(value.shape)) for name, value in model_state.items()
+             if saved.get(name) is not None and hasattr(value, "shape") and tuple(saved[name]) != tuple(value.shape)]
+    everywhere = sorted({(name, tuple(old), tuple(new)) for part in gather(wrong) for name, old, new in part})
+    if everywhere:
+        shown = "; ".join(f"`{name}` is {list(old)} in it, {list(new)} in this model" for name, old, new in everywhere[:SHOWN])
+        raise CheckpointMismatch(
+            f"Checkpoint `{path}` does not fit the model: {len(everywhere)} tensor(s) have other shapes ({shown}). HINT:"
+            " it was saved from a model of another size (vocabulary, width, layers): build the model it was saved"
+            " from, or start from a checkpoint of this one."
+        )

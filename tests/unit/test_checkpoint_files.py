@@ -154,3 +154,26 @@ def test_positional_optimizer_state_maps_through_this_runs_groups():
         [["1.weight", "1.bias"], ["0.weight", "0.bias"]]]
     with pytest.raises(CheckpointError, match="parameter groups differ"):
         _names_by_position(model, [optimizer], Names(), [{"param_groups": [{"params": [0, 1, 2, 3]}]}], Path("x"))
+
+
+def test_complete_checkpoints_of_several_folders_newest_first_and_resume_path(tmp_path):
+    for name, step in (("a/step=1.ckpt", 1), ("b/hpc_ckpt_1.ckpt", 2), ("a/step=3.ckpt", 3)):
+        write_checkpoint(tmp_path / name, step)
+        time.sleep(0.01)  # saved one after another
+    write_checkpoint(tmp_path / "a" / "cut.ckpt")
+    (tmp_path / "a" / "cut.ckpt" / files.MANIFEST).unlink()  # a save cut short: never a candidate
+    (tmp_path / "a" / "last.ckpt").symlink_to(tmp_path / "a" / "step=3.ckpt")
+    found = files.complete_checkpoints(tmp_path / "a", tmp_path / "b", tmp_path / "a", tmp_path / "missing")
+    assert [p.name for p in found] == ["step=3.ckpt", "hpc_ckpt_1.ckpt", "step=1.ckpt"]
+    assert files.resume_path(tmp_path / "b", tmp_path / "a") == str(tmp_path / "a" / "step=3.ckpt")
+    assert files.resume_path(tmp_path / "missing") is None
+
+
+def test_an_unreadable_checkpoint_is_named_with_the_fix(tmp_path):
+    path = tmp_path / "step=1.ckpt"
+    write_checkpoint(path)
+    (path / files.MANIFEST).unlink()
+    (path / files.MANIFEST).mkdir()  # reading it fails in the operating system, as a permission or mount error does
+    with pytest.raises(CheckpointError, match=r"`.*step=1.ckpt/lightning_nd.json` cannot be read \(.*\)\. HINT: give"):
+        files.read_manifest(path)
+    assert not is_complete(path) and files.complete_checkpoints(tmp_path) == []
