@@ -4,8 +4,10 @@ stop within seconds, saying which rank, instead of hanging until the process-gro
 Every rank bumps its own counter each ``interval``; rank r watches rank r+1 (so the store sees a few
 requests per rank per interval, whatever the world size). A counter that stops for ``dead_after``
 while its rank has not finished is a death: the watcher posts a verdict, and every rank that reads
-it prints it and exits 1. No clocks are compared between machines. Rank 0, whose process usually hosts the store,
-exits last: once every rank still able to has acknowledged the verdict, or ``5 * interval`` after it.
+it prints it and exits 1. No clocks are compared between machines. No rank exits before every rank still able to
+has delivered the verdict to its listeners (their reports) and acknowledged it, or `linger_bound` after its own
+delivery: a launcher ends every process once the first exits (Lightning's at once, torchrun's after 30 s), and rank 0's
+process usually hosts the store.
 
 With evidence, a verdict comes sooner than ``dead_after``: a rank whose collective broke or timed out reads
 every counter for ``confirm_after`` (a counter that does not move in that window belongs to a dead rank); a
@@ -32,6 +34,12 @@ def _store_gone(error: Exception) -> tuple[int, str]:
 
 CONFIRM_AFTER_S = 5.0
 _runs = itertools.count()  # every rank starts its watchdogs in the same order: the same key prefix
+
+
+def linger_bound(verdict_budget: float, interval: float = 1.0, confirm_after: float = CONFIRM_AFTER_S) -> float:
+    """The longest a rank that has delivered the verdict waits for the others' acknowledgements: each reads it within a
+    heartbeat or so, gives the culprit ``confirm_after`` to fail by itself, then its listeners ``verdict_budget``."""
+    return confirm_after + verdict_budget + 5 * interval
 
 
 class RankWatchdog:
@@ -121,25 +129,22 @@ class RankWatchdog:
 
     def acknowledge(self) -> None:
         """This rank has the verdict and has delivered it (its listeners, which may use the store, have run)."""
-        if self.rank != 0:
-            try:
-                self.store.add("read", 1)
-            except Exception:  # the store is gone: nobody waits for this rank any more
-                pass
+        try:
+            self.store.set(f"read/{self.rank}", "1")
+        except Exception:  # the store is gone: nobody waits for this rank any more
+            pass
 
     def linger(self) -> None:
-        """Rank 0's process usually hosts the store: before it exits, give the others time to read the verdict,
-        at most ``5 * interval``, less once every rank that can still read it (all but a dead culprit and the
-        ranks that finished) has acknowledged."""
-        if self.rank != 0:
-            return
-        deadline = time.monotonic() + 5 * self.interval
+        """Before this process exits, wait until every rank that can still read the verdict (all but a dead culprit
+        and the ranks that finished) has acknowledged it, at most `linger_bound`: this exit may be what makes the
+        launcher end the others, and rank 0's may take the store with it."""
+        deadline = time.monotonic() + linger_bound(self.verdict_budget, self.interval, self.confirm_after)
         try:
             found = self.verdict()
             dead = found[0] if found is not None and found[1].startswith("died") else None
-            readers = sum(1 for rank in range(1, self.world_size)
-                          if rank != dead and not self.store.check([f"done/{rank}"]))
-            while time.monotonic() < deadline and self.store.add("read", 0) < readers:
+            readers = [f"read/{rank}" for rank in range(self.world_size)
+                       if rank not in (self.rank, dead) and not self.store.check([f"done/{rank}"])]
+            while readers and time.monotonic() < deadline and not self.store.check(readers):
                 time.sleep(self.interval / 10)
         except Exception:  # the store is gone: there is nothing left to wait for
             return
