@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from lightning_nd.runtime.errors import chain_text, exception_chain, first_line, out_of_memory_in
 from lightning_nd.runtime.timeouts import set_timeout
-from lightning_nd.runtime.watchdog import RankWatchdog
+from lightning_nd.runtime.watchdog import RankWatchdog, linger_bound
 from lightning_nd.strategy.events import VERDICT_BUDGET_S
 
 WATCHDOG = "lightning-nd-watchdog"  # the watchdog thread's name, as a verdict's ``thread``
@@ -51,6 +51,13 @@ class FailureMonitor:
             self._deliver(culprit, reason, thread, communication)
         finally:
             self._delivery_done.set()
+
+    def exit_grace(self) -> float | None:
+        """How long the other ranks may take to end by themselves once one rank's process has ended: its death seen
+        (``heartbeat_timeout`` at most), then the verdict delivered and acknowledged everywhere. None: no watchdog."""
+        if self.heartbeat_timeout is None:
+            return None
+        return self.heartbeat_timeout.total_seconds() + linger_bound(VERDICT_BUDGET_S)
 
     def start(self) -> None:
         import torch.distributed as dist

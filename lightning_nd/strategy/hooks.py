@@ -33,6 +33,7 @@ from lightning_nd.strategy.checkpointer import CheckpointedRun, Checkpointer
 from lightning_nd.strategy.cluster_checks import check_launch
 from lightning_nd.strategy.events import EventBus, FailureVerdict
 from lightning_nd.strategy.failure_monitor import FailureMonitor
+from lightning_nd.strategy.launcher import patient
 from lightning_nd.strategy.meta_build import MetaBuild
 from lightning_nd.strategy.preflight import Preflight
 from lightning_nd.strategy.process_group import start_default_group
@@ -78,6 +79,7 @@ class LightningHooks(ModelParallelStrategy):
         self.plan.set_world(self.num_nodes * self.num_processes)  # before any process is launched
         check_launch(self.cluster_environment, self.num_processes, self.num_nodes)
         super()._configure_launcher()
+        self._launcher = patient(self._launcher, self.failures.exit_grace())  # the ranks report before it kills them
 
     @override
     def connect(self, model: LightningModule) -> None:
