@@ -39,6 +39,7 @@ from lightning_nd.strategy.preflight import Preflight
 from lightning_nd.strategy.process_group import start_default_group
 from lightning_nd.strategy.requeue import Requeue
 from lightning_nd.strategy.run_plan import Placement, RunPlan
+from lightning_nd.strategy.sigterm import flag_sigterm
 from lightning_nd.strategy.step_events import StepEvents
 from lightning_nd.strategy.steps import Steps
 
@@ -170,7 +171,9 @@ class LightningHooks(ModelParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        self.requeue.arm(self._module().trainer)  # after Lightning's own signal handlers
+        trainer = self._module().trainer
+        self.requeue.arm(trainer)  # after Lightning's own signal handlers
+        flag_sigterm(trainer)  # no collective inside the handler: torchrun's SIGTERM comes while ranks report a failure
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
