@@ -52,6 +52,13 @@ def oom(victim: int, folder: str, stamp: str, layout: dict[str, int] | None = No
     of that many experts (for ep)."""
     trainer = _trainer(layout or LAYOUT, max_steps=OOM_STEP + 2, callbacks=[MemoryMonitor(log_dir=folder)],
                        logger=TensorBoardLogger(folder, name="tb"))
+    train_into_oom(trainer, victim, stamp, experts)
+    return {"finished": True}
+
+
+def train_into_oom(trainer: Trainer, victim: int, stamp: str, experts: int = 0) -> None:
+    """Fit the test's model until ``victim``'s second block asks for 1 PiB in step ``OOM_STEP``'s forward (``stamp``
+    is written just before)."""
     torch.manual_seed(0)
     module = CausalLM(model=Llama(LlamaConfig(**CONFIG, num_experts=experts)), lr=1e-3)
 
@@ -62,7 +69,6 @@ def oom(victim: int, folder: str, stamp: str, layout: dict[str, int] | None = No
 
     module.model.layers[1].register_forward_pre_hook(allocate)
     trainer.fit(module, datamodule=_data(trainer, BATCH, OOM_STEP + 2))
-    return {"finished": True}
 
 
 def measure(changes: list[dict[str, Any]]) -> list[int]:
