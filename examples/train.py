@@ -23,6 +23,7 @@ fails before anything starts, naming the key. ``diagnostics=off|default|full`` p
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -78,6 +79,8 @@ def main(cfg: DictConfig) -> float:
         # `ckpt_path=auto` looks.
         options = OmegaConf.to_container(cfg.trainer, resolve=True)
         options["default_root_dir"] = options.get("default_root_dir") or hydra_config.runtime.output_dir
+        if os.environ.get("GROUP_WORLD_SIZE"):  # torchrun: the nodes its agents met with, which an elastic run changes
+            options["num_nodes"] = int(os.environ["GROUP_WORLD_SIZE"])
         trainer = Trainer(**options, strategy=strategy, logger=logger, callbacks=[checkpoints, *monitors(cfg, summary)])
         module = CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr)
         trainer.fit(module, datamodule=TokenDataModule(**OmegaConf.to_container(cfg.data, resolve=True)),

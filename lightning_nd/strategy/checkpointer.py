@@ -71,6 +71,7 @@ class Checkpointer:
         self.bus, self.failures, self._run, self._broadcast = bus, failures, run, broadcast
         self._saver = AsyncSaver(failures.init_timeout) if async_save else None
         self._data_position: DataPosition | None = None
+        self._layout_change = ""  # how the layout changed since the loaded checkpoint, said when the loader starts
         self._pending_rng: dict[str, Any] | None = None
         self.last_checkpoint: Path | None = None
 
@@ -167,13 +168,20 @@ class Checkpointer:
         same_layout = saved.get("layout") == dims.as_dict() and saved.get("world_size") == world_size
         resharded = saved.get("layout", dims.as_dict()) != dims.as_dict()
         self.bus.emit(CheckpointLoaded(str(path), resharded, time.perf_counter() - start))
-        if resharded:
+        fitting = run.trainer.state.fn == TrainerFn.FITTING
+        if resharded and not fitting:
             log.info(f"lightning-nd: resharded `{path}` from {saved['layout']} on {saved['world_size']} ranks to"
                      f" {dims.as_dict()} on {world_size}")
-        if run.trainer.state.fn != TrainerFn.FITTING:
+        if not fitting:
             return meta  # validate/test/predict: the weights are all they take
+        self._layout_change = ""
         if rng is not None and same_layout:
             self._pending_rng = rng  # set as training resumes: starting the data loader draws from it first
+        elif "layout" in saved and not same_layout:  # said once, with the global batch, when the loader starts
+            self._layout_change = (
+                f"`{path}` was saved under {saved['layout']} on {saved['world_size']} ranks; this run is"
+                f" {dims.as_dict()} on {world_size} ranks: resharded, and dropout and sampling continue from this run's"
+                " seeds (the saved random state is per rank of that layout).")
         else:
             log.warning(f"lightning-nd: `{path}` has no random state for this layout ({dims.as_dict()} on"
                         f" {world_size} ranks); dropout and sampling continue from this run's seeds.")
@@ -187,12 +195,14 @@ class Checkpointer:
         self._pending_rng = self._data_position = None  # every training loader has been set up by now
 
     def resumed_loader(self, dataloader: Any) -> Any:
-        if self._data_position is None:
+        if self._data_position is None and not self._layout_change:
             return dataloader
         run = self._run()
         if run.trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        return resume_loader(dataloader, self._data_position, run.dims.batch_size_multiplier, run.trainer)
+        changed, self._layout_change = self._layout_change, ""
+        return resume_loader(dataloader, self._data_position, run.dims.batch_size_multiplier, run.trainer, changed,
+                             speak=dist.get_rank() == 0)
 
 
 def _layout_info(run: CheckpointedRun, saved_optimizers: int) -> dict[str, Any]:

@@ -73,32 +73,44 @@ class SkippingLoader:
         setattr(self.loader, name, value)
 
 
-def resume_loader(loader: Any, position: DataPosition, batch_ranks: int, trainer: Any) -> Any:
-    """``loader`` for the epoch a run resumes in: skipping what ``position`` says was trained."""
-    if trainer.current_epoch != position.epoch or position.batches == 0 or position.epoch_done:
-        return loader  # saved at an epoch's end: the next epoch starts from its beginning anyway
-    if callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)):
-        return loader  # a stateful loader: Lightning restores its position itself
-    # Lightning starts iterating before it tells the sampler the epoch: skipping now must use this epoch's order.
-    _set_sampler_epoch(loader, position.epoch)
+def resume_loader(loader: Any, position: DataPosition | None, batch_ranks: int, trainer: Any, changed: str = "",
+                  speak: bool = True) -> Any:
+    """``loader`` for the epoch a run resumes in: skipping what ``position`` says was trained. ``changed``: how the
+    layout changed since the save (said in one warning with the global batch, then and now); ``speak``: this rank
+    says it (one rank does)."""
+    warn = log.warning if speak else log.debug
     per_rank = getattr(loader, "batch_size", None)
     global_batch = per_rank * batch_ranks if per_rank else None
+    then = position.global_batch if position is not None else None
+    if changed:
+        changed += (f" Global batch: {then} samples when saved, {global_batch} now ({batch_ranks} batch ranks x"
+                    f" {per_rank}).")
+    if (position is None or trainer.current_epoch != position.epoch or position.batches == 0 or position.epoch_done
+            or (callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None)))):
+        if changed:  # at an epoch's end the next epoch starts from its beginning; a stateful loader resumes itself
+            warn(f"lightning-nd: {changed}")
+        return loader
+    # Lightning starts iterating before it tells the sampler the epoch: skipping now must use this epoch's order.
+    _set_sampler_epoch(loader, position.epoch)
     skip = position.batches
-    if global_batch is None or position.global_batch is None:
-        log.warning(f"lightning-nd: resuming epoch {position.epoch} after {skip} batches; the loader has no"
-                    " `batch_size`, so the samples skipped are counted in batches, not checked.")
-    elif global_batch != position.global_batch:
-        seen = position.batches * position.global_batch
+    if global_batch is None or then is None:
+        warn(f"lightning-nd: {changed + ' ' if changed else ''}Resuming epoch {position.epoch} after {skip}"
+                    " batches; the loader has no `batch_size`, so the samples skipped are counted in batches, not"
+                    " checked.")
+    elif global_batch != then:
+        seen = position.batches * then
         skip = seen // global_batch
-        log.warning(
-            f"lightning-nd: the data order of epoch {position.epoch} cannot be preserved. The checkpoint was saved"
-            f" after {position.batches} batches of {position.global_batch} samples ({seen} samples); this run takes"
-            f" {global_batch} samples per batch ({batch_ranks} batch ranks x {per_rank}), so it skips {skip} batches"
-            f" ({skip * global_batch} samples) and {seen - skip * global_batch} samples are trained twice. Later"
-            " epochs are as an uninterrupted run at this batch size. HINT: keep batch ranks x batch_size at"
-            f" {position.global_batch} to resume exactly."
+        warn(
+            f"lightning-nd: {changed + ' ' if changed else ''}The data order of epoch {position.epoch} cannot be"
+            f" preserved. The checkpoint was saved after {position.batches} batches of {then} samples ({seen}"
+            f" samples); this run takes {global_batch} samples per batch ({batch_ranks} batch ranks x {per_rank}), so"
+            f" it skips {skip} batches ({skip * global_batch} samples) and {seen - skip * global_batch} samples are"
+            " trained twice. Later epochs are as an uninterrupted run at this batch size. HINT: keep batch ranks x"
+            f" batch_size at {then} to resume exactly."
         )
         progress = trainer.fit_loop.epoch_loop.batch_progress.current
         progress.ready = progress.started = progress.processed = progress.completed = skip
+    elif changed:
+        warn(f"lightning-nd: {changed}")
     log.info(f"lightning-nd: resuming epoch {position.epoch} at batch {skip}: skipping the {skip} batches already trained")
     return SkippingLoader(loader, skip)
