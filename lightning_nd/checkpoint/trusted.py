@@ -102,7 +102,7 @@ class Refused(pickle.UnpicklingError):
 
 def user_trusted() -> dict[str, Any]:
     """What the user allowed with ``torch.serialization.add_safe_globals`` (an object, or an (object, name) pair)."""
-    trusted = {}
+    trusted: dict[str, Any] = {}
     for entry in torch.serialization.get_safe_globals():
         trusted |= {entry[1]: entry[0]} if isinstance(entry, tuple) else named(entry)
     return trusted
@@ -196,7 +196,7 @@ def load_planner(folder: Path, whole: bool = False) -> Any:
 
 
 
-def refusal_in(error: Exception) -> CheckpointError | None:
+def refusal_in(error: BaseException) -> CheckpointError | None:
     """DCP wraps each rank's failure in a ``CheckpointException`` (with tracebacks): the refusal among them, if any."""
     failures = getattr(error, "failures", {}).values()
     return next((failure for failure, _ in failures if isinstance(failure, CheckpointError)), None)

@@ -32,7 +32,8 @@ log = logging.getLogger("lightning_nd")
 
 def search_folders(trainer: Trainer) -> list[str]:
     """Where a run's checkpoints are: every checkpoint callback's folder, and the root folder (``hpc_ckpt_<N>``)."""
-    folders = [callback.dirpath for callback in trainer.callbacks
+    callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
+    folders = [callback.dirpath for callback in callbacks
                if isinstance(callback, (ModelCheckpoint, OnExceptionCheckpoint)) and callback.dirpath]
     return list(dict.fromkeys([*map(str, folders), str(trainer.default_root_dir)]))
 

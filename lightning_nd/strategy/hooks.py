@@ -97,6 +97,7 @@ class LightningHooks(ModelParallelStrategy):
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
+        assert self._timeout is not None  # NDParallel always gives one
         start_default_group(self.cluster_environment, self._process_group_backend, self._timeout, device_id=device_id)
 
     def _placement(self) -> Placement:
