@@ -42,6 +42,16 @@ def linger_bound(verdict_budget: float, interval: float = 1.0, confirm_after: fl
     return confirm_after + verdict_budget + 5 * interval
 
 
+def _pause(seconds: float) -> None:
+    """Sleep through what a signal handler raises meanwhile: torchrun's agent sends SIGTERM to every worker once one
+    dies, and Lightning's SIGTERM handler broadcasts on the default group, which fails with the dead peer ("Connection
+    closed by peer"). That says nothing of the store, so it must not become "rank 0 died or is unreachable"."""
+    try:
+        time.sleep(seconds)
+    except Exception:
+        pass
+
+
 class RankWatchdog:
     def __init__(self, store, rank: int, world_size: int, dead_after: float, interval: float = 1.0,
                  hint: Callable[[], str] = lambda: "", on_verdict: Callable[[int, str], None] | None = None,
@@ -105,7 +115,7 @@ class RankWatchdog:
         try:
             first, deadline = self.heartbeats(), time.monotonic() + self.confirm_after
             while (found := self.verdict()) is None and time.monotonic() < deadline:
-                time.sleep(self.interval / 2)
+                _pause(self.interval / 2)
             if found is not None:
                 return found
             now = self.heartbeats()
