@@ -92,16 +92,18 @@ def test_torchrun_restarts_resume_from_the_newest_complete_checkpoint_and_equal_
 
 
 def test_under_lightnings_launcher_the_same_command_again_resumes_where_the_crash_left_off(tmp_path):
+    """Lightning's launcher does not restart: the user runs the command again. Killed at a seeded step, then in the
+    middle of the save of the last step: each run again resumes from the newest complete checkpoint (step 4 both
+    times: the cut save left none newer) and replays the same losses."""
     command = [sys.executable, "tests/e2e/faulty_train.py", "parallel=fsdp", "trainer.devices=2", "diagnostics=off", *RUN]
     killed_at = random.Random(SEED).randint(EVERY + 1, STEPS - 1)
-    code, output = launch(tmp_path, command, [{"round": "0.0", "rank": 1, "at": "step", "step": killed_at}])
-    assert code != 0 and "Restored all states" not in output
-    code, output = launch(tmp_path, command)
-    assert code == 0, output[-6000:]
-    assert resumed_steps(output) == [EVERY]
-    first = {step: loss for round_, step, loss in losses(tmp_path)[:killed_at]}
-    again = {step: loss for round_, step, loss in losses(tmp_path)[killed_at:]}
-    assert sorted(again) == list(range(EVERY + 1, STEPS + 1))
-    replayed = [step for step in first if step in again]  # the steps between the checkpoint and the crash, twice
-    assert replayed == list(range(EVERY + 1, killed_at + 1))
-    assert [again[s] for s in replayed] == [first[s] for s in replayed]
+    runs = []
+    for faults in ([{"round": "0.0", "rank": 1, "at": "step", "step": killed_at}],
+                   [{"round": "0.0", "rank": 1, "at": "save", "step": STEPS}], []):
+        code, output = launch(tmp_path, command, faults)
+        assert (code == 0) == (not faults), output[-6000:]
+        runs.append((output, losses(tmp_path)[sum(len(curve) for _, curve in runs):]))
+    assert [resumed_steps(output) for output, _ in runs] == [[], [EVERY], [EVERY]]
+    first, cut, last = ({step: loss for _, step, loss in curve} for _, curve in runs)
+    assert sorted(first) == list(range(1, killed_at + 1)) and sorted(cut) == sorted(last) == list(range(EVERY + 1, STEPS + 1))
+    assert last == cut and all(last[step] == first[step] for step in range(EVERY + 1, killed_at + 1))
