@@ -110,7 +110,7 @@ def exact(out: Path, repeats: int) -> list[str]:
         passed, worst, lost = 0, 0.0, []
         for repeat in range(repeats):
             draw = random.Random(repeat)
-            step, rank = draw.randint(EVERY + 1, STEPS), draw.randint(0, 3)
+            step, rank = draw.randint(EVERY + 1, STEPS - 1), draw.randint(0, 3)
             folder = out / f"crash_{layout.replace(' ', '')}_{repeat}"
             code, output = launch(folder, torchrun(1, overrides),
                                   [{"round": "0.0", "rank": rank, "at": "step", "step": step}], timeout=600)
