@@ -59,7 +59,8 @@ def positional(state: dict[str, Any], group_names: list[list[str]]) -> dict[str,
     numbered, groups, index = {}, [], 0
     for hyper, names in zip(state["param_groups"], group_names):
         ids = list(range(index, index + len(names)))
-        numbered.update({i: state["state"][name] for i, name in zip(ids, names) if name in state["state"]})
+        held = state.get("state", {})  # an optimizer with no per-parameter state (plain SGD) saves none
+        numbered.update({i: held[name] for i, name in zip(ids, names) if name in held})
         groups.append({**hyper, "params": ids})
         index += len(names)
     return {"state": numbered, "param_groups": groups}
@@ -103,13 +104,16 @@ def export(path: Path, out: Path, fmt: str = "torch", module: str | None = None,
 
 
 def load_full(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], names: Names,
-              strict: bool = True, weights_only: bool = False) -> dict[str, Any]:
+              strict: bool = True, weights_only: bool | None = None) -> dict[str, Any]:
     """Load a one-file checkpoint (an export, or any Lightning checkpoint) into this rank's shards; returns
     the rest of it (loops, schedulers) for Lightning."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    if weights_only is None:  # nobody asked: read as data through the allow-list (`trusted.py`), no code runs
+        checkpoint = trusted.load_whole(path)
+    else:  # as asked: torch's own weights-only unpickler, or a file the caller trusts
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     if "state_dict" not in checkpoint:
         raise CheckpointError(f"`{path}` has no `state_dict`: it is not a Lightning checkpoint or an export of one.")
     weights = checkpoint.pop("state_dict")

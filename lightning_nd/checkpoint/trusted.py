@@ -125,13 +125,13 @@ def _refusal(file: Path | str, names: set[str], hint: str = "") -> CheckpointErr
                            f" types Lightning, Hydra and DCP write there). {HINT}{hint}.")
 
 
-def _torch_load(file: Path, table: dict[str, Any], hint: str = "") -> Any:
+def _torch_load(file: Path, table: dict[str, Any], hint: str = "", **options: Any) -> Any:
     allowed = table | user_trusted()
     unpickler = _unpickler(allowed)
     module = types.SimpleNamespace(__name__=__name__, Unpickler=unpickler,
                                    load=lambda handle, **options: unpickler(handle, **options).load())
     try:  # weights_only=False only because `module` is the check (see the module's docstring)
-        return torch.load(file, weights_only=False, pickle_module=module)
+        return torch.load(file, weights_only=False, pickle_module=module, **options)
     except Refused as refused:  # every name the file holds outside the table, not only the first one met
         others = set(torch.serialization.get_unsafe_globals_in_checkpoint(file)) - set(allowed)
         raise _refusal(file, {str(refused), *others}, hint) from None
@@ -141,6 +141,13 @@ def load_meta(file: Path) -> dict[str, Any]:
     """``meta.pt``: Lightning's checkpoint without the weights and optimizer states."""
     return _torch_load(file, meta_globals(), " (usually your own classes in `save_hyperparameters` or a callback's"
                        " state: `save_hyperparameters(ignore=[...])` keeps them out of new checkpoints)")
+
+
+def load_whole(file: Path) -> dict[str, Any]:
+    """A one-file checkpoint (an export, or any Lightning checkpoint): ``meta.pt``'s types, with the weights and the
+    optimizer states as tensors; mapped, not read, as every rank reads it whole."""
+    return _torch_load(file, meta_globals(), " (usually your own classes in `save_hyperparameters` or a callback's"
+                       " state)", mmap=True, map_location="cpu")
 
 
 def load_rng(file: Path) -> dict[str, Any]:

@@ -161,7 +161,7 @@ class Checkpointer:
         names, optimizers = names_of(run.layout), [_unwrapped(o) for o in run.optimizers]
         with self.failures.long_timeout():
             if path.is_file():
-                meta, rng = load_full(path, run.model, optimizers, names, strict, bool(weights_only)), None
+                meta, rng = load_full(path, run.model, optimizers, names, strict, weights_only), None
             else:
                 meta, rng = load_sharded(path, run.model, optimizers, names, strict=strict)
         saved = meta.get("lightning_nd", {})

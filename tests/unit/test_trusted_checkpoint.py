@@ -206,3 +206,35 @@ def test_a_lightning_runs_checkpoint_with_hydra_hyperparameters_reads_back_and_r
     resumed = trainer(2)
     resumed.fit(WithConfig(cfg, tmp_path / "out"), ckpt_path=str(path))  # load_sharded: every check on the way
     assert resumed.global_step == 2
+
+
+def test_a_one_file_checkpoint_is_read_as_data_unless_the_caller_trusts_it(tmp_path):
+    """``Trainer.fit(ckpt_path="x.ckpt")``: the file is read through the allow-list (an export resumes; a crafted file
+    is refused and runs nothing). Lightning 2.6.6 hands a strategy that restores after setup no ``weights_only``
+    (``trainer.py``, ``_restore_modules_and_callbacks(ckpt_path)``), so ``None`` is what arrives."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_nd import NDParallel
+    from lightning_nd.checkpoint import export
+
+    class Stateful(BoringModel):  # an optimizer with state to carry (plain SGD has none)
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def trainer(steps: int) -> Trainer:
+        return Trainer(strategy=NDParallel(), accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                       callbacks=[ModelCheckpoint(dirpath=tmp_path / "ckpt", filename="{step}")])
+
+    trainer(1).fit(Stateful())
+    exported = export(tmp_path / "ckpt" / "step=1.ckpt", tmp_path / "export.ckpt", "torch", progress=lambda _: None)
+    resumed = trainer(2)
+    resumed.fit(Stateful(), ckpt_path=str(exported))
+    assert resumed.global_step == 2
+    marker, crafted = tmp_path / "ran", tmp_path / "crafted.ckpt"
+    torch.save({**torch.load(exported, weights_only=False), "extra": Touches(marker)}, crafted)
+    with pytest.raises(CheckpointError, match=r"crafted\.ckpt` holds `.*`, which lightning-nd does not unpickle"):
+        trainer(3).fit(Stateful(), ckpt_path=str(crafted))
+    assert not marker.exists()
