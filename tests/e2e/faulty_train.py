@@ -5,7 +5,9 @@ SIGKILLed ``at``:
 
 - ``init``: in ``setup``, after the processes started;
 - ``step``: as training step S starts (so S steps are done);
-- ``save``: while saving the checkpoint of step S, after its own shards are written and before the save commits.
+- ``save``: while saving the checkpoint of step S, after its own shards are written and before the save commits
+  (every rank's shards and DCP's index are written by then: the rank first copies the folder to
+  ``<run dir>/cut-save-<S>``, the state an uninterrupted run had at step S).
 
 Rank 0 also appends every step's logged ``train_loss`` to ``<run dir>/losses.jsonl`` as ``[round, step, loss]``.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -53,6 +56,7 @@ class Faults(Callback):
             def own_files_then_die(folder: Path, rank: int) -> dict:
                 found = written(folder, rank)
                 if self._mine(trainer, "save", trainer.global_step):
+                    shutil.copytree(folder, self.losses.parent / f"cut-save-{trainer.global_step}")
                     _die()
                 return found
 
