@@ -20,7 +20,7 @@ from examples.data import SyntheticTokens, TokenDataModule
 from lightning_nd import NDParallel
 from lightning_nd.pipeline_parallel.stage import PipelineStages
 from lightning_nd.planner.dry_run import plan_for, read_layout_arguments
-from tests.distributed.family_models import FamilyLM, build_family
+from tests.distributed.family_models import family_module
 from tests.distributed.parity_ranks import full_copy
 from tests.models import VOCAB
 
@@ -38,7 +38,7 @@ class Losses(Callback):
 
 def _train(family: str, layout: dict[str, Any], world: int, batch: int) -> dict[str, Any]:
     try:
-        plan_for(read_layout_arguments(layout), world, FamilyLM(build_family(family)))
+        plan_for(read_layout_arguments(layout), world, family_module(family))
     except ValueError as refusal:
         return {"refused": str(refusal)}
     losses = Losses()
@@ -46,7 +46,7 @@ def _train(family: str, layout: dict[str, Any], world: int, batch: int) -> dict[
                       callbacks=[losses], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
     dp = trainer.strategy.dims.batch_size_multiplier
-    module = FamilyLM(build_family(family), lr=LR)
+    module = family_module(family, lr=LR)
     trainer.fit(module, datamodule=TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=batch * dp * STEPS,
                                                    batch_size=batch))
     named = [(PipelineStages.original_name(name), p) for name, p in module.model.named_parameters()]
@@ -57,7 +57,7 @@ def _train(family: str, layout: dict[str, Any], world: int, batch: int) -> dict[
 def reference(family: str, dp: int, batch: int, chunk: int) -> dict[str, Any]:
     """One process, the same samples per step (Lightning's sampler: a seed-0 permutation, rank r every dp-th),
     forwarded ``chunk`` samples at a time as the parallel ranks do, the loss their mean."""
-    module = FamilyLM(build_family(family), lr=LR)
+    module = family_module(family, lr=LR)
     optimizer = module.configure_optimizers()
     data = SyntheticTokens(VOCAB, SEQ_LEN, batch * dp * STEPS)
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0)).tolist()

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from tests.distributed.litgpt_models import PREFIX, LitGPTLM, build_litgpt
 from tests.models import VOCAB
 
 COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -113,3 +114,11 @@ class FamilyLM(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def family_module(name: str, lr: float = 0.05) -> LightningModule:
+    """The LightningModule a user writes around family ``name``: a LitGPT model (``litgpt:<key>``) called on the
+    tokens, any other called as its model card says."""
+    if name.startswith(PREFIX):
+        return LitGPTLM(build_litgpt(name[len(PREFIX):]), lr=lr)
+    return FamilyLM(build_family(name), lr=lr)

@@ -1,0 +1,92 @@
+"""Tiny LitGPT models (`litgpt.model.GPT`, one plain `nn.Module` per config), each in the LightningModule a LitGPT
+user writes (`self.model(idx)`), for the family parity launch (tests/distributed/test_families.py) and the LitGPT
+tests. One instance per distinct combination of attention, MLP and norm classes in `litgpt.config.configs`, the
+named configs the issue lists, a multi-query one, and two hand-made configs no named config of litgpt 0.5.13 uses:
+shared experts with grouped routing, and latent attention.
+
+Every config is shrunk the same way: 4 layers, width 48, 4 heads in 2 query groups (multi-query keeps 1), the
+vocabulary of the suite's token data, no dropout (LitGPT has none). Each model is built under a fixed seed and
+initialised with the model's own `_init_weights` where its constructor leaves a parameter empty
+(`GroupedTopkRouter.weight` is `torch.empty` with no `reset_parameters`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from tests.models import VOCAB
+
+PREFIX = "litgpt:"
+"""Family names of LitGPT models in the family launch: ``litgpt:<key of LITGPT>``."""
+AVAILABLE = importlib.util.find_spec("litgpt") is not None
+SHRINK = {"n_layer": 4, "n_embd": 48, "n_head": 4, "n_query_groups": 2, "head_size": 12, "vocab_size": VOCAB,
+          "padded_vocab_size": VOCAB, "block_size": 64, "intermediate_size": 96}
+MOE = {"n_expert": 4, "n_expert_per_token": 2, "moe_intermediate_size": 32}
+
+LITGPT: dict[str, tuple[str | None, dict]] = {
+    # (named config to start from, or None for a hand-made `Config`; fields replaced after SHRINK)
+    "llama3": ("Llama-3.2-1B", {}),                                     # LLaMAMLP, RMSNorm, GQA
+    "mixtral": ("Mixtral-8x7B-v0.1", MOE),                              # LLaMAMoE: gate Linear + ModuleList
+    "gemma2": ("Gemma-2-2b", {"sliding_window_size": 8}),               # GemmaMLP, softcapping, sliding windows
+    "phi2": ("phi-2", {"n_query_groups": 4}),                           # parallel residual, shared norm, biases
+    "pythia": ("pythia-14m", {"n_query_groups": 4}),                    # GptNeoxMLP, LayerNorm, partial rope
+    "qwen2.5": ("Qwen2.5-0.5B", {}),                                    # attention biases
+    "stablelm": ("stablelm-3b-4e1t", {"n_query_groups": 4}),            # LLaMAMLP with LayerNorm
+    "falcon": ("falcon-7b", {"n_query_groups": 1}),                     # multi-query: one key/value head
+    "qwen3_moe": ("Qwen3-30B-A3B", MOE),                                # LLaMAMoE with per-head q/k norms
+    "olmo2": ("OLMo-2-1124-7B", {"n_query_groups": 4}),                 # q/k norms over all heads' width
+    "shared_grouped_moe": (None, {**MOE, "name": "shared_grouped_moe", "mlp_class_name": "LLaMAMoE",
+                                  "norm_class_name": "RMSNorm", "n_shared_expert": 1, "n_expert_groups": 2,
+                                  "n_topk_groups": 1, "n_topk_scores_per_group": 2, "norm_topk_prob": True,
+                                  "routed_scaling_factor": 2.5, "first_k_dense_replace": 1}),
+    "latent": (None, {"name": "latent", "mlp_class_name": "LLaMAMLP", "norm_class_name": "RMSNorm", "n_query_groups": 4,
+                      "latent_attention": {"q_lora_rank": 32, "kv_lora_rank": 24, "qk_rope_head_dim": 8,
+                                           "qk_nope_head_dim": 8, "v_head_dim": 12}}),
+}
+MOE_MODELS = ("mixtral", "qwen3_moe", "shared_grouped_moe")
+
+
+def litgpt_config(key: str):
+    from litgpt.config import Config
+
+    name, extra = LITGPT[key]
+    fields = {**SHRINK, **extra}
+    if name is None:
+        return Config(**fields)
+    return Config.from_name(name, **fields)
+
+
+def build_litgpt(key: str, seed: int = 0) -> nn.Module:
+    from litgpt.model import GPT
+
+    torch.manual_seed(seed)
+    model = GPT(litgpt_config(key))
+    if any(type(module).__name__ == "GroupedTopkRouter" for module in model.modules()):
+        torch.manual_seed(seed)
+        model.apply(model._init_weights)
+    return model
+
+
+class LitGPTLM(LightningModule):
+    """What a LitGPT user writes: the model called on the tokens, the logits against labels already aligned."""
+
+    def __init__(self, model: nn.Module, lr: float = 0.05) -> None:
+        super().__init__()
+        self.model, self.lr = model, lr
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.model(batch["tokens"])
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
