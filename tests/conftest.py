@@ -17,6 +17,8 @@ pytest 9 no longer reads)."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -51,5 +53,19 @@ class GroupScheduling(LoadScopeScheduling):
         return "group" if kind == 0 else path if kind == 2 else nodeid
 
 
-def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling | None:  # noqa: ANN001
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadScopeScheduling | None:
     return GroupScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+SUITE_BUDGET = "LIGHTNING_ND_SUITE_BUDGET"
+"""Seconds after which no more tests start (default 3600): each one left fails at once, naming the budget, so a
+suite slowed by a loaded machine or a hang still ends with its summary inside CI's limit (90 minutes, the install
+and `timeout` in pyproject.toml for the test running at the budget included)."""
+_started = time.monotonic()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    budget = float(os.environ.get(SUITE_BUDGET, "3600"))
+    if time.monotonic() - _started > budget:
+        pytest.fail(f"not run: the suite has run for more than its {budget:.0f} s budget ({SUITE_BUDGET}); see the"
+                    " slowest durations below", pytrace=False)
