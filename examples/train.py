@@ -37,15 +37,16 @@ from omegaconf import DictConfig, OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diagnostics import LayoutCard, RunSummary, all_monitors  # noqa: E402
-from diagnostics.callbacks.sweep_comparison import first_process  # noqa: E402
-from examples.data import TokenDataModule  # noqa: E402
-from examples.lit import CausalLM  # noqa: E402
-from examples.models.gpt import GPT, GPTConfig  # noqa: E402
-from examples.models.llama import Llama, LlamaConfig  # noqa: E402
-from examples.schema import register  # noqa: E402
-from examples.search import run_search  # noqa: E402
-from lightning_nd import NDParallel  # noqa: E402
+from diagnostics import LayoutCard, RunSummary, all_monitors
+from diagnostics.callbacks.sweep_comparison import first_process
+from examples.data import TokenDataModule
+from examples.lit import CausalLM
+from examples.models.gpt import GPT, GPTConfig
+from examples.models.llama import Llama, LlamaConfig
+from examples.progress_bar import progress_bars
+from examples.schema import register
+from examples.search import run_search
+from lightning_nd import NDParallel
 
 MODELS = {"llama": (Llama, LlamaConfig), "gpt": (GPT, GPTConfig)}
 
@@ -81,7 +82,9 @@ def main(cfg: DictConfig) -> float:
         options["default_root_dir"] = options.get("default_root_dir") or hydra_config.runtime.output_dir
         if os.environ.get("GROUP_WORLD_SIZE"):  # torchrun: the nodes its agents met with, which an elastic run changes
             options["num_nodes"] = int(os.environ["GROUP_WORLD_SIZE"])
-        trainer = Trainer(**options, strategy=strategy, logger=logger, callbacks=[checkpoints, *monitors(cfg, summary)])
+        bars = progress_bars(options.get("enable_progress_bar") is not False)
+        trainer = Trainer(**options, strategy=strategy, logger=logger,
+                          callbacks=[checkpoints, *bars, *monitors(cfg, summary)])
         module = CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr)
         trainer.fit(module, datamodule=TokenDataModule(**OmegaConf.to_container(cfg.data, resolve=True)),
                     ckpt_path=cfg.ckpt_path)

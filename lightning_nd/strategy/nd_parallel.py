@@ -19,6 +19,7 @@ from lightning_nd.strategy.failure_monitor import FailureMonitor
 from lightning_nd.strategy.hooks import LightningHooks
 from lightning_nd.strategy.meta_build import MetaBuild
 from lightning_nd.strategy.preflight import Preflight
+from lightning_nd.strategy.quiet import silence_internal_warnings
 from lightning_nd.strategy.requeue import Requeue
 from lightning_nd.strategy.run_plan import RunPlan
 from lightning_nd.strategy.step_events import StepEvents
@@ -91,6 +92,7 @@ class NDParallel(LightningHooks):
         process_group_backend: str | None = None, async_save: bool = False,
     ) -> None:
         given = {key: value for key, value in locals().items() if key in KEYWORDS}
+        silence_internal_warnings()  # before the Trainer that holds this strategy says them
         timeout, init_timeout, heartbeat_timeout = check_timeouts(timeout, init_timeout, heartbeat_timeout)
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
                          timeout=init_timeout)

@@ -1,7 +1,8 @@
 """The README's main job, run once exactly as a user runs it (its first Quick start command's arguments to
-``examples/train.py``), then checked twice: what it wrote (TensorBoard's own event reader), and the troubleshooting
-view as a user sees it: TensorBoard on 127.0.0.1 opened in headless Chromium, its custom-scalars, text and images
-tabs rendered, the screenshots kept in ``tests/artifacts/troubleshooting-view/`` (`tests/e2e/browser.py`)."""
+``examples/train.py``), then checked three times: what it wrote (TensorBoard's own event reader), what it printed
+(no warning, no negative epoch total), and the troubleshooting view as a user sees it: TensorBoard on 127.0.0.1
+opened in headless Chromium, its custom-scalars, text and images tabs rendered, the screenshots kept in
+``tests/artifacts/troubleshooting-view/`` (`tests/e2e/browser.py`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import re
 import socket
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from tensorboard.plugins.custom_scalar import layout_pb2
@@ -21,20 +23,39 @@ from tests.e2e.test_train import events, layout_card, quick_start_commands, run_
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "troubleshooting-view"
 CATEGORIES = ("collectives", "communication", "memory", "step", "throughput")
+WARNING_LINE = re.compile(
+    r"^\S+\.py:\d+: "  # Python's warnings: `path:line: Category: message`, or `path:line: message` as Lightning prints
+    r"|^(\[rank\d+\]:)?W\d{4} ")  # torch's logged warnings: `[rank0]:W1206 05:28:48.668 pid path:line] message`
+
+
+class MainJob(NamedTuple):
+    folder: Path
+    stdout: str
+    stderr: str
 
 
 @pytest.fixture(scope="module")
-def main_job(tmp_path_factory) -> Path:
+def main_job(tmp_path_factory) -> MainJob:
     argv = train_args(quick_start_commands()[0])
     assert argv[:1] == ["parallel=fsdp_tp"] and "trainer.devices=4" in argv
     folder = tmp_path_factory.mktemp("main_job")
     done = run_train_script([*argv, f"hydra.run.dir={folder}"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return folder
+    return MainJob(folder, done.stdout, done.stderr)
+
+
+def test_readme_main_job_prints_no_warning(main_job):
+    """Lightning's and torch's internals said theirs (every rank: LeafSpec's deprecation, two sequential all_gathers
+    per saved tensor; rank 0: the srun hint) and the bar said `Epoch 0/-2`: each is gone at its cause or silenced by
+    its exact message (`lightning_nd/strategy/quiet.py`)."""
+    warned = [line for line in main_job.stderr.splitlines() if WARNING_LINE.search(line)]
+    assert not warned, "\n".join(warned)
+    console = main_job.stdout + main_job.stderr  # rich's bar writes to stdout, tqdm's to stderr
+    assert "Epoch 0" in console and not re.search(r"Epoch \d+/-", console), console[-2000:]
 
 
 def test_readme_main_job_trains_and_writes_tensorboard(main_job):
-    tmp_path = main_job
+    tmp_path = main_job.folder
     accumulator = events(tmp_path / "tensorboard")
     losses = [event.value for event in accumulator.Scalars("train_loss")]
     assert len(losses) == 20
@@ -84,7 +105,7 @@ def test_the_troubleshooting_view_renders_in_a_browser(main_job, tmp_path):
     if binary is None:
         pytest.skip(f"the browser check needs Chromium: {why}")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with tensorboard(main_job / "tensorboard") as url:
+    with tensorboard(main_job.folder / "tensorboard") as url:
         browser = Browser(binary, tmp_path / "profile")
         try:
             text = browser.open(f"{url}/#custom_scalars", lambda t: "Troubleshooting: throughput" in t
@@ -100,7 +121,7 @@ def test_the_troubleshooting_view_renders_in_a_browser(main_job, tmp_path):
                                 lambda t: "lightning_nd/layout" in t and "diagnostics/bottleneck" in t)
             browser.screenshot(ARTIFACTS / "text.png")
             assert "Applied tensor parallel (tp=2" in text and "Applied FSDP (shard=2)" in text, text[:3000]
-            window = read_windows((main_job / "tensorboard" / "diagnostics" / BOTTLENECK_FILE).read_text())[-1]
+            window = read_windows((main_job.folder / "tensorboard" / "diagnostics" / BOTTLENECK_FILE).read_text())[-1]
             assert window.diagnosis.label in text and "diagnostics/topology" in text
             text = browser.open(f"{url}/#images", lambda t: "diagnostics/step_phases" in t)
             assert browser.images_shown() >= 1, text[:2000]  # the step-phases figure, decoded and drawn
