@@ -42,6 +42,10 @@ class SmallEmbeddingGPT(GPT):
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
+    if name.startswith("litgpt:"):  # a LitGPT model (tests/distributed/litgpt_models.py)
+        from tests.distributed.litgpt_models import build_litgpt
+
+        return build_litgpt(name.removeprefix("litgpt:"), seed)
     if name == "fused_llama":
         model = build("llama", seed)
         for layer in model.layers:

@@ -32,8 +32,10 @@ MOE = {"ep2_dp4": {"dp_shard": 4, "ep": 2}, "dp4": {"dp_shard": 4}, "full_ep4_dp
 # The MoE launch's layers weigh their auxiliary losses 0: the step's loss (which `CausalLM` adds them to) is then
 # the same under every layout; with ep the load-balancing loss reads the ep group's counts (`nn/moe.py`), so its
 # value, not the weights resumed, depends on the layout.
+LITGPT = {"pp2_dp2": {"pp": 2, "dp_shard": 2}, "full_dp4": {"dp_shard": 4}}
 LAUNCHES = {"dense": ("llama", {"dp_shard": 2, "tp": 2}, DENSE),
-            "moe": ("moe_llama_no_aux", {"dp_shard": 4, "ep": 4}, MOE)}
+            "moe": ("moe_llama_no_aux", {"dp_shard": 4, "ep": 4}, MOE),
+            "litgpt": ("litgpt:llama3", {"dp_shard": 2, "tp": 2}, LITGPT)}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +63,7 @@ def _merged(results: list, run: str, what: str) -> dict[str, torch.Tensor]:
     return merged
 
 
-@pytest.mark.parametrize("name", ["dense", "moe"])
+@pytest.mark.parametrize("name", list(LAUNCHES))
 def test_resume_on_the_same_layout_continues_the_loss_curve_exactly(runs, name):
     _, results = runs(name)
     uninterrupted = results[0]["uninterrupted"]
@@ -157,3 +159,23 @@ def test_latest_complete_checkpoint_and_its_contents(runs):
     assert read_sharded(root / "ckpt" / f"step={2 * SAVE_EVERY}.ckpt")["lightning_nd"]["layout"]["tp"] == 2
     names = whole["lightning_nd"]["param_names"][0][0]
     assert len(whole["optimizer_states"][0]["state"]) == len(names) == len(whole["state_dict"])
+
+
+def test_a_litgpt_export_loads_into_a_plain_gpt_under_litgpts_own_names(runs, tmp_path):
+    """Saved by LitGPT's `GPT` under dp_shard x tp (its attention split by heads): the one-file export of the model
+    has exactly the keys a plain `GPT` writes, loads into one strictly, and holds the weights saved at that step."""
+    root, results = runs("litgpt")
+    out = tmp_path / "model.safetensors"
+    done = subprocess.run([sys.executable, "-m", "lightning_nd.checkpoint", "export",
+                           str(root / "ckpt" / f"step={SAVE_EVERY}.ckpt"), str(out), "--module", "model"],
+                          cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    from safetensors.torch import load_file
+
+    plain = build("litgpt:llama3", seed=5)
+    exported = load_file(out)
+    assert set(exported) == set(plain.state_dict())
+    plain.load_state_dict(exported, strict=True)
+    saved = _merged(results, "uninterrupted", "after")
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, saved[key]), key
