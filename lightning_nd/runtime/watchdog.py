@@ -4,10 +4,11 @@ stop within seconds, saying which rank, instead of hanging until the process-gro
 Every rank bumps its own counter each ``interval``; rank r watches rank r+1 (so the store sees a few
 requests per rank per interval, whatever the world size). A counter that stops for ``dead_after``
 while its rank has not finished is a death: the watcher posts a verdict, and every rank that reads
-it prints it and exits 1. No clocks are compared between machines. No rank exits before every rank still able to
-has delivered the verdict to its listeners (their reports) and acknowledged it, or `linger_bound` after its own
-delivery: a launcher ends every process once the first exits (Lightning's at once, torchrun's after 30 s), and rank 0's
-process usually hosts the store.
+it prints it and exits 1. The clock starts at the peer's first beat: ranks reach their watchdogs seconds apart on a
+loaded host, and a peer that dies before its first beat breaks a collective, which `confirm_death` judges. No clocks
+are compared between machines. No rank exits before every rank still able to has delivered the verdict to its
+listeners (their reports) and acknowledged it, or `linger_bound` after its own delivery: a launcher ends every process
+once the first exits (Lightning's at once, torchrun's after 30 s), and rank 0's process usually hosts the store.
 
 With evidence, a verdict comes sooner than ``dead_after``: a rank whose collective broke or timed out reads
 every counter for ``confirm_after`` (a counter that does not move in that window belongs to a dead rank); a
@@ -169,7 +170,7 @@ class RankWatchdog:
             try:
                 self.store.add(f"beat/{self.rank}", 1)
                 count = self.store.add(f"beat/{self.peer}", 0)
-                if count != last_count:
+                if count != last_count or count == 0:  # 0: the peer has not started its watchdog yet (see below)
                     last_count, last_change = count, now
                 elif now - last_change > self.dead_after and not self.store.check([f"done/{self.peer}"]):
                     self._post(self.peer, f"died: no heartbeat for {now - last_change:.0f} s"
