@@ -1,22 +1,22 @@
 """Where a model splits into pipeline stages.
 
 A model is read as an ordered list of *units*: the modules before the repeated blocks that own
-parameters (embeddings), the blocks, and those after them (final norm, head). The units come from
-the model's declared plan (Hugging Face ``_pp_plan`` / ``config.base_model_pp_plan``) or, for the
-common shape, from registration order around the blocks. Stages are contiguous runs of blocks; the
+parameters (embeddings), the blocks, and those after them (final norm, head), in the order of the
+model's declared plan or of its forward (`units.py`). Stages are contiguous runs of blocks; the
 first stage also holds the units before them, the last stage those after. Pure inspection: runs
 on a meta-device model before any process group starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
 from lightning_nd.model.structure import get_submodule, model_child, owns_parameters
 from lightning_nd.pipeline_parallel.schedules import V_SHAPED
+from lightning_nd.pipeline_parallel.units import pipeline_units
 
 
 @dataclass(frozen=True)
@@ -69,60 +69,6 @@ def stage_ranks(pp: int, stages_per_rank: int, schedule: str) -> tuple[tuple[int
     if schedule in V_SHAPED:
         return tuple((rank, 2 * pp - 1 - rank) for rank in range(pp))
     return tuple(tuple(rank + k * pp for k in range(stages_per_rank)) for rank in range(pp))
-
-
-def pipeline_units(model: nn.Module, blocks: list[tuple[str, nn.Module]]) -> tuple[list[str], list[str], list[str], str]:
-    """(units before the blocks, block names, units after them, where that came from)."""
-    declared = getattr(model, "_pp_plan", None) or getattr(getattr(model, "config", None), "base_model_pp_plan", None)
-    names = [name for name, _ in model.named_modules()]
-    if isinstance(declared, Mapping) and declared:
-        containers = [key for key in declared if isinstance(get_submodule(model, key), (nn.ModuleList, nn.ModuleDict))]
-        if len(containers) == 1 and all(key in names for key in declared):
-            container = containers[0]
-            block_names = [f"{container}.{child}" for child, _ in get_submodule(model, container).named_children()]
-            order = {name: index for index, name in enumerate(names)}
-            others = sorted((key for key in declared if key != container), key=order.__getitem__)
-            pre = [key for key in others if order[key] < order[container]]
-            post = [key for key in others if order[key] > order[container]]
-            missing = [name for name in _owners(model, block_names) if not name.startswith(tuple(u + "." for u in others))
-                       and name not in others]
-            if missing:
-                raise ValueError(
-                    f"The model's declared pipeline plan (`{_plan_name(model)}`) leaves out `{missing[0]}`, which owns"
-                    " parameters: every stage would hold its own copy. HINT: pass `NDParallel(block_classes=[...])`"
-                    " and remove the plan from the model to split by registration order, or add the module to the plan."
-                )
-            return pre, block_names, post, f"the model's declared plan (`{_plan_name(model)}`)"
-    block_names = [name for name, _ in blocks]
-    if not block_names:
-        raise ValueError(
-            f"Pipeline parallelism splits a model between its repeated blocks, and none were found in"
-            f" `{type(model).__name__}`. HINT: pass `NDParallel(block_classes=[YourBlock])`."
-        )
-    owners = _owners(model, block_names)
-    first, last = names.index(block_names[0]), names.index(block_names[-1])
-    pre = [name for name in owners if names.index(name) < first]
-    post = [name for name in owners if names.index(name) > last]
-    middle = [name for name in owners if first < names.index(name) < last]
-    if middle:
-        raise ValueError(f"`{middle[0]}` owns parameters and sits between the repeated blocks, so no stage boundary"
-                         " is clean. HINT: give its parameters to a block, or pass `block_classes=` naming the blocks.")
-    return pre, block_names, post, "registration order (units before the blocks -> blocks -> units after)"
-
-
-def _owners(model: nn.Module, block_names: list[str]) -> list[str]:
-    """The outermost modules outside the blocks that own parameters themselves."""
-    inside = tuple(name + "." for name in block_names)
-    owners = [
-        name for name, module in model.named_modules()
-        if name and not name.startswith(inside) and name not in block_names
-        and any(True for _ in module.parameters(recurse=False))
-    ]
-    return [name for name in owners if not any(name.startswith(other + ".") for other in owners)]
-
-
-def _plan_name(model: nn.Module) -> str:
-    return "_pp_plan" if getattr(model, "_pp_plan", None) else "config.base_model_pp_plan"
 
 
 def split_stages(

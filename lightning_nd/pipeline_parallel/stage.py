@@ -23,6 +23,8 @@ from torch import nn
 
 from lightning_nd.model.structure import get_submodule, parent_name
 from lightning_nd.pipeline_parallel.aux_losses import StageAuxLosses, attach
+from lightning_nd.pipeline_parallel.forward_trace import hidden_argument, main_output
+from lightning_nd.pipeline_parallel.layer_lists import restrict_layer_lists
 from lightning_nd.pipeline_parallel.split import StageLayout
 
 
@@ -69,15 +71,6 @@ def is_stand_in(module: nn.Module) -> bool:
     return isinstance(module, (_Carry, _Pass))
 
 
-def main_output(output: Any) -> torch.Tensor:
-    """The tensor a model or block returns: itself, a Hugging Face output's ``.logits``, or a tuple's first."""
-    if hasattr(output, "logits"):
-        return output.logits
-    if isinstance(output, (tuple, list)):
-        return output[0]
-    return output
-
-
 class StageModule(nn.Module):
     """One pipeline stage: ``module`` is the model with only this stage's units (original names)."""
 
@@ -100,7 +93,7 @@ class StageModule(nn.Module):
             if name not in own:
                 del get_submodule(self.module, parent_name(name))._modules[name.rsplit(".", 1)[-1]]
         self.block_names = [name for name in layout.blocks if name in own]
-        _restrict_layer_lists(self.module, layout.blocks, own)
+        restrict_layer_lists(self.module, layout.blocks, own)
         self.on_output: Callable[[torch.Tensor, Any, torch.Tensor | None], None] | None = None
         """Hears, on the last stage, of each microbatch's output: the tensor handed on, what the model returned and
         the stage's MoE auxiliary losses (None without MoE layers)."""
@@ -119,10 +112,9 @@ class StageModule(nn.Module):
         carried = self._slot.carried
         if carried is None:
             return None
-        if args:
+        key = hidden_argument(args, kwargs, carried)
+        if key == "0":
             return (carried, *args[1:]), kwargs
-        key = "hidden_states" if "hidden_states" in kwargs else next(
-            (k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.shape == carried.shape), None)
         if key is None:
             raise ValueError(f"Pipeline stage {self.index}: block `{self.block_names[0]}` was called with keyword"
                              f" arguments only ({', '.join(kwargs)}), none of which looks like the hidden states."
@@ -151,27 +143,6 @@ class StageModule(nn.Module):
             return main
         finally:
             self._slot.carried = self._slot.output = None
-
-
-def _restrict_layer_lists(module: nn.Module, blocks: Sequence[str], own: set[str]) -> None:
-    """A config's per-layer lists (Hugging Face's ``layer_types``, ``mlp_layer_types``) restricted to the stage's
-    blocks: the model's own forward reads them by the position of each block it still holds
-    (``causal_mask_mapping[self.config.layer_types[i]]`` for ``i, layer in enumerate(self.layers)``), so a later
-    stage would give its first block the first layer's mask (gpt-oss: a sliding window for a full-attention layer,
-    silently). The blocks read theirs by index when built, before the split. The stage's copy of the config is its
-    own (the model was deep-copied)."""
-    containers: dict[str, list[str]] = {}
-    for name in blocks:
-        containers.setdefault(parent_name(name), []).append(name)
-    configs = {id(config): config for sub in module.modules() if (config := getattr(sub, "config", None)) is not None}
-    for names in containers.values():
-        kept = [position for position, name in enumerate(names) if name in own]
-        if len(kept) == len(names):
-            continue
-        for config in configs.values():
-            for attr, value in list(vars(config).items()):
-                if attr.endswith("layer_types") and isinstance(value, (list, tuple)) and len(value) == len(names):
-                    setattr(config, attr, type(value)(value[position] for position in kept))
 
 
 def _loss_only_inputs(model: nn.Module) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from lightning_nd.pipeline_parallel.stage import _restrict_layer_lists
+from lightning_nd.pipeline_parallel.layer_lists import restrict_layer_lists
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,9 +23,9 @@ def test_a_later_stage_reads_its_own_layers_types():
         model = transformers.GptOssForCausalLM(config)
     blocks = [f"model.layers.{index}" for index in range(4)]
     stage = copy.deepcopy(model)
-    _restrict_layer_lists(stage, blocks, {"model.layers.1", "model.layers.2"})
+    restrict_layer_lists(stage, blocks, {"model.layers.1", "model.layers.2"})
     assert stage.config.layer_types == ["full_attention", "sliding_attention"]
     assert stage.model.config is stage.config and model.config.layer_types == config.layer_types
     whole = copy.deepcopy(model)
-    _restrict_layer_lists(whole, blocks, set(blocks))
+    restrict_layer_lists(whole, blocks, set(blocks))
     assert whole.config.layer_types == config.layer_types

@@ -37,7 +37,7 @@ def test_split_sources():
     llama = build("llama8")
     layout = split_stages(llama, find_blocks(llama), 4)
     assert layout.pre == ("embed_tokens",) and layout.post == ("norm", "lm_head")
-    assert "registration order" in layout.source
+    assert "the order the model's forward calls its units" in layout.source
     assert [len([u for u in units if u.startswith("layers.")]) for units in layout.stages] == [2, 2, 2, 2]
     assert split_stages(llama, find_blocks(llama), 2, layers_per_stage=[3, 5]).stages[0] == (
         "embed_tokens", "layers.0", "layers.1", "layers.2")
