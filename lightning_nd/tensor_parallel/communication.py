@@ -3,6 +3,7 @@
     copy_to_tp(x, group)       # identity; gradient summed over tp
     reduce_from_tp(x, group)   # sum over tp; gradient passed through
     gather_sequence(x)         # sequence shards -> whole sequence; gradient reduce-scattered back to shards
+    gather_features(x, mesh)   # each rank's last-dim features side by side; gradient reduce-scattered back
 
 Pure torch: no Lightning, no planning.
 """
@@ -14,6 +15,7 @@ from typing import cast
 import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_gather_single, reduce_scatter_single, wait_tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_nd.runtime.profiling import comm_label
@@ -83,3 +85,22 @@ def gather_sequence(value: object) -> object:
     if isinstance(value, DTensor) and value.device_mesh.ndim == 1 and isinstance(value.placements[0], Shard):
         return _GatherSequence.apply(value)
     return value
+
+
+class _GatherFeatures(torch.autograd.Function):
+    """Every tp rank's features, rank by rank on the last dim (all-gather); each rank uses its own selection of
+    them, so in backward the gradients of a rank's features are summed over tp and handed back (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        ctx.mesh, ctx.dim = mesh, tensor.ndim - 1
+        return wait_tensor(all_gather_single(tensor.contiguous(), gather_dim=ctx.dim, group=mesh))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return wait_tensor(reduce_scatter_single(grad.contiguous(), "sum", scatter_dim=ctx.dim, group=ctx.mesh)), None
+
+
+def gather_features(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``tensor``'s last dim from every rank of the 1-D ``mesh``, concatenated in rank order (`_GatherFeatures`)."""
+    return _GatherFeatures.apply(tensor, mesh)

@@ -34,6 +34,9 @@ class Style:
     """It keeps the module whole on every tp rank (its gradient summed where it is partial)."""
     outer: bool = False
     """It names a module outside the blocks: an embedding or the output head (a vocabulary split)."""
+    by_heads: bool = False
+    """It splits by the head counts of the module above it (a fused ``[q; k; v]`` of unequal parts and its output
+    projection, `lightning_nd/tensor_parallel/infer/fused_heads.py`)."""
 
 
 STYLE_FACTS: dict[str, Style] = {
@@ -41,6 +44,8 @@ STYLE_FACTS: dict[str, Style] = {
     "rowwise": Style(weight="rowwise", shards=True),
     "packed_colwise": Style(weight="colwise", parts=2, sharded_output=True, shards=True),
     "packed_qkv": Style(weight="colwise", parts=3, sharded_output=True, shards=True),
+    "packed_heads": Style(weight="colwise", parts=3, sharded_output=True, shards=True, by_heads=True),
+    "rowwise_packed_heads": Style(weight="rowwise", shards=True, by_heads=True),
     "colwise_rep": Style(weight="colwise", shards=True),
     "rowwise_split_input": Style(weight="rowwise", shards=True),
     "embedding_rowwise": Style(weight="rowwise", outer=True),

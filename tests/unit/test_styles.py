@@ -13,6 +13,7 @@ from lightning_nd.layout.describe import layout_markdown
 from lightning_nd.tensor_parallel.apply.styles import FACTORIES, style_for
 from lightning_nd.tensor_parallel.apply.whole import ShardingSequenceParallel
 from lightning_nd.tensor_parallel.infer.checks import is_colwise
+from lightning_nd.tensor_parallel.infer.fused_heads import HeadLayout
 from lightning_nd.tensor_parallel.styles import STYLE_FACTS, STYLES, style_has
 from tests.models import build
 
@@ -71,13 +72,17 @@ def test_dropout_masks_differ_across_tp_ranks_only_where_activations_are_split()
     assert has_dropout(nn.Sequential(nn.Dropout(0.1))) and not has_dropout(nn.Sequential(nn.Dropout(0.0)))
 
 
+HEADS = HeadLayout(heads=4, groups=2, head_dim=8, holder="", attrs=("num_heads", "num_key_value_heads"))
+"""The head counts `apply_tp` gives the styles split by them (``packed_heads``)."""
+
+
 def test_every_style_of_the_facts_table_has_a_factory_or_is_applied_by_apply_tp():
     applied_by_apply_tp = {"replicate", "channel_mixer", "channel_params"}  # whole, or split by `ChannelMixer`
     assert set(FACTORIES) == set(STYLES) - applied_by_apply_tp
     for name in FACTORIES:
         for sequence_parallel in (False, True):
             for loss_parallel in (False, True):
-                assert style_for(name, sequence_parallel, loss_parallel, rope_dim=4) is not None
+                assert style_for(name, sequence_parallel, loss_parallel, rope_dim=4, heads=HEADS) is not None
     with pytest.raises(ValueError, match="Unknown TP style 'colwize'"):
         style_for("colwize", False, False)
 

@@ -33,11 +33,13 @@ from lightning_nd.model.structure import (
 )
 from lightning_nd.tensor_parallel.apply.dropout import fork_rng_per_rank, has_dropout
 from lightning_nd.tensor_parallel.apply.head_inputs import is_plain_float, local_head_inputs
+from lightning_nd.tensor_parallel.apply.packed_heads import localize_head_counts
 from lightning_nd.tensor_parallel.apply.ssm_channels import ChannelMixer
 from lightning_nd.tensor_parallel.apply.stacked_experts import divide_stacked_widths
 from lightning_nd.tensor_parallel.apply.styles import SEQUENCE_DIM, style_for
 from lightning_nd.tensor_parallel.communication import gather_sequence
 from lightning_nd.tensor_parallel.infer.checks import head_counts, is_colwise
+from lightning_nd.tensor_parallel.infer.fused_heads import HeadLayout, head_layout
 from lightning_nd.tensor_parallel.infer.mla import rope_dim
 from lightning_nd.tensor_parallel.infer.per_feature import split_input_widths, split_output_widths, works_on_its_input
 from lightning_nd.tensor_parallel.styles import PACKED_PARTS, STACKED_STYLES, style_has
@@ -68,11 +70,12 @@ def apply_tp(
         shared = parent_name(name) not in block_names
         sp = sequence_parallel and parent_name(name) not in plain
         rope = (rope_dim(model, name) or 0) if style == "mla_kv_a_proj" else 0
+        heads = head_layout(get_submodule(model, parent_name(name))) if style_has(style, by_heads=True) else None
         parallel_style = (
             style if isinstance(style, ParallelStyle)
             else ChannelMixer([child for child, _ in get_submodule(model, name).named_children()
                                if entries.get(f"{name}.{child}") == "channel_params"]) if style == "channel_mixer"
-            else style_for(cast(str, style), sp, loss_parallel, shared, rope)
+            else style_for(cast(str, style), sp, loss_parallel, shared, rope, heads)
         )
         parallelize_module(get_submodule(model, name), tp_mesh, parallel_style)
     tp_rank = tp_mesh.get_local_rank()
@@ -181,7 +184,11 @@ def _check_no_gradient(name: str, module: nn.Module, args: tuple, output: object
 
 def _divide_head_counts(name: str, module: nn.Module, tp: int, entries: Mapping[str, object]) -> None:
     """Modules that reshape with their head count must see the local count (heads / tp; the plan checked it).
-    A module that splits a fused output by ``split_size`` (GPT-2's attention) splits the local width."""
+    A module that splits a fused output by ``split_size`` (GPT-2's attention) splits the local width. One above a
+    fused ``[q; k; v]`` split by head counts gets them as `localize_head_counts` sets them."""
+    if any(parent_name(child) == name and style_has(style, by_heads=True) for child, style in entries.items()):
+        localize_head_counts(module, cast(HeadLayout, head_layout(module)), tp)
+        return
     counts = head_counts(module)
     head_dim = next((value for attr in HEAD_DIM_ATTRS if isinstance(value := getattr(module, attr, None), int)), None)
     heads = next((value for attr, value in counts.items() if attr in HEAD_ATTRS), None)

@@ -1,7 +1,7 @@
 """Style names -> torch `ParallelStyle`s: ``style_for(name, sequence_parallel, loss_parallel, input_shared)``, one
 factory per style of the table in `lightning_nd/tensor_parallel/styles.py`. The styles torch does not have are in
-`linear.py` (linear and embedding layers), `whole.py` (modules kept whole, per-head vectors, the SP norm),
-`attention.py`, `experts.py` and `stacked_experts.py`.
+`linear.py` (linear and embedding layers), `packed_heads.py` (a fused ``[q; k; v]`` sized by head counts),
+`whole.py` (modules kept whole, per-head vectors, the SP norm), `attention.py`, `experts.py` and `stacked_experts.py`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from lightning_nd.tensor_parallel.apply.linear import (
     PerHeadRowwiseParallel,
     RowwiseSharedOutput,
 )
+from lightning_nd.tensor_parallel.apply.packed_heads import PackedHeadsColwise, PackedHeadsRowwise
 from lightning_nd.tensor_parallel.apply.stacked_experts import StackedColwise, StackedRowwise
 from lightning_nd.tensor_parallel.apply.whole import (
     PerHeadParameters,
@@ -28,6 +29,7 @@ from lightning_nd.tensor_parallel.apply.whole import (
     ShardingSequenceParallel,
     WholeOnSharedInput,
 )
+from lightning_nd.tensor_parallel.infer.fused_heads import HeadLayout
 from lightning_nd.tensor_parallel.styles import PACKED_PARTS, STACKED_STYLES
 
 SEQUENCE_DIM = 1
@@ -35,13 +37,15 @@ SEQUENCE_DIM = 1
 
 @dataclass(frozen=True)
 class StyleMode:
-    """What a style's factory needs of the run: the layouts SP and loss parallel give, and MLA's rotary width."""
+    """What a style's factory needs of the run: the layouts SP and loss parallel give, MLA's rotary width and the
+    head counts of the module above a layer split by them."""
 
     residual: Placement
     """The residual stream's layout: sequence shards under SP, else whole."""
     colwise_input: Placement
     loss_parallel: bool
     rope_dim: int
+    heads: HeadLayout | None
 
 
 FACTORIES: dict[str, Callable[[StyleMode], ParallelStyle]] = {
@@ -51,6 +55,9 @@ FACTORIES: dict[str, Callable[[StyleMode], ParallelStyle]] = {
     "packed_colwise": lambda mode: FusedColwiseParallel(parts=PACKED_PARTS["packed_colwise"],
                                                          input_layouts=mode.colwise_input),
     "packed_qkv": lambda mode: FusedColwiseParallel(parts=PACKED_PARTS["packed_qkv"], input_layouts=mode.colwise_input),
+    "packed_heads": lambda mode: PackedHeadsColwise(layout=_heads(mode), input_layouts=mode.colwise_input),
+    "rowwise_packed_heads": lambda mode: PackedHeadsRowwise(layout=_heads(mode), output_layouts=mode.residual,
+                                                            use_local_output=mode.residual.is_replicate()),
     "colwise_rep": lambda mode: FusedColwiseParallel(input_layouts=mode.colwise_input, output_layouts=Replicate()),
     "rowwise_split_input": lambda mode: Conv1DRowwiseParallel(input_layouts=Replicate(), output_layouts=mode.residual,
                                                               use_local_output=mode.residual.is_replicate()),
@@ -79,12 +86,18 @@ FACTORIES: dict[str, Callable[[StyleMode], ParallelStyle]] = {
 given (``replicate``, ``channel_mixer`` and ``channel_params`` are applied by `apply_tp` itself)."""
 
 
+def _heads(mode: StyleMode) -> HeadLayout:
+    assert mode.heads is not None, "a style split by head counts is given its module's (`apply_tp`)"
+    return mode.heads
+
+
 def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_shared: bool = False,
-              rope_dim: int = 0) -> ParallelStyle:
+              rope_dim: int = 0, heads: HeadLayout | None = None) -> ParallelStyle:
     """The torch `ParallelStyle` for a style name, in the current SP / loss-parallel mode.
 
     ``input_shared``: the enclosing module hands its projections one replicated input (see `apply_tp`).
     ``rope_dim``: for ``mla_kv_a_proj``, the width of the shared rotary key at the end of its output.
+    ``heads``: for ``packed_heads`` and ``rowwise_packed_heads``, the head counts of the module above the layer.
     """
     residual = Shard(SEQUENCE_DIM) if sequence_parallel else Replicate()
     # Colwise layers declare the layout they receive: torch redistributes by the declared layout, not
@@ -94,4 +107,4 @@ def style_for(name: str, sequence_parallel: bool, loss_parallel: bool, input_sha
     colwise_input = Replicate() if input_shared else residual
     if name not in FACTORIES:
         raise ValueError(f"Unknown TP style {name!r}.")
-    return FACTORIES[name](StyleMode(residual, colwise_input, loss_parallel, rope_dim))
+    return FACTORIES[name](StyleMode(residual, colwise_input, loss_parallel, rope_dim, heads))

@@ -97,6 +97,8 @@ SIZE_NAMES = {"Embedding": ("num_embeddings", "embedding_dim"), "Conv1D": ("nx",
 
 
 def _sharded_size(module: nn.Module, style: object) -> tuple[int | None, str]:
+    if style_has(style, by_heads=True):  # its head counts are checked (`fused_heads.check_fused_heads`)
+        return None, ""
     split = tp_split(module, "weight", style)
     weight = getattr(module, "weight", None)
     if style in STACKED_STYLES and split is not None and isinstance(weight, torch.Tensor):
@@ -183,7 +185,7 @@ def _is_plain_rowwise(style: object) -> bool:
     if is_torch_style(style, "RowwiseParallel"):
         return isinstance(cast("RowwiseParallel", style).input_layouts[0],
                           cast(type, torch_class("torch.distributed.tensor", "Shard")))
-    return style == "rowwise"
+    return style == "rowwise" or style_has(style, weight="rowwise", by_heads=True)
 
 
 def _partner_example(side: str) -> str:

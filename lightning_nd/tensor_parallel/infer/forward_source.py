@@ -1,4 +1,5 @@
-"""What a module's own ``forward`` source shows that its parameters do not: a head split it would break.
+"""What a module's own ``forward`` source shows that its parameters do not: a head split it would break, and the order
+of a fused projection's parts (`splits_in_three`).
 
 TrOCR's attention (a module split by heads: the caller asks only of those) reads its width from its input
 (``bsz, tgt_len, embed_dim = hidden_states.size()``) and reshapes its heads' output with it
@@ -52,6 +53,43 @@ def _width_reshape(cls: type) -> str | None:
                 and (used := [arg.id for arg in node.args if isinstance(arg, ast.Name) and arg.id in widths])):
             return widths[used[0]]
     return None
+
+
+def splits_in_three(module: nn.Module, layer: str) -> bool:
+    """Whether ``module``'s forward splits the output of its child ``layer`` into three names, part by part:
+    ``q, k, v = self.qkv(x).split(...)``, or the output assigned to a name first (LitGPT's ``qkv = self.qkv(x)``,
+    then ``q, k, v = qkv.split((q_size, k_size, v_size), dim=-1)``). False when the source cannot be read."""
+    key = (type(module), layer)
+    if key not in _SPLITS:
+        _SPLITS[key] = _splits_in_three(type(module), layer)
+    return _SPLITS[key]
+
+
+_SPLITS: dict[tuple[type, str], bool] = {}
+
+
+def _splits_in_three(cls: type, layer: str) -> bool:
+    try:
+        function = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
+    except (OSError, TypeError):
+        return False
+    outputs = {target.id for node in ast.walk(function) if isinstance(node, ast.Assign) and _calls(node.value, layer)
+               for target in node.targets if isinstance(target, ast.Name)}
+    for node in ast.walk(function):
+        if not (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
+                and len(node.targets[0].elts) == 3 and isinstance(node.value, ast.Call)):
+            continue
+        split = node.value.func
+        if isinstance(split, ast.Attribute) and split.attr == "split" and (
+                _calls(split.value, layer) or isinstance(split.value, ast.Name) and split.value.id in outputs):
+            return True
+    return False
+
+
+def _calls(value: ast.expr, layer: str) -> bool:
+    """``self.<layer>(...)``."""
+    return (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr == layer
+            and isinstance(value.func.value, ast.Name) and value.func.value.id == "self")
 
 
 def _size_of(value: ast.expr, name: str) -> bool:

@@ -20,6 +20,7 @@ from lightning_nd.tensor_parallel.infer.checks import (
     vocabulary_split_with_own_forward,
 )
 from lightning_nd.tensor_parallel.infer.forward_source import reshapes_with_input_width
+from lightning_nd.tensor_parallel.infer.fused_heads import norms_over_all_heads
 from lightning_nd.tensor_parallel.styles import style_has
 
 log = logging.getLogger("lightning_nd.tensor_parallel.infer.resolve")
@@ -27,7 +28,7 @@ log = logging.getLogger("lightning_nd.tensor_parallel.infer.resolve")
 
 def wrong_splits(model: nn.Module, entries: Mapping[str, object]) -> dict[str, str]:
     """Modules whose split the model shows to be wrong: module -> why."""
-    norms = norms_over_split_features(model, entries)
+    norms = {**norms_over_split_features(model, entries), **norms_over_all_heads(model, entries)}
     over = {parent: f"`{norm}` normalizes the features `{parent or 'the model'}` splits over tp, so each rank would"
                     " normalize its own part of them" for parent, norm in norms.items()}
     blocks = {name for name, _ in find_blocks(model)}

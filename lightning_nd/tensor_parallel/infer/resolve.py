@@ -4,8 +4,8 @@ calling the file named for what it reads.
 1. The source: the user's explicit plan, else the plan the model declares (`declared.py`, read with Hugging Face's
    meaning by `hugging_face.py`, its left-out feed-forward layers completed by `names.py`), else name patterns
    (`names.py`: ``q_proj``, ``c_attn``, ``fc1``...).
-2. What names leave out, from the blocks' structure (`structure.py`), recurrent mixers (`ssm.py`) and experts stored
-   as one weight (`stacked_experts.py`).
+2. What names leave out, from the blocks' structure (`structure.py`, and `fused_heads.py` for a fused ``[q; k; v]``
+   sized by head counts), recurrent mixers (`ssm.py`) and experts stored as one weight (`stacked_experts.py`).
 3. Checks that refuse (`checks.py`), or the refusal of a model nothing splits with a plan to copy (`suggest.py`).
 4. What stays whole (`keep_whole.py`: ties, vocabularies tp does not divide, splits the forward shows wrong,
    `forward_source.py`), and layers with one output per head (`per_feature.py`).
@@ -41,6 +41,7 @@ from lightning_nd.tensor_parallel.infer.checks import (
 )
 from lightning_nd.tensor_parallel.infer.declared import declared_plan, expand
 from lightning_nd.tensor_parallel.infer.forward_source import replaced_in_forward
+from lightning_nd.tensor_parallel.infer.fused_heads import check_fused_heads, fused_heads_plan
 from lightning_nd.tensor_parallel.infer.hugging_face import experts_modules, hf_meaning
 from lightning_nd.tensor_parallel.infer.keep_whole import (
     drop_extended_embeddings,
@@ -148,8 +149,9 @@ def _structure(plan: _Resolution) -> None:
     if plan.kind == "explicit":
         return
     model, entries = plan.model, plan.entries
-    structural: dict[str, object] = dict(structure_plan(
-        model, entries, tuple(experts_modules(model)), attention=plan.kind == "pattern", hidden=plan.facts.hidden_size))
+    structural: dict[str, object] = dict(fused_heads_plan(model, entries)) if plan.kind == "pattern" else {}
+    structural.update(structure_plan(model, {**entries, **structural}, tuple(experts_modules(model)),
+                                     attention=plan.kind == "pattern", hidden=plan.facts.hidden_size))
     plan.mixers = {**selective_scan_plan(model, {**entries, **structural}),
                    **stacked_experts_plan(model, {**entries, **structural})}
     structural.update(plan.mixers)
@@ -227,6 +229,7 @@ def _sequence_parallel(plan: _Resolution) -> None:
 def _checks(plan: _Resolution) -> None:
     """Sizes against tp, and what SP cannot follow."""
     check_plan(plan.model, plan.entries, plan.tp, plan.facts)
+    check_fused_heads(plan.model, plan.entries, plan.tp)
     if not plan.sequence_parallel:
         return
     # a state-space mixer's layers are read from its own shape, not from the block's: SP follows the block's norms
