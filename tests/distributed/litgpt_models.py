@@ -49,6 +49,14 @@ LITGPT: dict[str, tuple[str | None, dict]] = {
                                            "qk_nope_head_dim": 8, "v_head_dim": 12}}),
 }
 MOE_MODELS = ("mixtral", "qwen3_moe", "shared_grouped_moe")
+LITGPT_REFUSED = {
+    (PREFIX + "llama3", "cp2_fsdp2"): "takes no `position_ids`",
+    (PREFIX + "falcon", "fsdp2_tp2"): "n_query_groups=1`",
+    (PREFIX + "falcon", "pp2_tp2"): "n_query_groups=1`",
+}
+"""(family, layout) -> a phrase its refusal names: LitGPT's forward takes its positions from the input's length (its
+rope cache sliced ``[:T]``), which under cp is the shard's; multi-query attention's one key/value head is not split
+over tp (the refusal gives the plan that keeps the attention whole); docs/pages/models-outside-transformers.md."""
 
 
 def litgpt_config(key: str):

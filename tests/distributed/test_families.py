@@ -4,9 +4,10 @@ also under ep x dp_shard x tp, Mixtral with its experts split four ways under tp
 transposed experts split over tp; Bloom, no declared plan
 and no known names, planned from its structure), and PyTorch's own `nn.TransformerEncoder` (its
 `nn.MultiheadAttention` split by heads, its feed-forward pair found from the structure) under FSDP, HSDP, tp, pp and
-cp, in one launch of 4 processes. Loss per step, gradients and parameters after 3 SGD-momentum steps match (see
-families_ranks.py for why not AdamW); a family/layout pair that is not trained must be refused while
-planning, for the named reason this file expects."""
+cp, and every LitGPT model of `litgpt_models.py` (`litgpt.model.GPT`, called as LitGPT users call it) under
+dp_shard x tp, pp x dp_shard and pp x tp, its MoE models under ep x dp_shard, in one launch of 4 processes. Loss
+per step, gradients and parameters after 3 SGD-momentum steps match (see families_ranks.py for why not AdamW); a
+family/layout pair that is not trained must be refused while planning, for the named reason this file expects."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 import torch
 
 from tests.distributed.family_models import FAMILIES
+from tests.distributed.litgpt_models import AVAILABLE as LITGPT_AVAILABLE
+from tests.distributed.litgpt_models import LITGPT, LITGPT_REFUSED, MOE_MODELS, PREFIX
 from tests.launcher import launch
 
 LAYOUTS = {
@@ -24,9 +27,11 @@ LAYOUTS = {
     "hsdp": {"dp_replicate": 2, "dp_shard": 2},
     "ddp2_tp2": {"dp_replicate": 2, "dp_shard": 1, "tp": 2},
     "tp4": {"dp_shard": 1, "tp": 4},
+    "pp2_tp2": {"pp": 2, "dp_shard": 1, "tp": 2},
+    "ep2_fsdp4": {"dp_shard": 4, "ep": 2},
 }
-BATCH = dict.fromkeys(LAYOUTS, 2) | {"pp2_fsdp2": 4}  # per rank; pp: 2 x pp microbatches of one sample
-CHUNK = dict.fromkeys(LAYOUTS, 2) | {"pp2_fsdp2": 1}  # samples per forward on a rank
+BATCH = dict.fromkeys(LAYOUTS, 2) | {"pp2_fsdp2": 4, "pp2_tp2": 4}  # per rank; pp: 2 x pp microbatches of one sample
+CHUNK = dict.fromkeys(LAYOUTS, 2) | {"pp2_fsdp2": 1, "pp2_tp2": 1}  # samples per forward on a rank
 OPTIONS: dict[str, dict] = {}
 REFUSED = {("torch_transformer", "cp2_fsdp2"): "takes no `position_ids`",
            ("torch_transformer", "pp2_fsdp2"): "indexes its first layer",
@@ -37,6 +42,10 @@ REFUSED = {("torch_transformer", "cp2_fsdp2"): "takes no `position_ids`",
 `nn.TransformerEncoder`'s forward reads ``self.layers[0]``, which a later stage does not hold; gpt-oss
 has no SDPA path (its attention sinks), which ring attention replaces."""
 CASES = [(family, layout) for family in FAMILIES for layout in ("fsdp2_tp2", "pp2_fsdp2", "cp2_fsdp2")]
+if LITGPT_AVAILABLE:  # tests/unit/test_litgpt_install.py fails when litgpt is missing, so these cannot silently go
+    CASES += [(PREFIX + key, layout) for key in LITGPT for layout in ("fsdp2_tp2", "pp2_fsdp2", "pp2_tp2")]
+    CASES += [(PREFIX + key, "ep2_fsdp4") for key in MOE_MODELS] + [(PREFIX + "llama3", "cp2_fsdp2")]
+    REFUSED |= LITGPT_REFUSED
 CASES += [("mixtral", "tp4"), ("qwen3_moe", "ep2_fsdp2_tp2"), ("gpt2", "ddp2_tp2"), ("torch_transformer", "fsdp2_tp2"), ("torch_transformer", "hsdp"),
           ("torch_transformer", "pp2_fsdp2"), ("torch_transformer", "cp2_fsdp2")]
 
