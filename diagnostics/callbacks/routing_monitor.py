@@ -209,9 +209,10 @@ class RoutingMonitor(Callback):
         layers = [LayerLoad(name, tuple(counts), slots[name].top_k, dropped)
                   for name, (counts, _, dropped) in summed.items()]
         ep = getattr(self.layout, "dims", {}).get("ep", 1) if self.layout is not None else 1
-        # The Layout's expert placement: the routers beside an experts module that ep splits.
+        # The Layout's expert placement: the routers beside an experts module that ep splits, or its block where the
+        # block routes itself (a gate linear, the top-k in the block's forward).
         split = {placement.module.rpartition(".")[0] for placement in getattr(self.layout, "experts", ())}
-        ep_layers = {name for name in summed if name.rpartition(".")[0] in split}
+        ep_layers = {name for name in summed if name in split or name.rpartition(".")[0] in split}
         record = interval(first, step, layers, ep, self.source or _source(self.routers), self._counted(),
                           ep_layers)
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -1,10 +1,11 @@
 """Finding a model's MoE routers and counting, on the device, what each chose in every training forward.
 
-A router is the innermost module that knows its experts' count and its top-k: an int attribute of `TOP_K_ATTRS`, and
-a weight or a direct ``nn.Linear`` child with one row per expert (or one of `EXPERT_ATTRS`). That covers the
-reference `lightning_nd.nn.moe.TopKRouter` and the router modules of transformers 5 (``MixtralTopKRouter``,
-``Qwen3MoeTopKRouter``, ``DeepseekV2TopkRouter``, ``GptOssTopKRouter``, ...), and the MoE blocks of older releases
-and remote code, whose ``gate`` is a plain linear layer and whose forward takes the top-k itself.
+A router is the innermost module that knows its experts' count and its top-k: an int attribute of `TOP_K_ATTRS`
+(or of its ``config``, when the config counts the same experts: LitGPT's), and a weight or a direct ``nn.Linear``
+child with one row per expert (or one of `EXPERT_ATTRS`). That covers the reference `lightning_nd.nn.moe.TopKRouter`
+and the router modules of transformers 5 (``MixtralTopKRouter``, ``Qwen3MoeTopKRouter``, ``DeepseekV2TopkRouter``,
+``GptOssTopKRouter``, ...), the MoE blocks of older releases and remote code, whose ``gate`` is a plain linear layer
+and whose forward takes the top-k itself, and LitGPT's ``LLaMAMoE`` and ``GroupedTopkRouter``.
 
 What a router chose is read from its output:
 1. an integer tensor ``[..., top_k]``: the chosen experts (transformers 5 routers return them third);
@@ -34,14 +35,17 @@ from lightning_nd.runtime.trial import in_trial_forward
 
 TOP_K_ATTRS = ("top_k", "num_experts_per_tok", "moe_topk", "router_topk", "moe_k")
 EXPERT_ATTRS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "n_experts")
+CONFIG_TOP_K_ATTRS = (*TOP_K_ATTRS, "n_expert_per_token")
+CONFIG_EXPERT_ATTRS = (*EXPERT_ATTRS, "n_expert")
+"""A ``config``'s top-k and expert count (LitGPT's ``Config``: ``n_expert_per_token``, ``n_expert``)."""
 SELECTION_ATTRS = ("e_score_correction_bias", "expert_bias", "n_group", "topk_group")
 """Routers whose choice is not the plain top-k of their logits (unless they return their indices)."""
 WRAPPERS = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
-def _int_attr(module: nn.Module, names: tuple[str, ...]) -> int | None:
+def _int_attr(holder: object, names: tuple[str, ...]) -> int | None:
     for name in names:
-        value = getattr(module, name, None)
+        value = getattr(holder, name, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
@@ -55,20 +59,23 @@ def _expert_linear(module: nn.Module, experts: int | None) -> nn.Linear | None:
     return next((child for child in linears if child.out_features == experts), None)
 
 
-def _experts_of(module: nn.Module) -> int | None:
-    """What the router scores over: its own weight's rows, else its expert-scoring linear child's outputs (LongCat's
-    router scores its zero-computation experts too, which its ``num_experts`` leaves out), else an attribute."""
+def _scored(module: nn.Module) -> int | None:
+    """What the module scores: its own weight's rows, else its expert-scoring linear child's outputs (LongCat's
+    router scores its zero-computation experts too, which its ``num_experts`` leaves out)."""
     weight = module.__dict__.get("_parameters", {}).get("weight")
     if isinstance(weight, torch.Tensor) and weight.ndim == 2:
         return int(weight.shape[0])
     linear = _expert_linear(module, None)
-    return linear.out_features if linear is not None else _int_attr(module, EXPERT_ATTRS)
+    return linear.out_features if linear is not None else None
 
 
 def _candidate(module: nn.Module) -> tuple[int, int] | None:
     if any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__):
         return None  # a transformers model keeps its config's expert counts (for its loss), routing nothing itself
-    top_k, experts = _int_attr(module, TOP_K_ATTRS), _experts_of(module)
+    scored = _scored(module)
+    top_k, experts = _int_attr(module, TOP_K_ATTRS), scored or _int_attr(module, EXPERT_ATTRS)
+    if top_k is None and scored is not None and _int_attr(getattr(module, "config", None), CONFIG_EXPERT_ATTRS) == scored:
+        top_k = _int_attr(module.config, CONFIG_TOP_K_ATTRS)  # a module scoring its config's experts (LitGPT's)
     if top_k is None or experts is None or not 1 <= top_k < experts:
         return None
     return experts, top_k

@@ -36,23 +36,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from lightning_nd.expert_parallel.communication import all_to_all_rows, exchange_counts, summed_counts
+from lightning_nd.expert_parallel.communication import ScaleGrad, all_to_all_rows, exchange_counts, summed_counts
+from lightning_nd.expert_parallel.lists import ListedExperts, apply_ep_to_lists
 from lightning_nd.model.structure import is_experts
 from lightning_nd.tensor_parallel.apply.experts import DOWN_PLACEMENT, GATE_UP_PLACEMENT, check_same_routing, tp_slice
 from lightning_nd.tensor_parallel.communication import copy_to_tp, reduce_from_tp
-
-
-class _ScaleGrad(torch.autograd.Function):
-    """Identity forward; the gradient times ``scale`` in backward."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad * ctx.scale, None
 
 
 class ExpertParallel(nn.Module):
@@ -156,8 +144,8 @@ class ExpertParallel(nn.Module):
         if self.tp_group is not None:
             rows = copy_to_tp(rows, self.tp_group)
         output = torch.zeros_like(rows)
-        gate_up_proj = _ScaleGrad.apply(self.gate_up_proj.to_local(), self.grad_scale)
-        down_proj = _ScaleGrad.apply(self.down_proj.to_local(), self.grad_scale)
+        gate_up_proj = ScaleGrad.apply(self.gate_up_proj.to_local(), self.grad_scale)
+        down_proj = ScaleGrad.apply(self.down_proj.to_local(), self.grad_scale)
         counts_list, starts_list = counts.tolist(), starts.tolist()
         for expert in range(self.local):
             pieces = [torch.arange(starts_list[s * self.local + expert],
@@ -175,7 +163,9 @@ class ExpertParallel(nn.Module):
 
 def apply_ep(model: nn.Module, mesh: DeviceMesh | None, tp_mesh: DeviceMesh | None = None) -> list[str]:
     """Replace every experts module of ``model`` by this rank's `ExpertParallel` slice over ``mesh`` (1-D ep, or 2-D
-    (ep, tp)), or split over the 1-D ``tp_mesh`` (expert tensor parallelism); returns their names."""
+    (ep, tp)), or split over the 1-D ``tp_mesh`` (expert tensor parallelism); and with ``mesh``, every list of experts
+    by this rank's `ListedExperts` over ep (`lightning_nd.expert_parallel.lists`; tp splits them as it splits any
+    MLP). Returns their names."""
     names = [name for name, module in model.named_modules() if name and is_experts(module)]
     for name in names:
         parent_name, _, child = name.rpartition(".")
@@ -187,6 +177,8 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh | None, tp_mesh: DeviceMesh | No
         # a meta-device build replays it; ExpertParallel's own methods come first.
         shard.__class__ = _shard_class(type(experts))
         setattr(parent, child, shard)
+    if mesh is not None:
+        names += apply_ep_to_lists(model, mesh if mesh.ndim == 1 else mesh["ep"])
     return names
 
 
@@ -201,9 +193,9 @@ def _shard_class(replaced: type) -> type:
     return _SHARD_CLASSES[replaced]
 
 
-def expert_modules(model: nn.Module) -> list[ExpertParallel]:
-    return [m for m in model.modules() if isinstance(m, ExpertParallel)]
+def expert_modules(model: nn.Module) -> list[ExpertParallel | ListedExperts]:
+    return [m for m in model.modules() if isinstance(m, (ExpertParallel, ListedExperts))]
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in expert_modules(model) for p in m.parameters(recurse=False)]
+    return [p for m in expert_modules(model) for p in m.parameters()]

@@ -3,7 +3,8 @@
 It follows what the composer does, in its order: the pipeline stage keeps its units' parameters (a weight tied
 between the first and the last stage is held by both, under each one's name); tensor
 parallel shards by style (colwise: dim 0, rowwise: dim 1 of a weight, packed colwise: each half of dim 0;
-an embedding rowwise: dim 0); expert parallel keeps E/ep experts (dim 0); FSDP shards what is left over
+an embedding rowwise: dim 0); expert parallel keeps E/ep experts (dim 0 of a stack; of a list of experts, rank r
+of an ep group holds the r-th E/ep of them whole and none of the others); FSDP shards what is left over
 ``fsdp`` (dim 0; dim 1 under a packed TP split), or experts over ``expert_dp``, HSDP replicating over
 ``dp_replicate``. Shards follow ``torch.chunk`` (the last ones may be short or empty, as DTensor and FSDP2
 cut them); FSDP allocates every shard padded to the first one's size.
@@ -36,11 +37,11 @@ def chunk_length(size: int, chunks: int, index: int) -> int:
     return max(0, min(step, size - index * step))
 
 
-def kind_of(name: str, module: nn.Module, blocks: tuple[str, ...], experts: set[str]) -> str:
+def kind_of(name: str, module: nn.Module, blocks: tuple[str, ...], experts: Mapping[str, int]) -> str:
     """A coarse kind of parameter for summaries: embedding, attention, mlp, experts, router, norm, head, other."""
     owner = parent_name(name)
     parts = owner.lower().split(".")
-    if owner in experts:
+    if owner in experts or _listed(owner, experts) is not None:
         return "experts"
     if isinstance(module, nn.Embedding):
         return "embedding"
@@ -57,6 +58,17 @@ def kind_of(name: str, module: nn.Module, blocks: tuple[str, ...], experts: set[
     return "other"
 
 
+def _listed(owner: str, experts: Mapping[str, int]) -> tuple[int, int] | None:
+    """(index, count) of the expert of a list of ``experts`` (name -> count) that holds module ``owner``, or None:
+    a list's experts are named ``<list>.<index>``."""
+    parts = owner.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        name = ".".join(parts[:end])
+        if name in experts and parts[end].isdigit():
+            return int(parts[end]), experts[name]
+    return None
+
+
 @dataclass(frozen=True)
 class _Param:
     """What is the same on every rank for one parameter: how it is split, and over which dims."""
@@ -68,6 +80,8 @@ class _Param:
     element_size: int
     tp: tuple[int, int] | None
     expert: bool
+    ep_rank: int | None
+    """The ep rank that holds it, for an expert of a list (None: every ep rank holds a piece)."""
     fsdp: tuple[str, int, int] | None
     """(role, size, dim) FSDP shards it over, or None."""
     placement: str
@@ -82,7 +96,7 @@ def rank_holdings(
     blocks: tuple[str, ...],
     tp_entries: Mapping[str, object],
     pipeline: StagePlan | None,
-    experts: set[str],
+    experts: Mapping[str, int],
     precision: str | None = None,
     expert_tp: set[str] | frozenset[str] = frozenset(),
 ) -> tuple[RankHolding, ...]:
@@ -109,7 +123,8 @@ def rank_holdings(
         key = (stages, *index.values())
         if key not in held:
             where = {cut: tuple(index[role] for role in cut) for cut in cuts}
-            shards = [pieces.shard(param, index, where[param.cut_by]) for param in by_stages[stages]]
+            shards = [pieces.shard(param, index, where[param.cut_by]) for param in by_stages[stages]
+                      if param.ep_rank in (None, index["ep"])]
             held[key] = same.setdefault(tuple(map(id, shards)), tuple(shards))
         holdings.append(RankHolding(rank, coords, stages, held[key]))
     return tuple(holdings)
@@ -146,7 +161,7 @@ class _Pieces:
 
 
 def _params(module: nn.Module, dims: ParallelDims, blocks: tuple[str, ...], tp_entries: Mapping[str, object],
-            experts: set[str], precision: str | None, copies: set[str], expert_tp: set[str] | frozenset[str]
+            experts: Mapping[str, int], precision: str | None, copies: set[str], expert_tp: set[str] | frozenset[str]
             ) -> list[_Param]:
     """Every parameter once, and under pp a tied weight's copy on the last stage too (``copies``: its names)."""
     modules = dict(module.named_modules())
@@ -161,9 +176,11 @@ def _params(module: nn.Module, dims: ParallelDims, blocks: tuple[str, ...], tp_e
         split = tp_split(owner, name.rsplit(".", 1)[-1], tp_entries.get(parent_name(name))) if dims.tp > 1 else None
         if parent_name(name) in expert_tp:  # gate_up_proj [E, 2I, H] part by part on dim 1, down_proj [E, H, I] on 2
             split = (1, 2) if name.endswith("gate_up_proj") else (2, 1)
-        expert = parent_name(name) in experts and dims.ep > 1
+        listed = _listed(parent_name(name), experts) if dims.ep > 1 else None
+        expert = (parent_name(name) in experts or listed is not None) and dims.ep > 1
+        ep_rank = listed[0] * dims.ep // listed[1] if listed is not None else None
         placement = [f"tp:{'StridedShard' if split[1] > 1 else 'Shard'}({split[0]})"] if split else []
-        placement += ["ep:Shard(0)"] if expert else []
+        placement += [f"ep:on rank {ep_rank}" if listed is not None else "ep:Shard(0)"] if expert else []
         fsdp = None
         if fsdp_on and not (expert and dims.expert_dp == 1):
             dim = 1 if split is not None and split[1] > 1 and split[0] == 0 and param.ndim > 1 else 0
@@ -173,8 +190,9 @@ def _params(module: nn.Module, dims: ParallelDims, blocks: tuple[str, ...], tp_e
         dtype = dtype_override if dtype_override is not None and param.is_floating_point() else param.dtype
         params.append(_Param(name, kind_of(name, owner, blocks, experts), tuple(param.shape),
                              str(dtype).removeprefix("torch."), dtype.itemsize, split,
-                             expert, fsdp, " ".join(placement) or "replicated",
-                             ("tp",) * (split is not None) + ("ep",) * expert + ((fsdp[0],) if fsdp else ())))
+                             expert, ep_rank, fsdp, " ".join(placement) or "replicated",
+                             ("tp",) * (split is not None) + ("ep",) * (expert and listed is None)
+                             + ((fsdp[0],) if fsdp else ())))
     return params
 
 
@@ -184,7 +202,7 @@ def _local_shapes(param: _Param, index: dict[str, int], sizes: dict[str, int]) -
     shape = list(param.shape)
     if param.tp is not None:
         shape[param.tp[0]] = chunk_length(shape[param.tp[0]], sizes["tp"], index["tp"])
-    if param.expert:
+    if param.expert and param.ep_rank is None:
         shape[0] = chunk_length(shape[0], sizes["ep"], index["ep"])
     padded = list(shape)
     if param.fsdp is not None and shape:

@@ -19,6 +19,7 @@ from lightning_nd.layout.record import ExpertsPlacement, Layout, Technique, TPEn
 from lightning_nd.layout.validate import check_config, check_model, warn
 from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.mesh.roles import role_groups, role_names
+from lightning_nd.model.expert_lists import expert_lists
 from lightning_nd.model.structure import ModelFacts, find_blocks, is_experts, read_model_facts, unsupported_experts
 from lightning_nd.pipeline_parallel.schedules import ZERO_BUBBLE
 from lightning_nd.pipeline_parallel.split import StagePlan, pipeline_model, split_stages, stage_ranks, used_twice
@@ -83,7 +84,8 @@ def plan_layout(
         roles={role: role_groups(dims, role) for role in role_names(dims)},
         techniques=_techniques(module, dims, options, blocks, plan, pipeline, experts, positions, expert_tp),
         ranks=rank_holdings(module, dims, blocks=block_names, tp_entries=tp_entries, pipeline=pipeline,
-                            experts={e.module for e in experts}, precision=precision, expert_tp=set(expert_tp)),
+                            experts={e.module: e.num_experts for e in experts}, precision=precision,
+                            expert_tp=set(expert_tp)),
         warnings=tuple(notes),
     )
 
@@ -135,11 +137,14 @@ def _plan_stages(module: nn.Module, blocks: list[tuple[str, nn.Module]], dims: P
 
 
 def _experts(module: nn.Module, dims: ParallelDims) -> tuple[ExpertsPlacement, ...]:
+    """Stacked experts modules and lists of experts (`lightning_nd.model.expert_lists`), in module order."""
     if dims.ep == 1:
         return ()
-    return tuple(ExpertsPlacement(name, m.gate_up_proj.shape[0], m.gate_up_proj.shape[0] // dims.ep,
-                                  "expert_dp" if dims.expert_dp > 1 else None)
-                 for name, m in module.named_modules() if name and is_experts(m))
+    lists = {found.name: found.count for found in expert_lists(module)}
+    counts = {name: m.gate_up_proj.shape[0] if is_experts(m) else lists.get(name)
+              for name, m in module.named_modules() if name}
+    return tuple(ExpertsPlacement(name, count, count // dims.ep, "expert_dp" if dims.expert_dp > 1 else None)
+                 for name, count in counts.items() if count)
 
 
 def _expert_tp(module: nn.Module, dims: ParallelDims, config: ParallelConfig, notes: list[str]) -> tuple[str, ...]:

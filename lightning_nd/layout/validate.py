@@ -12,6 +12,7 @@ from torch import nn
 from lightning_nd.layout.options import ParallelConfig, block_class_list
 from lightning_nd.mesh.dims import ParallelDims, divisors
 from lightning_nd.model.batch import sequence_length
+from lightning_nd.model.expert_lists import expert_lists
 from lightning_nd.model.structure import ModelFacts, is_experts, unsupported_experts
 from lightning_nd.pipeline_parallel.schedules import check_schedule
 
@@ -157,7 +158,7 @@ def _check_batch_statistics(module: nn.Module, dims: ParallelDims, config: Paral
 def _check_experts_under_sequence_parallel(module: nn.Module, tp: int) -> None:
     """Sequence parallelism hands each MoE layer a sequence-sharded DTensor, which routers do not take (measured on
     Qwen3-MoE, Mixtral and DeepSeek-V2 at tp=2: "mixed torch.Tensor and DTensor" at the router)."""
-    experts = [name for name, m in module.named_modules() if is_experts(m)]
+    experts = [name for name, m in module.named_modules() if is_experts(m)] + [e.name for e in expert_lists(module)]
     if experts:
         raise ValueError(f"`NDParallel(tp={tp}, sequence_parallel=True)`: the MoE layer of experts `{experts[0]}` would"
                          " receive sequence-sharded activations, which routing does not take in this release."
@@ -171,10 +172,11 @@ def _check_experts(module: nn.Module, ep: int) -> None:
             raise ValueError(f"`NDParallel(ep={ep})`: experts module `{name}` has parameters expert parallelism does"
                              f" not carry ({', '.join(extra)}): only stacked `gate_up_proj`/`down_proj` SwiGLU experts"
                              " are supported. HINT: use ep=1 for this model.")
-    counts = {m.gate_up_proj.shape[0] for _, m in experts}
+    counts = {m.gate_up_proj.shape[0] for _, m in experts} | {e.count for e in expert_lists(module)}
     if not counts:
         raise ValueError(f"`NDParallel(ep={ep})` found no experts module (stacked `gate_up_proj`/`down_proj` weights,"
-                         " as `lightning_nd.nn.moe.MoE` and Hugging Face MoE models have). HINT: use ep=1.")
+                         " as `lightning_nd.nn.moe.MoE` and Hugging Face MoE models have, or a `ModuleList` of"
+                         " identical MLPs beside the gate that scores them). HINT: use ep=1.")
     for count in sorted(counts):
         if count % ep:
             raise ValueError(f"`NDParallel(ep={ep})` does not divide an experts module's {count} experts."

@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_nd.context_parallel.region import attach_position_hooks
 from lightning_nd.expert_parallel.dispatch import apply_ep, expert_modules, expert_parameters
+from lightning_nd.expert_parallel.lists import entries_held_here
 from lightning_nd.layout.record import Layout, Technique
 from lightning_nd.mesh.build import NDMesh
 from lightning_nd.model.structure import get_submodule
@@ -104,8 +105,8 @@ def _apply(
     names, block_modules = [name for name, _ in blocks], [block for _, block in blocks]
     done = (lambda technique: None) if quiet else (lambda technique: _done(report, technique))  # noqa: E731
     if tp_entries is not None and "tensor_parallel" in steps:
-        apply_tp(module, mesh["tp"], tp_entries, sequence_parallel=options.sequence_parallel,
-                 loss_parallel=options.loss_parallel, block_names=names)
+        apply_tp(module, mesh["tp"], entries_held_here(module, tp_entries),
+                 sequence_parallel=options.sequence_parallel, loss_parallel=options.loss_parallel, block_names=names)
         done(steps["tensor_parallel"])
     if "activation_checkpointing" in steps:
         _disable_kv_cache(module)

@@ -19,17 +19,21 @@ from torch.distributed.tensor import DTensor
 
 PIPELINE_COPY = "pipeline_copy_of"
 """Set on the last stage's copy of a tied weight: the name of the weight it copies."""
+HELD_BY_ONE_EP_RANK_OF = "held_by_one_ep_rank_of"
+"""Set on a parameter of an expert kept in a list (`lightning_nd.expert_parallel.lists`): the ep size. One rank of each
+ep group holds it and the others hold other experts, which its gradient's placements do not say."""
 
 
-def _copies(grad: torch.Tensor, world_size: int) -> int:
-    """How many ranks hold the same values as this rank's local piece of ``grad``."""
+def _copies(param: torch.Tensor, world_size: int) -> int:
+    """How many ranks hold the same values as this rank's local piece of ``param``'s gradient."""
+    grad, ep = param.grad, getattr(param, HELD_BY_ONE_EP_RANK_OF, 1)
     if not isinstance(grad, DTensor):
-        return world_size
+        return world_size // ep
     # Anything neither replicated nor partial splits the tensor (Shard, and FSDP x TP's _StridedShard).
     shards = math.prod(
         grad.device_mesh.size(d) for d, p in enumerate(grad.placements) if not (p.is_replicate() or p.is_partial())
     )
-    return world_size // shards
+    return world_size // shards // ep
 
 
 def align_grads_to_params(parameters: Iterable[torch.Tensor]) -> None:
@@ -60,7 +64,8 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
     stages every parameter lives on the ranks of one stage only: 1/pp of the world (a tied weight's copy on
     the last stage is left out).
     """
-    grads = [p.grad for p in parameters if p.grad is not None and not hasattr(p, PIPELINE_COPY)]
+    params = [p for p in parameters if p.grad is not None and not hasattr(p, PIPELINE_COPY)]
+    grads = [p.grad for p in params]
     norm_type = float(norm_type)
     distributed = dist.is_initialized()
     world_size = (dist.get_world_size() if distributed else 1) // pp
@@ -73,10 +78,10 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
         return total
     total = torch.zeros((), device=device, dtype=torch.float32)
-    for grad, local in zip(grads, locals_):
+    for param, local in zip(params, locals_):
         if local.numel():
             power_sum = torch.linalg.vector_norm(local.detach(), norm_type, dtype=torch.float32).pow(norm_type)
-            total += power_sum.to(device) / _copies(grad, world_size)
+            total += power_sum.to(device) / _copies(param, world_size)
     if distributed:
         dist.all_reduce(total)
     return total.pow(1.0 / norm_type)

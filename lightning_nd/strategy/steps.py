@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_nd.context_parallel.region import context_parallel_region
 from lightning_nd.context_parallel.sharding import every_shard_positions, shard_batch
+from lightning_nd.expert_parallel.lists import mark_expert_shares
 from lightning_nd.layout.options import ParallelConfig
 from lightning_nd.layout.record import Layout
 from lightning_nd.layout.validate import check_sequence_lengths
@@ -54,13 +55,15 @@ class Steps:
     def model_ready(self, model: nn.Module, report: ParallelizeReport | None, layout: Layout | None,
                     precision: Precision, device: torch.device) -> None:
         """After the composer: the pipeline engine of this rank's stages (kept when the model is the same), the MoE
-        layers whose loss-free bias moves after each step, and gradient clipping over the mesh's shards."""
+        layers whose loss-free bias moves after each step, and gradient clipping over the mesh's shards (listed experts'
+        parameters marked for it)."""
         assert self._mesh is not None
         dims, mesh = self._mesh
         if report is not None and report.stages and layout is not None and (
                 self.pipeline is None or self.pipeline.report is not report):
             self.pipeline = PipelineEngine(report, layout, mesh, precision, device, self.events.report("pp"))
         self._balanced = [layer for layer in moe_layers(model) if layer.bias_update_rate]
+        mark_expert_shares(model)
 
         def clip_grad_by_norm(optimizer: Optimizer, clip_val: int | float) -> None:
             with self.events.collective("clip_grad_norm", "world"):

@@ -142,6 +142,28 @@ def test_llama4s_router_is_counted_from_its_scores():
         assert counts == chosen[router.name].sum(0).tolist() and tokens == 16
 
 
+@pytest.mark.parametrize("key", ["mixtral", "shared_grouped_moe"])
+def test_litgpts_blocks_are_counted_through_their_configs_top_k(key):
+    # `LLaMAMoE` takes the top-k of its gate linear's logits; `GroupedTopkRouter` returns its indices
+    pytest.importorskip("litgpt")
+    from tests.distributed.litgpt_models import build_litgpt
+
+    model = build_litgpt(key).train()
+    routers = find_routers(model)
+    grouped = key == "shared_grouped_moe"
+    assert [(r.name, r.experts, r.top_k) for r in routers] == [
+        (f"transformer.h.{i}.mlp{'.gate' if grouped else ''}", 4, 2) for i in range(1 if grouped else 0, 4)]
+    attach(routers)
+    chosen: dict[str, torch.Tensor] = {}
+    for router in routers:
+        gate = router.module if grouped else router.module.gate
+        gate.register_forward_hook(lambda m, a, out, n=router.name: chosen.__setitem__(
+            n, out[1] if grouped else out.topk(2, dim=-1).indices))
+    model(torch.randint(0, 100, (2, 8)))
+    for router in routers:
+        assert router.take() == (_truth([chosen[router.name]], 4), 16, 0) and router.unreadable is None
+
+
 def test_names_are_the_whole_models():
     assert whole_name("model.stages.1.module.layers.3._checkpoint_wrapped_module.mlp.gate", "model") == (
         "model.layers.3.mlp.gate")

@@ -1,9 +1,10 @@
 """Expert parallelism matches one process.
 
 Layer: an MoE layer under ep=2 and ep=4 (4 ranks) equals the same layer on one process fed all ranks'
-tokens, and with each expert split over tp=2 (expert tensor parallelism) the same layer fed the same tokens, through
-3 SGD steps (parameters after them too): outputs, input/expert/router/shared-expert gradients, tokens per expert, the dropped assignments
-under a capacity limit (the same ones), and the load-balancing loss (mean over ranks).
+tokens (also a hand-written block whose experts are a `ModuleList` of MLPs, each rank holding only its experts), and
+with each expert split over tp=2 (expert tensor parallelism) the same layer fed the same tokens, through 3 SGD steps
+(parameters after them too): outputs, input/expert/router/shared-expert gradients, tokens per expert, the dropped
+assignments under a capacity limit (the same ones), and the load-balancing loss (mean over ranks).
 Training: loss per step, gradients and parameters after 5 AdamW steps through `Trainer`, for an MoE Llama
 (8 experts, top-2) under ep=2 x dp_shard=2 (also with clipping, and with full activation checkpointing),
 ep=4, ep=2 x tp=2 (dense layers split), ep=2 x pp=2, ep=2 x dp_shard=4 with gradient accumulation and
@@ -31,9 +32,11 @@ def per_rank(tmp_path_factory):
 
 def test_expert_parallel_layer_matches_one_process(per_rank):
     # ep 2 and 4, and experts split over tp=2 (3 SGD steps), x dropless/capacity x top-1/top-2 x fp64/fp32
-    assert len(per_rank[0]) == 24 and sum(key.startswith("etp2") for key in per_rank[0]) == 8
+    assert len(per_rank[0]) == 32 and sum(key.startswith("etp2") for key in per_rank[0]) == 8
     for rank, cases in enumerate(per_rank):
         for case, result in cases.items():
+            if case.startswith("list"):
+                continue
             tolerance = TOLERANCE[case.rsplit("-", 1)[1]]
             for quantity, error in result["errors"].items():
                 assert error <= tolerance, f"rank {rank} {case} {quantity}: {error:.2e}"
@@ -41,6 +44,22 @@ def test_expert_parallel_layer_matches_one_process(per_rank):
             assert parallel == reference, f"rank {rank} {case}: tokens per expert {parallel} != {reference}"
             assert result["dropped"][0] == result["dropped"][1], f"rank {rank} {case}: dropped {result['dropped']}"
             assert result["balance"][0] == pytest.approx(result["balance"][1], rel=1e-6)
+
+
+def test_experts_kept_in_a_list_train_under_ep_as_on_one_process(per_rank):
+    # a hand-written block (gate Linear, ModuleList of MLPs called when chosen, shared expert) at ep 2 and 4 x top-1/
+    # top-2 x fp64/fp32: each rank holds its E/ep experts under their own names, and 3 SGD steps match one process
+    for rank, cases in enumerate(per_rank):
+        lists = {case: result for case, result in cases.items() if case.startswith("list")}
+        assert len(lists) == 8
+        for case, result in lists.items():
+            tolerance = TOLERANCE[case.rsplit("-", 1)[1]]
+            for quantity, error in result["errors"].items():
+                assert error <= tolerance, f"rank {rank} {case} {quantity}: {error:.2e}"
+            held, expected = result["held"]
+            assert held == expected, f"rank {rank} {case}: holds experts {held}, not {expected}"
+            numel, share = result["expert_numel"]
+            assert numel == share, f"rank {rank} {case}: {numel} expert parameters, not E/ep's {share}"
 
 
 def test_capacity_really_drops_tokens_in_the_cases(per_rank):
