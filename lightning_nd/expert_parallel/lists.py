@@ -28,7 +28,7 @@ import operator
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from itertools import accumulate
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -204,8 +204,8 @@ def apply_ep_to_lists(model: nn.Module, mesh: DeviceMesh) -> list[str]:
     for experts in found:
         block = model.get_submodule(experts.block)
         child = experts.name.rpartition(".")[2]
-        setattr(block, child, ListedExperts(block._modules[child], mesh, experts.hidden, experts.name))
-        block.expert_list_child = child
+        setattr(block, child, ListedExperts(cast(nn.ModuleList, block._modules[child]), mesh, experts.hidden, experts.name))
+        setattr(block, "expert_list_child", child)
         block.__class__ = _two_pass_class(type(block))
     return [experts.name for experts in found]
 

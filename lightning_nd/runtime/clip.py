@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ def global_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0,
     the last stage is left out).
     """
     params = [p for p in parameters if p.grad is not None and not hasattr(p, PIPELINE_COPY)]
-    grads = [p.grad for p in params]
+    grads = [cast(torch.Tensor, p.grad) for p in params]
     norm_type = float(norm_type)
     distributed = dist.is_initialized()
     world_size = (dist.get_world_size() if distributed else 1) // pp

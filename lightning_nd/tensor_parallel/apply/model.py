@@ -70,12 +70,12 @@ def apply_tp(
         shared = parent_name(name) not in block_names
         sp = sequence_parallel and parent_name(name) not in plain
         rope = (rope_dim(model, name) or 0) if style == "mla_kv_a_proj" else 0
-        heads = head_layout(get_submodule(model, parent_name(name))) if style_has(style, by_heads=True) else None
+        layout = head_layout(get_submodule(model, parent_name(name))) if style_has(style, by_heads=True) else None
         parallel_style = (
             style if isinstance(style, ParallelStyle)
             else ChannelMixer([child for child, _ in get_submodule(model, name).named_children()
                                if entries.get(f"{name}.{child}") == "channel_params"]) if style == "channel_mixer"
-            else style_for(cast(str, style), sp, loss_parallel, shared, rope, heads)
+            else style_for(cast(str, style), sp, loss_parallel, shared, rope, layout)
         )
         parallelize_module(get_submodule(model, name), tp_mesh, parallel_style)
     tp_rank = tp_mesh.get_local_rank()

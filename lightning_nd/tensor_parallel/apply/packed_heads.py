@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 from functools import partial
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -75,7 +76,7 @@ class PackedHeadsRowwise(Conv1DRowwiseParallel):
             module, device_mesh,
             lambda name, mod, mesh: distribute_parameters(mod, mesh,
                                                           lambda param: placement if param == "weight" else Replicate()),
-            partial(_strided_heads_input, self.per_group),
+            cast(Any, partial(_strided_heads_input, self.per_group)),
             partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
         )
 

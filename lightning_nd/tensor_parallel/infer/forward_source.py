@@ -70,7 +70,7 @@ _SPLITS: dict[tuple[type, str], bool] = {}
 
 def _splits_in_three(cls: type, layer: str) -> bool:
     try:
-        function = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
+        function = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, "forward")))).body[0]
     except (OSError, TypeError):
         return False
     outputs = {target.id for node in ast.walk(function) if isinstance(node, ast.Assign) and _calls(node.value, layer)

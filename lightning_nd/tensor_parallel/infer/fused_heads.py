@@ -136,7 +136,7 @@ def _without_fused_heads(model: nn.Module, entries: Mapping[str, object]) -> dic
     blocks = find_blocks(model)
     first = blocks[0][0] if blocks else ""
     split = {parent_name(name) for name, style in entries.items() if style_has(style, by_heads=True)}
-    plan = {}
+    plan: dict[str, object] = {}
     for name, style in entries.items():
         in_block = any(name.startswith(block + ".") for block, _ in blocks)
         if isinstance(style, str) and parent_name(name) not in split and (not in_block or name.startswith(first + ".")):
@@ -147,7 +147,7 @@ def _without_fused_heads(model: nn.Module, entries: Mapping[str, object]) -> dic
 def norms_over_all_heads(model: nn.Module, entries: Mapping[str, object]) -> dict[str, str]:
     """Norms beside a ``packed_heads`` layer over all heads' queries or keys (OLMo 2's ``norm_q`` of
     ``n_head * head_size``): each tp rank would normalize its own heads only. Module -> that norm."""
-    found = {}
+    found: dict[str, str] = {}
     for name, style in entries.items():
         parent = parent_name(name)
         layout = head_layout(get_submodule(model, parent)) if style == "packed_heads" else None
