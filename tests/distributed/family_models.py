@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
 
-from tests.distributed.litgpt_models import PREFIX, LitGPTLM, build_litgpt
+from tests.distributed.litgpt_models import PREFIX, build_litgpt
 from tests.models import VOCAB
 
 COMMON = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -114,6 +114,14 @@ class FamilyLM(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class LitGPTLM(FamilyLM):
+    """What a LitGPT user writes: the model called on the tokens (it returns the logits)."""
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.model(batch["tokens"])
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
 
 
 def family_module(name: str, lr: float = 0.05) -> LightningModule:

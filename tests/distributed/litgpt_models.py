@@ -1,6 +1,6 @@
-"""Tiny LitGPT models (`litgpt.model.GPT`, one plain `nn.Module` per config), each in the LightningModule a LitGPT
-user writes (`self.model(idx)`), for the family parity launch (tests/distributed/test_families.py) and the LitGPT
-tests. One instance per distinct combination of attention, MLP and norm classes in `litgpt.config.configs`, the
+"""Tiny LitGPT models (`litgpt.model.GPT`, one plain `nn.Module` per config), each trained in the LightningModule a
+LitGPT user writes (`self.model(idx)`: `family_models.LitGPTLM`), for the family parity launch
+(tests/distributed/test_families.py) and the LitGPT tests. One instance per distinct combination of attention, MLP and norm classes in `litgpt.config.configs`, the
 named configs the issue lists, a multi-query one, and two hand-made configs no named config of litgpt 0.5.13 uses:
 shared experts with grouped routing, and latent attention.
 
@@ -15,8 +15,6 @@ from __future__ import annotations
 import importlib.util
 
 import torch
-import torch.nn.functional as F
-from lightning.pytorch import LightningModule
 from torch import nn
 
 from tests.models import VOCAB
@@ -78,23 +76,3 @@ def build_litgpt(key: str, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
         model.apply(model._init_weights)
     return model
-
-
-class LitGPTLM(LightningModule):
-    """What a LitGPT user writes: the model called on the tokens, the logits against labels already aligned."""
-
-    def __init__(self, model: nn.Module, lr: float = 0.05) -> None:
-        super().__init__()
-        self.model, self.lr = model, lr
-
-    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits = self.model(batch["tokens"])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = self.loss(batch)
-        self.log("train_loss", loss, sync_dist=True)
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
