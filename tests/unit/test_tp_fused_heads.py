@@ -123,6 +123,18 @@ class HeadMajorAttention(FusedAttention):
         return self.out(mixed[..., :-2, :].flatten(2))
 
 
+class GroupedSplitAttention(FusedAttention):
+    """LitGPT 0.4's layout: the fused output named, then rebound to a view grouped by key/value head, and only then
+    split in three, on the group's dim. Not ``[q; k; v]``: the part by part split would read the wrong rows."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.wqkv(x)
+        per_kv = self.num_heads // self.num_key_value_heads
+        qkv = qkv.view(*x.shape[:2], self.num_key_value_heads, per_kv + 2, self.head_dim)
+        query, _key, _value = qkv.split((per_kv, 1, 1), dim=3)
+        return self.out(query.flatten(2))
+
+
 class Stack(nn.Module):
     """Blocks of the attention above and an MLP of known names."""
 
@@ -138,6 +150,8 @@ def test_a_fused_layer_is_split_only_where_the_forward_splits_it_in_three(head_m
     model = Stack(head_major)
     attention = model.layers[0]["attention"]
     assert splits_in_three(attention, "wqkv") is not head_major
+    assert not splits_in_three(GroupedSplitAttention(), "wqkv")
+    assert GroupedSplitAttention()(torch.randn(2, 3, 32)).shape == (2, 3, 32)
     assert head_layout(attention).attrs == ("num_heads", "num_key_value_heads")
     entries = _plan(model).entries
     split = {"layers.1.attention.wqkv": "packed_heads", "layers.1.attention.out": "rowwise_packed_heads"}

@@ -73,17 +73,28 @@ def _splits_in_three(cls: type, layer: str) -> bool:
         function = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, "forward")))).body[0]
     except (OSError, TypeError):
         return False
-    outputs = {target.id for node in ast.walk(function) if isinstance(node, ast.Assign) and _calls(node.value, layer)
-               for target in node.targets if isinstance(target, ast.Name)}
+    assigned = [(target.id, node.value) for node in ast.walk(function) if isinstance(node, ast.Assign)
+                for target in node.targets if isinstance(target, ast.Name)]
+    # A name bound to the layer's output and never rebound: ``qkv = qkv.view(..., groups, q_per_kv + 2, ...)`` first
+    # (LitGPT 0.4's layout, grouped by key/value head) is not ``[q; k; v]``.
+    outputs = {name for name, value in assigned if _calls(value, layer)}
+    outputs = {name for name in outputs if sum(bound == name for bound, _ in assigned) == 1}
     for node in ast.walk(function):
         if not (isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Tuple)
                 and len(node.targets[0].elts) == 3 and isinstance(node.value, ast.Call)):
             continue
         split = node.value.func
-        if isinstance(split, ast.Attribute) and split.attr == "split" and (
+        if isinstance(split, ast.Attribute) and split.attr == "split" and _on_last_dim(node.value) and (
                 _calls(split.value, layer) or isinstance(split.value, ast.Name) and split.value.id in outputs):
             return True
     return False
+
+
+def _on_last_dim(call: ast.Call) -> bool:
+    """``.split(sizes, dim=-1)`` (or ``-1`` as the second argument): the fused output's features, not another dim."""
+    dims = [keyword.value for keyword in call.keywords if keyword.arg == "dim"] + call.args[1:2]
+    return len(dims) == 1 and isinstance(dims[0], ast.UnaryOp) and isinstance(dims[0].op, ast.USub) and isinstance(
+        dims[0].operand, ast.Constant) and dims[0].operand.value == 1
 
 
 def _calls(value: ast.expr, layer: str) -> bool:
