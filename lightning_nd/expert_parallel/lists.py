@@ -109,11 +109,13 @@ class ListedExperts(nn.Module):
         self._mode, self._calls = "routing", []
         cuda = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
         try:
-            with torch.random.fork_rng(devices=cuda), trial_forward():
-                yield
+            with torch.random.fork_rng(devices=cuda):  # restored after the experts ran too: their dropout draws as well
+                with trial_forward():
+                    yield
+                self._mode = None
+                self._answers = self._dispatch()
         finally:
             self._mode = None
-        self._answers = self._dispatch()
 
     @contextmanager
     def answering(self) -> Iterator[None]:

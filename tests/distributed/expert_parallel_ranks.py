@@ -135,6 +135,43 @@ class ListMoE(nn.Module):
         return out
 
 
+class _DroppingMLP(_MLP):
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return F.dropout(super().forward(rows), 0.5)
+
+
+class NoisyListMoE(ListMoE):
+    """Routing that draws (jitter on the gate's input) and experts that draw (dropout inside each expert, which ep
+    runs between the two passes): both passes must start from one random state, or the second routes differently
+    and is refused."""
+
+    def __init__(self) -> None:
+        super().__init__(top_k=2)
+        self.experts = nn.ModuleList(_DroppingMLP(HIDDEN, INNER) for _ in range(EXPERTS))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        noisy = hidden * (1 + 0.5 * torch.rand_like(hidden))
+        weights, index = self.gate(noisy).softmax(-1).topk(self.top_k, dim=-1)
+        out = self.shared(hidden)
+        for expert in index.unique().tolist():
+            token, slot = torch.where(index == expert)
+            out = out.index_add(0, token, self.experts[expert](hidden[token]) * weights[token, slot, None])
+        return out
+
+
+def _noisy_list_case(mesh) -> str:
+    """Two steps of `NoisyListMoE` under ep: "ok", or the refusal its second pass raised."""
+    torch.manual_seed(dist.get_rank())
+    model = NoisyListMoE()
+    apply_ep(model, mesh)
+    try:
+        for _ in range(2):
+            model(torch.randn(TOKENS, HIDDEN)).sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "ok"
+
+
 def _list_case(mesh, top_k: int, dtype: torch.dtype, steps: int = 3) -> dict:
     """`ListMoE` under ep: this rank holds its E/ep experts, under their own names; 3 SGD steps."""
     group = mesh.get_group()
@@ -196,6 +233,7 @@ def run_all() -> dict:
         for top_k in (1, 2):
             for dtype in (torch.float64, torch.float32):
                 results[f"list-ep{ep}-top{top_k}-{str(dtype)[6:]}"] = _list_case(group, top_k, dtype)
+        results[f"noisy-ep{ep}"] = _noisy_list_case(group)
     tp_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("outer", "tp"))["tp"]
     for capacity_factor in (None, 1.0):
         for top_k in (1, 2):

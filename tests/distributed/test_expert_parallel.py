@@ -32,10 +32,10 @@ def per_rank(tmp_path_factory):
 
 def test_expert_parallel_layer_matches_one_process(per_rank):
     # ep 2 and 4, and experts split over tp=2 (3 SGD steps), x dropless/capacity x top-1/top-2 x fp64/fp32
-    assert len(per_rank[0]) == 32 and sum(key.startswith("etp2") for key in per_rank[0]) == 8
+    assert len(per_rank[0]) == 34 and sum(key.startswith("etp2") for key in per_rank[0]) == 8
     for rank, cases in enumerate(per_rank):
         for case, result in cases.items():
-            if case.startswith("list"):
+            if case.startswith(("list", "noisy")):
                 continue
             tolerance = TOLERANCE[case.rsplit("-", 1)[1]]
             for quantity, error in result["errors"].items():
@@ -60,6 +60,12 @@ def test_experts_kept_in_a_list_train_under_ep_as_on_one_process(per_rank):
             assert held == expected, f"rank {rank} {case}: holds experts {held}, not {expected}"
             numel, share = result["expert_numel"]
             assert numel == share, f"rank {rank} {case}: {numel} expert parameters, not E/ep's {share}"
+
+
+def test_listed_experts_that_draw_random_numbers_route_alike_in_both_passes(per_rank):
+    # jitter in the routing and dropout in the experts: the second pass starts from the first one's random state
+    for rank, cases in enumerate(per_rank):
+        assert {case: cases[case] for case in ("noisy-ep2", "noisy-ep4")} == {"noisy-ep2": "ok", "noisy-ep4": "ok"}, rank
 
 
 def test_capacity_really_drops_tokens_in_the_cases(per_rank):
