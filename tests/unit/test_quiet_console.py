@@ -8,6 +8,7 @@ import warnings
 
 from lightning.fabric.plugins.environments import slurm
 from lightning.pytorch.utilities._pytree import _tree_flatten
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 from lightning_nd.strategy.quiet import silence_internal_warnings
 
@@ -15,6 +16,7 @@ from lightning_nd.strategy.quiet import silence_internal_warnings
 def test_lightnings_internal_warnings_are_silenced_and_the_same_words_elsewhere_are_not(monkeypatch):
     monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")  # srun installed, not used
     monkeypatch.delenv("SLURM_NTASKS", raising=False)  # not in a task srun started
+    monkeypatch.setattr(rank_zero_only, "rank", 0)  # Lightning says it on rank 0; an earlier test may have set another
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         _tree_flatten([1, 2])  # CombinedLoader's flattening of a dataloader: `LeafSpec()`
