@@ -25,7 +25,8 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "artifacts" / "troubleshooting
 CATEGORIES = ("collectives", "communication", "memory", "step", "throughput")
 WARNING_LINE = re.compile(
     r"^\S+\.py:\d+: "  # Python's warnings: `path:line: Category: message`, or `path:line: message` as Lightning prints
-    r"|^(\[rank\d+\]:)?W\d{4} ")  # torch's logged warnings: `[rank0]:W1206 05:28:48.668 pid path:line] message`
+    r"|^(\[rank\d+\]:)?\[?W\d{4} "  # torch's: `[rank0]:W1206 05:28:48.668 pid path:line] ...`, C++ `[W1206 ...`
+    r"|^(\[[^\]]*\]\[)?\S*\]?\[?WARNING\]? ?[-:]")  # Python logging: `WARNING:name:...`, Hydra's `[...][name][WARNING] -`
 
 
 class MainJob(NamedTuple):
