@@ -10,7 +10,8 @@ own init entry points. `InitRecorder`, entered around the build, records:
 - every in-place write to a parameter or buffer after its module was constructed, outside that module's
   ``reset_parameters`` (``nn.init.*``, ``normal_``, ``zero_``, ``copy_``...), and whether an entry point made it;
 - every parameter or buffer registered on a module after the module was constructed (a tie to an existing tensor
-  is not one), and which module created each tensor (a shared tensor takes its creator's ``reset_parameters``).
+  is not one), and which module created each tensor (a shared tensor takes its creator's ``reset_parameters``);
+- the tensors made as constants and only filled with constants since (`init_constants.py`), with their values.
 
 `resolve` turns this into a `ModelInit` (`model_init.py`) of names and paths, valid for any copy of the model.
 """
@@ -32,6 +33,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
+from lightning_nd.runtime.init_constants import UNKNOWN, made_constant, refilled
 from lightning_nd.runtime.model_init import (
     ENTRY_METHODS,
     InitCall,
@@ -56,12 +58,13 @@ class InitRecorder:
         self._writes: list[tuple[int, frozenset[int], str | None, str]] = []  # see `_written`
         self._alive: list[object] = []  # what the ids and storage keys above name, kept alive so they stay unique
         self._swapped: list[tuple[int, str]] = []  # tensor id, where
+        self._constants: dict[int, bool | int | float] = {}  # storage key -> the one value it holds
         self._undo: list[Callable[[], None]] = []
 
     def __enter__(self) -> InitRecorder:
         hooks = [register_module_parameter_registration_hook(self._registered),
                  register_module_buffer_registration_hook(self._registered)]
-        mode = Writes(self._written)
+        mode = Writes(self._written, self._result)
         mode.__enter__()
         previous = sys.getprofile()
         sys.setprofile(self._profile(previous))
@@ -101,6 +104,16 @@ class InitRecorder:
         storage = tensor.untyped_storage()
         self._alive.append(storage)
         self._writes.append((storage._cdata, frozenset(building), entry, _where(start)))
+        self._constants.pop(storage._cdata, None)  # any write; `_result` gives the value back to a constant fill
+
+    def _result(self, func: Any, args: tuple, result: Any) -> None:
+        value, tensor = made_constant(func, args), result
+        if value is UNKNOWN:
+            value, tensor = refilled(func, args), args[0] if args else None
+        if value is not UNKNOWN and isinstance(tensor, torch.Tensor):
+            storage = tensor.untyped_storage()
+            self._alive.append(storage)
+            self._constants[storage._cdata] = value
 
     def _profile(self, previous: Any) -> Callable[[FrameType, str, Any], Any]:
         def profile(frame: FrameType, event: str, arg: Any) -> Any:
@@ -153,7 +166,8 @@ class InitRecorder:
         first: dict[str, Lost] = {}
         for item in lost:
             first.setdefault(item.tensor, item)
-        return ModelInit(calls, creators, covered, tuple(first.values()))
+        constants = tuple((names[key], value) for key, value in self._constants.items() if key in names)
+        return ModelInit(calls, creators, covered, tuple(first.values()), constants)
 
 
 def _call(record: tuple[nn.Module, str, tuple, tuple], paths: dict[int, str]) -> InitCall | None:

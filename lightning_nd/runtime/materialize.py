@@ -1,8 +1,8 @@
 """Turn a sharded meta-device model into real tensors, each rank allocating only its own shards, as the model plain
 construction gives.
 
-``to_empty`` allocates the local shards, keeping every tie (`ties.py`); every module's ``reset_parameters()`` fills
-them, a tensor shared by several modules by the module that created it; then the model's own init entry points run
+``to_empty`` allocates the local shards, keeping every tie (`ties.py`); the tensors construction made as constants
+get their values (`init_constants.py`); every module's ``reset_parameters()`` fills them, a tensor shared by several modules by the module that created it; then the model's own init entry points run
 again (`model_init.py`, recorded while the model was built: `init_record.py`). Every draw is seeded per shard
 (`shard_seeds.py`), so shards differ and replicas agree on CPU meshes too.
 """
@@ -40,6 +40,7 @@ def materialize(module: nn.Module, device: torch.device, seed: int = 0, init: Mo
     name_of = original_name or (lambda name: name)
     check_initialisable(module, init, name_of)
     to_empty_keeping_ties(module, device)
+    _fill_constants(module, dict(init.constants), name_of)
     initialisers = _initialisers(module, dict(init.creators), name_of)
     cuda_devices = [device.index or 0] if device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices), warnings.catch_warnings():
@@ -55,6 +56,15 @@ def materialize(module: nn.Module, device: torch.device, seed: int = 0, init: Mo
                 if id(tensor) in others:
                     local(tensor).copy_(others[id(tensor)])
         replay(module, init.calls, seed, device, name_of)
+
+
+@torch.no_grad()
+def _fill_constants(module: nn.Module, constants: dict[str, bool | int | float], name_of: Callable[[str], str]) -> None:
+    """The tensors construction made as constants get their values back; a ``reset_parameters()`` or an init entry
+    point that initialises one runs after, as in plain construction."""
+    for name, _, tensor in tensor_slots(module):
+        if name_of(name) in constants:
+            local(tensor).fill_(constants[name_of(name)])
 
 
 def _initialisers(module: nn.Module, creators: dict[str, str], name_of: Callable[[str], str]) -> dict[int, nn.Module]:

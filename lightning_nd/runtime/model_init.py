@@ -65,16 +65,18 @@ class Lost:
 class ModelInit:
     """What materialising must do besides every module's ``reset_parameters()``: the entry points to replay, in
     order; the module that created each tensor shared by several (its ``reset_parameters()`` initialises it); the
-    tensors the entry points initialise; and the initialisations nothing replays (the run is refused)."""
+    tensors the entry points initialise; the initialisations nothing replays (the run is refused); and the tensors
+    made as constants, with their values (`init_constants.py`; filled before any ``reset_parameters()``)."""
 
     calls: tuple[InitCall, ...] = ()
     creators: tuple[tuple[str, str], ...] = ()
     covered: frozenset[str] = frozenset()
     lost: tuple[Lost, ...] = ()
+    constants: tuple[tuple[str, bool | int | float], ...] = ()
 
     def __add__(self, other: ModelInit) -> ModelInit:
         return ModelInit(self.calls + other.calls, self.creators + other.creators, self.covered | other.covered,
-                         self.lost + other.lost)
+                         self.lost + other.lost, self.constants + other.constants)
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -100,17 +102,22 @@ def written_tensors(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 
 class Writes(TorchDispatchMode):
-    """Hands every tensor an operation writes in place to ``on_write``."""
+    """Hands every tensor an operation writes in place to ``on_write`` (before it runs), and every operation with
+    its result to ``on_result`` (after)."""
 
-    def __init__(self, on_write: Callable[[torch.Tensor], None]) -> None:
+    def __init__(self, on_write: Callable[[torch.Tensor], None],
+                 on_result: Callable[[Any, tuple, Any], None] | None = None) -> None:
         super().__init__()
-        self.on_write = on_write
+        self.on_write, self.on_result = on_write, on_result
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         for tensor in written_tensors(func, args, kwargs):
             self.on_write(tensor)
-        return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        if self.on_result is not None:
+            self.on_result(func, args, result)
+        return result
 
 
 def run_calls(calls: Sequence[InitCall], modules_at: Callable[[str], Sequence[nn.Module]],

@@ -75,13 +75,15 @@ def own_tensors(module: torch.nn.Module, recurse: bool = True) -> Iterator[torch
 def uninitialisable(module: torch.nn.Module, init: ModelInit | None = None,
                     original_name: Callable[[str], str] | None = None) -> list[str]:
     """Classes of modules that own parameters or buffers a meta-device build could not initialise
-    (no ``reset_parameters()``, no other module that does initialises the same tensor, and the model's own init
-    entry points, ``init.covered`` by the whole model's names, do not either)."""
+    (no ``reset_parameters()``, no other module that does initialises the same tensor, the model's own init
+    entry points, ``init.covered`` by the whole model's names, do not either, and it was not made as a constant)."""
     name_of = original_name or (lambda name: name)
     covered = {
         id(t) for m in module.modules() if callable(getattr(m, "reset_parameters", None)) for t in own_tensors(m, False)
     }
-    covered |= {id(t) for name, _, t in tensor_slots(module) if init is not None and name_of(name) in init.covered}
+    if init is not None:
+        given = init.covered | {name for name, _ in init.constants}
+        covered |= {id(t) for name, _, t in tensor_slots(module) if name_of(name) in given}
     return sorted({
         type(m).__name__ for m in module.modules()
         if not callable(getattr(m, "reset_parameters", None)) and any(id(t) not in covered for t in own_tensors(m, False))

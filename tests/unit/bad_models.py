@@ -158,12 +158,12 @@ norms_tied_in_a_block = lightning_module(tied_norms)
 
 
 class ScaleNorm(nn.Module):
-    """A norm whose parameter has no `reset_parameters()` and no init entry point: a meta-device build leaves it
-    empty."""
+    """A norm whose parameter is drawn in its constructor, with no `reset_parameters()` and no init entry point: a
+    meta-device build cannot draw it again (a constant, `torch.ones(dim)`, would be filled again)."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(dim))
+        self.scale = nn.Parameter(torch.empty(dim).uniform_(0.5, 1.5))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.scale * x / x.norm(dim=-1, keepdim=True)
