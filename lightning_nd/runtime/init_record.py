@@ -6,7 +6,8 @@ own init entry points. `InitRecorder`, entered around the build, records:
 
 - the entry points plain construction ran: the outermost calls of ``init_weights``, ``_init_weights``,
   ``reset_parameters``, ``_reset_parameters`` or ``post_init`` on a module of the model, with their arguments (a
-  module's own ``reset_parameters`` called by its own constructor is not one: every module's is run anyway);
+  module's own ``reset_parameters`` called by its own constructor is not one: every module's is run anyway, also
+  one set on the module object);
 - every in-place write to a parameter or buffer after its module was constructed, outside that module's
   ``reset_parameters`` (``nn.init.*``, ``normal_``, ``zero_``, ``copy_``...), and whether an entry point made it;
 - every parameter or buffer registered on a module after the module was constructed (a tie to an existing tensor
@@ -22,6 +23,7 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -59,6 +61,7 @@ class InitRecorder:
         self._alive: list[object] = []  # what the ids and storage keys above name, kept alive so they stay unique
         self._swapped: list[tuple[int, str]] = []  # tensor id, where
         self._constants: dict[int, bool | int | float] = {}  # storage key -> the one value it holds
+        self._owners: dict[int, nn.Module] = {}  # storage key -> the module that registered it
         self._undo: list[Callable[[], None]] = []
 
     def __enter__(self) -> InitRecorder:
@@ -84,7 +87,9 @@ class InitRecorder:
             return  # a tie to a tensor registered before
         self._alive.append(tensor)
         self._creators[id(tensor)] = module
-        if not _constructing(module, sys._getframe(1)):
+        self._owners.setdefault(storage_key(tensor), module)
+        frame = sys._getframe(1)
+        if not (_constructing(module, frame) or _resetting(module, frame)):
             self._swapped.append((id(tensor), _where(sys._getframe(1))))
 
     def _written(self, tensor: torch.Tensor) -> None:
@@ -102,6 +107,9 @@ class InitRecorder:
                     if method in ENTRY_METHODS:
                         entry = f"{type(module).__name__}.{method}"
         storage = tensor.untyped_storage()
+        owner = self._owners.get(storage._cdata)
+        if owner is not None and _in_own_reset(owner, start):
+            building.add(id(owner))
         self._alive.append(storage)
         self._writes.append((storage._cdata, frozenset(building), entry, _where(start)))
         self._constants.pop(storage._cdata, None)  # any write; `_result` gives the value back to a constant fill
@@ -205,6 +213,24 @@ def _frames(frame: FrameType | None) -> Iterator[FrameType]:
     while frame is not None:
         yield frame
         frame = frame.f_back
+
+
+def _in_own_reset(module: nn.Module, frame: FrameType | None) -> bool:
+    """A ``reset_parameters`` given to this module object (not its class: LitGPT's pretraining init sets
+    ``mod.reset_parameters = partial(init_weights, mod, std=...)``) is running: materialising runs it again, as it
+    runs every module's."""
+    override = module.__dict__.get("reset_parameters")
+    while isinstance(override, partial):
+        override = override.func
+    code = getattr(getattr(override, "__func__", override), "__code__", None)
+    return code is not None and any(f.f_code is code for f in _frames(frame))
+
+
+def _resetting(module: nn.Module, frame: FrameType | None) -> bool:
+    """``module``'s own ``reset_parameters`` is running (LitGPT's ``GPT.reset_parameters`` assigns its rope cache
+    anew): materialising runs it for every module."""
+    return _in_own_reset(module, frame) or any(
+        f.f_code.co_name == "reset_parameters" and f.f_locals.get("self") is module for f in _frames(frame))
 
 
 def _constructing(module: nn.Module, frame: FrameType | None) -> bool:

@@ -4,7 +4,9 @@ the model called as its model card says), for the family parity launch (tests/di
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -78,9 +80,11 @@ class TorchTransformerLM(nn.Module):
 
 
 
-def build_family(name: str, seed: int = 0) -> nn.Module:
+def build_family(name: str, seed: int | None = 0) -> nn.Module:
+    """``seed``: None draws from the random state as it is (a model built in `configure_model`, seeded by the run)."""
     if name == "torch_transformer":
-        torch.manual_seed(seed)
+        if seed is not None:
+            torch.manual_seed(seed)
         return TorchTransformerLM()
     config_name, model_name, extra = FAMILIES[name]
     transformers = importlib.import_module("transformers")
@@ -92,7 +96,8 @@ def build_family(name: str, seed: int = 0) -> nn.Module:
     attention = fields.pop("attn_implementation", "sdpa")  # gpt-oss has no SDPA path (its sinks)
     config = config_cls(**{key: value for key, value in fields.items() if key in known or key in extra},
                         attn_implementation=attention)
-    torch.manual_seed(seed)
+    if seed is not None:
+        torch.manual_seed(seed)
     return getattr(transformers, model_name)(config)
 
 
@@ -124,9 +129,43 @@ class LitGPTLM(FamilyLM):
         return F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten())
 
 
+BUILT_LATER = "configure_model:"
+"""Family names of a model the LightningModule builds in `configure_model` (on the meta device, materialised rank by
+rank): ``configure_model:<family>``."""
+
+
+class BuildsInConfigureModel:
+    """The model built in `configure_model`, once (Lightning's advice: the hook may be called again)."""
+
+    model: nn.Module | None
+    build: Callable[[], nn.Module]
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = self.build()
+
+
+class LaterFamilyLM(BuildsInConfigureModel, FamilyLM):
+    def __init__(self, build: Callable[[], nn.Module], lr: float = 0.05) -> None:
+        super().__init__(None, lr=lr)
+        self.build = build
+
+
+class LaterLitGPTLM(BuildsInConfigureModel, LitGPTLM):
+    def __init__(self, build: Callable[[], nn.Module], lr: float = 0.05) -> None:
+        super().__init__(None, lr=lr)
+        self.build = build
+
+
 def family_module(name: str, lr: float = 0.05) -> LightningModule:
     """The LightningModule a user writes around family ``name``: a LitGPT model (``litgpt:<key>``) called on the
-    tokens, any other called as its model card says."""
+    tokens, any other called as its model card says; built in `__init__`, or in `configure_model` for
+    ``configure_model:<family>``."""
+    if name.startswith(BUILT_LATER):  # seeded by the run, as a user's `configure_model` is
+        name = name.removeprefix(BUILT_LATER)
+        if name.startswith(PREFIX):
+            return LaterLitGPTLM(partial(build_litgpt, name[len(PREFIX):], None), lr=lr)
+        return LaterFamilyLM(partial(build_family, name, None), lr=lr)
     if name.startswith(PREFIX):
         return LitGPTLM(build_litgpt(name[len(PREFIX):]), lr=lr)
     return FamilyLM(build_family(name), lr=lr)

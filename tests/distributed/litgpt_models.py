@@ -13,6 +13,7 @@ initialised with the model's own `_init_weights` where its constructor leaves a 
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -67,12 +68,23 @@ def litgpt_config(key: str):
     return Config.from_name(name, **fields)
 
 
-def build_litgpt(key: str, seed: int = 0) -> nn.Module:
+PRETRAINING_INIT = "/pretraining_init"
+"""A key's suffix: the model initialised as LitGPT's pretraining script does (`litgpt.pretrain.initialize_weights`:
+every `Linear` and `Embedding` given a ``reset_parameters`` of its own, a normal of GPT-NeoX's widths, then all run)."""
+
+
+def build_litgpt(key: str, seed: int | None = 0) -> nn.Module:
+    """``seed``: None draws from the random state as it is (a model built in `configure_model`, seeded by the run)."""
     from litgpt.model import GPT
 
-    torch.manual_seed(seed)
-    model = GPT(litgpt_config(key))
-    if any(type(module).__name__ == "GroupedTopkRouter" for module in model.modules()):
+    if seed is not None:
         torch.manual_seed(seed)
+    config = litgpt_config(key.removesuffix(PRETRAINING_INIT))
+    model = GPT(config)
+    if any(type(module).__name__ == "GroupedTopkRouter" for module in model.modules()):
         model.apply(model._init_weights)
+    if key.endswith(PRETRAINING_INIT):
+        from litgpt.pretrain import initialize_weights
+
+        initialize_weights(SimpleNamespace(strategy=None), model, n_layer=config.n_layer, n_embd=config.n_embd)
     return model

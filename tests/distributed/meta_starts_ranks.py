@@ -70,14 +70,15 @@ class OwnInitGPT(GPT):
 
 def meta_model(name: str) -> nn.Module:
     """The models built in `configure_model`: the examples' as `conf/model/` configures them, a module that
-    initialises itself, and the Hugging Face Llama of the parity suite (its `post_init` initialises it)."""
+    initialises itself, the Hugging Face Llama of the parity suite (its `post_init` initialises it) and LitGPT's
+    (``litgpt:<key>``), each drawn from the random state as it is (seeded by the run, or by `plain_starts`)."""
     if name == "gpt":
         return GPT(GPTConfig(**conf_model("gpt")))
     if name in ("llama", "moe"):
         return Llama(LlamaConfig(**conf_model(name)))
     if name == "own_init":
         return OwnInitGPT(GPTConfig(**conf_model("gpt")))
-    return build(name)
+    return build(name, torch.initial_seed())
 
 
 class StartFacts(Callback):

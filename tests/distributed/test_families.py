@@ -5,7 +5,9 @@ transposed experts split over tp; Bloom, no declared plan
 and no known names, planned from its structure), and PyTorch's own `nn.TransformerEncoder` (its
 `nn.MultiheadAttention` split by heads, its feed-forward pair found from the structure) under FSDP, HSDP, tp, pp and
 cp, and every LitGPT model of `litgpt_models.py` (`litgpt.model.GPT`, called as LitGPT users call it) under
-dp_shard x tp, pp x dp_shard and pp x tp, its MoE models under ep x dp_shard, in one launch of 4 processes. Loss
+dp_shard x tp, pp x dp_shard and pp x tp, its MoE models under ep x dp_shard, in one launch of 4 processes. Some
+are also built in `configure_model` (``configure_model:<family>``): on the meta device, materialised rank by rank,
+then compared from the start they got (that it is plain construction's start: tests/distributed/test_parity.py). Loss
 per step, gradients and parameters after 3 SGD-momentum steps match (see families_ranks.py for why not AdamW); a
 family/layout pair that is not trained must be refused while planning, for the named reason this file expects."""
 
@@ -14,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.family_models import FAMILIES
+from tests.distributed.family_models import BUILT_LATER, FAMILIES
 from tests.distributed.litgpt_models import AVAILABLE as LITGPT_AVAILABLE
-from tests.distributed.litgpt_models import LITGPT, LITGPT_REFUSED, MOE_MODELS, PREFIX
+from tests.distributed.litgpt_models import LITGPT, LITGPT_REFUSED, MOE_MODELS, PREFIX, PRETRAINING_INIT
 from tests.launcher import launch
 
 LAYOUTS = {
@@ -46,7 +48,11 @@ if LITGPT_AVAILABLE:  # tests/unit/test_litgpt_install.py fails when litgpt is m
     CASES += [(PREFIX + key, layout) for key in LITGPT for layout in ("fsdp2_tp2", "pp2_fsdp2", "pp2_tp2")]
     CASES += [(PREFIX + key, "ep2_fsdp4") for key in MOE_MODELS] + [(PREFIX + "llama3", "cp2_fsdp2")]
     REFUSED |= LITGPT_REFUSED
-CASES += [("mixtral", "tp4"), ("qwen3_moe", "ep2_fsdp2_tp2"), ("gpt2", "ddp2_tp2"), ("torch_transformer", "fsdp2_tp2"), ("torch_transformer", "hsdp"),
+    # built in `configure_model` (on the meta device, materialised rank by rank), trained from the start it got
+    CASES += [(BUILT_LATER + PREFIX + key, layout) for key, layout in (
+        ("llama3", "fsdp2_tp2"), ("gemma2", "pp2_tp2"), ("pythia", "pp2_fsdp2"), ("shared_grouped_moe", "ep2_fsdp4"),
+        ("llama3" + PRETRAINING_INIT, "fsdp2_tp2"))]
+CASES += [(BUILT_LATER + "qwen3_moe", "ep2_fsdp2_tp2"), ("mixtral", "tp4"), ("qwen3_moe", "ep2_fsdp2_tp2"), ("gpt2", "ddp2_tp2"), ("torch_transformer", "fsdp2_tp2"), ("torch_transformer", "hsdp"),
           ("torch_transformer", "pp2_fsdp2"), ("torch_transformer", "cp2_fsdp2")]
 
 

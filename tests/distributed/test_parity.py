@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.distributed.litgpt_models import AVAILABLE as LITGPT_AVAILABLE
+from tests.distributed.litgpt_models import PREFIX, PRETRAINING_INIT
 from tests.distributed.meta_starts_ranks import assert_starts_like_plain
 from tests.distributed.parity_ranks import ACCUMULATE, STEPS, assert_layout_matches_shards, techniques
 from tests.launcher import launch
@@ -48,14 +50,28 @@ NOT_FOR = {"gpt": {"fsdp2_tp2_sp_loss_parallel"}}
 # Models built in `configure_model` (tests/distributed/meta_starts_ranks.py), started inside the same launches: by launch,
 # start -> (model, layout). "single" is a launch of its own: one process, dp_shard=1 (no DTensor at all).
 META = {"tp4": {"tp": 4}, "fsdp4": {"dp_shard": 4}, "fsdp2_tp2": {"dp_shard": 2, "tp": 2},
-        "hsdp_2x2": {"dp_replicate": 2, "dp_shard": 2}}
+        "hsdp_2x2": {"dp_replicate": 2, "dp_shard": 2}, "pp2_fsdp2": {"pp": 2, "dp_shard": 2},
+        "pp2_tp2": {"pp": 2, "dp_shard": 1, "tp": 2}, "ep2_fsdp4": {"dp_shard": 4, "ep": 2}}
+# Every LitGPT model of tests/distributed/litgpt_models.py, each under a layout it can carry (multi-query falcon is
+# refused under tp), started inside the Llama launch; tests/distributed/test_families.py trains some from that start.
+LITGPT_STARTS = {"llama3": "fsdp2_tp2", "mixtral": "ep2_fsdp4", "gemma2": "pp2_tp2", "phi2": "tp4", "pythia": "pp2_fsdp2",
+                 "qwen2.5": "hsdp_2x2", "stablelm": "fsdp2_tp2", "falcon": "pp2_fsdp2", "qwen3_moe": "ep2_fsdp4",
+                 "olmo2": "pp2_tp2", "shared_grouped_moe": "ep2_fsdp4", "latent": "fsdp2_tp2",
+                 "llama3" + PRETRAINING_INIT: "pp2_tp2"}
 STARTS = {
     "single": {f"{model}_single": (model, {"dp_shard": 1}) for model in ("gpt", "own_init", "llama", "moe")},
     "gpt": {f"{model}_{name}": (model, META[name]) for model in ("gpt", "own_init") for name in META},
-    "llama": {f"llama_{name}": ("llama", META[name]) for name in ("tp4", "fsdp2_tp2")},
+    "llama": {f"llama_{name}": ("llama", META[name]) for name in ("tp4", "fsdp2_tp2")} | ({
+        f"litgpt_{key}_{name}": (PREFIX + key, META[name]) for key, name in LITGPT_STARTS.items()
+    } if LITGPT_AVAILABLE else {}),  # tests/unit/test_litgpt_install.py fails when litgpt is missing
     "hf_llama": {f"hf_llama_{name}": ("hf_llama", META[name]) for name in ("fsdp4", "tp4")},
 }
 START_CASES = [(launch_name, start) for launch_name, starts in STARTS.items() for start in starts]
+
+
+def start_batches(launch_name: str) -> dict[str, int]:
+    """Per-rank batches of the starts under pp: two microbatches of one sample per stage (the default schedule's)."""
+    return {start: 4 for start, (_, layout) in STARTS.get(launch_name, {}).items() if layout.get("pp", 1) > 1}
 
 
 def layouts_for(model_name: str) -> dict[str, dict]:
@@ -77,7 +93,7 @@ def runs(tmp_path_factory):
                 "tests.distributed.parity_ranks:run_layouts", 1 if single else WORLD,
                 tmp_path_factory.mktemp(f"parity_{model_name}"), timeout=900, model_name=model_name,
                 layouts={} if single else layouts_for(model_name), clip=CLIP, accumulate=ACCUMULATING,
-                starts=STARTS.get(model_name, {}),
+                starts=STARTS.get(model_name, {}), batch=start_batches(model_name),
             )
         return per_model[model_name]
 

@@ -94,3 +94,4 @@ def test_a_constant_written_otherwise_is_still_refused(build):
     holder, init = on_meta(build)
     with pytest.raises(ValueError, match=f"{build.__name__} cannot be initialised there"):
         check_initialisable(holder, init)
+
