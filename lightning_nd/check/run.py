@@ -114,6 +114,15 @@ def _own_code(module: nn.Module, frame: FrameType) -> bool:
         ("lightning.", "lightning_nd.", "torch."))
 
 
+def _missing_key_hint(error: BaseException, lightning: Any) -> str:
+    """Why a step may read a key the check's own batches lack, and what to do."""
+    if not isinstance(error, KeyError) or type(lightning).train_dataloader is not LightningModule.train_dataloader:
+        return ""
+    return (f" (if {error} is a key of your batches: without a `train_dataloader` on the LightningModule the check"
+            " makes its own, with 'input_ids' and 'labels' only. HINT: give the LightningModule a `train_dataloader`;"
+            " the check runs one batch of it)")
+
+
 def token_batches(model: nn.Module, seq_len: int, micro_batch: int, batch_ranks: int) -> DataLoader:
     """``micro_batch`` samples of ``seq_len`` random token ids per batch rank: one step's worth."""
     vocab = vocabulary(model)
@@ -143,6 +152,7 @@ def check_layout(module: nn.Module, layout: Layout, arguments: Mapping[str, Any]
     def one_rank(rank: int) -> None:
         outcome, start = outcomes[rank], time.perf_counter()
         names: dict[int, tuple[str, type]] = {}
+        lightning: Any = module
         regions_of_this_thread_only()  # another rank's context-parallel region is not this rank's
         try:
             lightning = copy.deepcopy(module)
@@ -171,7 +181,7 @@ def check_layout(module: nn.Module, layout: Layout, arguments: Mapping[str, Any]
             outcome.status = ("hang" if any(isinstance(link, Hang) for link in chain) else
                               "waited" if any(isinstance(link, PeerFailed) for link in chain) else
                               "unchecked" if kinds & set(NOT_COMPUTABLE) else "failed")
-            outcome.error = first_line(chain[-1])
+            outcome.error = first_line(chain[-1]) + _missing_key_hint(chain[-1], lightning)
             outcome.module = None if outcome.status == "hang" else failing_module(error, names)
             outcome.trace = "".join(traceback.format_exception(error))
             with lock:

@@ -5,8 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from torch.utils.data import DataLoader
 
+from examples.data import SyntheticTokens
 from examples.models.llama import Llama, LlamaConfig
+from tests.distributed.family_models import LitGPTLM
+from tests.distributed.litgpt_models import build_litgpt
+from tests.models import VOCAB
 
 
 def max_norm_embedding() -> Llama:
@@ -43,3 +48,20 @@ class NoBatches(TwiceInAStep):
 
     def train_dataloader(self) -> list:
         return []
+
+
+
+def litgpt_reading_tokens() -> LightningModule:
+    """The LightningModule a LitGPT user writes (tests/distributed/family_models.py): its step reads
+    ``batch["tokens"]``, a key the check's own token batches do not have."""
+    return LitGPTLM(build_litgpt("llama3"))
+
+
+class LitGPTWithData(LitGPTLM):
+    """The same, with its own dataloader of ``tokens`` and ``labels`` batches: the check runs one of them."""
+
+    def __init__(self) -> None:
+        super().__init__(build_litgpt("llama3"))
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(SyntheticTokens(VOCAB, 16, 16), batch_size=4)

@@ -92,6 +92,20 @@ def test_a_hugging_face_model_given_with_weights_checks_under_interleaved_pp_and
     assert text.count("set up, one step (forward, backward, optimizer)") == 2
 
 
+def test_a_step_reading_a_key_the_checks_batches_lack_is_told_to_give_its_dataloader(capsys):
+    code, text = _check(capsys, "--model", "tests.unit.check_models:litgpt_reading_tokens", "--devices", "2",
+                        "--layout", "dp_shard=2", "--seq-len", "16")
+    assert code == 1, text
+    assert "KeyError: 'tokens'" in text and "HINT: give the LightningModule a `train_dataloader`" in text
+
+
+def test_a_litgpt_model_with_its_own_dataloader_checks_under_pp_and_tp(capsys):
+    code, text = _check(capsys, "--model", "tests.unit.check_models:LitGPTWithData", "--devices", "4", "--layout",
+                        "pp=2,tp=2")
+    assert code == 0, text
+    assert text.count("set up, one step (forward, backward, optimizer)") == 2
+
+
 def test_check_needs_a_layout(capsys):
     assert main([*LLAMA, "--devices", "4", "--gpu-memory", "80GB", "--check"]) == 2
     assert "`--check` runs one layout" in capsys.readouterr().err
