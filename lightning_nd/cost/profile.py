@@ -1,0 +1,235 @@
+"""What one host was measured to do: `HostProfile`, a small JSON file a user can read and share, and where it is
+cached (``cache_path(backend)``, ``cached_profile(backend)``). ``calibrate.py`` measures it.
+
+    profile = HostProfile.load("my_host.json")
+    profile.matmul_seconds(4096, 4096, 4096, "bfloat16"), profile.collective_seconds("all_reduce", 8, 2**30)
+
+Every time is what one process took with the profile's ``processes`` running at once, as a layout runs them. A
+collective is priced as nccl-tests' doc/PERFORMANCE.md models it, time = latency + bytes / bandwidth, fitted to the
+times measured at several sizes; ``bytes`` is the whole buffer (the tensor of an all-reduce or a broadcast, the
+gathered output of an all-gather, the input of a reduce-scatter, one rank's input to an all-to-all, the message of
+a send), the ``B`` of ``comm.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SCHEMA = 1
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
+LONGEST_LINK_S_PER_BYTE = 1e-15
+"""The smallest seconds per byte a fit keeps (1 PB/s): above every link, so a fit whose times do not grow with the
+size stays finite."""
+SHORTEST_LATENCY_S = 1e-9
+RECALIBRATE = "python -m lightning_nd.plan --calibrate"
+
+
+@dataclass(frozen=True)
+class MatmulPoint:
+    """One matmul shape, [m, k] @ [k, n], measured in one dtype."""
+
+    m: int
+    n: int
+    k: int
+    dtype: str
+    flops_per_s: float
+    """2 x m x n x k per call over the seconds per call, the call's own eager overhead included."""
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """One collective over groups of ``group_size`` ranks: time = ``latency_s`` + bytes / ``bytes_per_s``."""
+
+    kind: str
+    group_size: int
+    latency_s: float
+    bytes_per_s: float
+    samples: tuple[tuple[int, float], ...]
+    """(bytes, median seconds) as measured, smallest first: the points the line was fitted to."""
+
+    @classmethod
+    def fit(cls, kind: str, group_size: int, samples: list[tuple[int, float]]) -> CollectiveFit:
+        """Least squares of seconds on bytes over at least 3 sizes, each point weighted by 1 / seconds^2 (its
+        relative error counts, so a 4 KiB message's 0.2 ms weighs as much as a 16 MiB one's 30 ms and the latency is
+        not lost in the large sizes' noise). Both coefficients are kept positive: a negative intercept is refitted
+        through ``SHORTEST_LATENCY_S``, a slope under ``LONGEST_LINK_S_PER_BYTE`` is clamped to it and the
+        intercept refitted."""
+        if len({size for size, _ in samples}) < 3 or min(t for _, t in samples) <= 0:
+            raise ValueError(f"`{kind}` over {group_size} ranks was measured at {len(samples)} sizes. HINT: the fit"
+                             " of latency and bandwidth needs at least 3 distinct message sizes, each of positive time.")
+        points = [(float(size), seconds, seconds**-2) for size, seconds in samples]
+        weight = sum(w for _, _, w in points)
+        mean_size = sum(w * s for s, _, w in points) / weight
+        mean_time = sum(w * t for _, t, w in points) / weight
+        slope = (sum(w * (s - mean_size) * (t - mean_time) for s, t, w in points)
+                 / sum(w * (s - mean_size) ** 2 for s, _, w in points))
+        latency = mean_time - slope * mean_size
+        if latency < SHORTEST_LATENCY_S:
+            latency = SHORTEST_LATENCY_S
+            slope = sum(w * s * (t - latency) for s, t, w in points) / sum(w * s * s for s, _, w in points)
+        if slope < LONGEST_LINK_S_PER_BYTE:
+            slope = LONGEST_LINK_S_PER_BYTE
+            latency = max(SHORTEST_LATENCY_S, sum(w * (t - slope * s) for s, t, w in points) / weight)
+        return cls(kind, group_size, latency, 1 / slope, tuple(sorted((int(s), float(t)) for s, t in samples)))
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """What one host measured: matmul, memory-bound and eager-overhead throughput of one process among
+    ``processes``, and every collective's latency and bandwidth per group size."""
+
+    host: str
+    torch: str
+    backend: str
+    """``gloo`` (CPU) or ``nccl`` (GPU): the backend the collectives ran on."""
+    device: str
+    """What ran the compute: the GPU's name, or the CPU's and its threads per process."""
+    created: str
+    """ISO 8601 time the calibration finished."""
+    calibration_s: float
+    processes: int
+    """Processes running at once while measuring (as many as the layouts start on this host)."""
+    matmul: tuple[MatmulPoint, ...]
+    memory_bytes_per_s: float
+    """Bytes read plus written per second by an elementwise add of tensors larger than the caches."""
+    op_overhead_s: float
+    """Seconds of one tiny eager op (an add of one-element tensors): the price of launching any op."""
+    collectives: tuple[CollectiveFit, ...]
+    schema: int = SCHEMA
+
+    def __post_init__(self) -> None:
+        numbers = [self.calibration_s, self.memory_bytes_per_s, self.op_overhead_s,
+                   *(p.flops_per_s for p in self.matmul),
+                   *(v for c in self.collectives for v in (c.latency_s, c.bytes_per_s))]
+        if not self.matmul or not all(math.isfinite(v) and v > 0 for v in numbers):
+            raise ValueError("A `HostProfile` needs at least one matmul and every time and throughput positive and"
+                             " finite.")
+        unknown = {c.kind for c in self.collectives} - set(COLLECTIVES)
+        if unknown:
+            raise ValueError(f"Unknown collectives {sorted(unknown)}: the profile knows {', '.join(COLLECTIVES)}.")
+
+    def matmul_seconds(self, m: int, n: int, k: int, dtype: str) -> float:
+        """Seconds of one [m, k] @ [k, n] in ``dtype``: log(seconds) interpolated linearly in log(FLOPs) between
+        the two measured shapes around it, with the measured times first made non-decreasing in FLOPs (a larger
+        matmul is never priced faster than a smaller one); outside the measured range, at the throughput of the
+        nearest measured shape."""
+        points = sorted((p for p in self.matmul if p.dtype == dtype), key=lambda p: p.flops)
+        if not points:
+            measured = sorted({p.dtype for p in self.matmul})
+            raise ValueError(f"The profile of `{self.host}` measured no `{dtype}` matmul, only {measured}. HINT:"
+                             f" calibrate with `dtypes=({', '.join(repr(d) for d in {*measured, dtype})})`.")
+        flops, times, slowest = [], [], 0.0
+        for point in points:
+            slowest = max(slowest, point.flops / point.flops_per_s)
+            flops.append(math.log(point.flops))
+            times.append(math.log(slowest))
+        wanted = math.log(2 * m * n * k)
+        if wanted <= flops[0]:
+            return math.exp(times[0] + wanted - flops[0])
+        if wanted >= flops[-1]:
+            return math.exp(times[-1] + wanted - flops[-1])
+        upper = next(i for i, f in enumerate(flops) if f >= wanted)
+        share = (wanted - flops[upper - 1]) / (flops[upper] - flops[upper - 1])
+        return math.exp(times[upper - 1] + share * (times[upper] - times[upper - 1]))
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """Seconds of a memory-bound op that reads and writes ``nbytes`` in all."""
+        return nbytes / self.memory_bytes_per_s
+
+    def collective_seconds(self, kind: str, group_size: int, nbytes: float) -> float:
+        """Seconds of one ``kind`` of ``nbytes`` over ``group_size`` ranks; 0 for one rank. A group size not
+        measured is priced as the nearest measured one (the larger on a tie)."""
+        if kind not in COLLECTIVES:
+            raise ValueError(f"Unknown collective `{kind}`. HINT: one of {', '.join(COLLECTIVES)}.")
+        if group_size <= 1:
+            return 0.0
+        fits = [c for c in self.collectives if c.kind == kind]
+        if not fits:
+            raise ValueError(f"The profile of `{self.host}` measured no `{kind}` (it ran with {self.processes}"
+                             f" process(es)). HINT: calibrate with at least 2 processes: `{RECALIBRATE}`.")
+        nearest = min(fits, key=lambda c: (abs(c.group_size - group_size), -c.group_size))
+        return nearest.seconds(nbytes)
+
+    def to_dict(self) -> dict[str, Any]:
+        record = asdict(self)
+        record["collectives"] = [{**c, "samples": [list(s) for s in c["samples"]]} for c in record["collectives"]]
+        return {"schema": record.pop("schema"), **record}
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> HostProfile:
+        fields = dict(record)
+        fields["matmul"] = tuple(MatmulPoint(**p) for p in record["matmul"])
+        fields["collectives"] = tuple(CollectiveFit(**{**c, "samples": tuple(tuple(s) for s in c["samples"])})
+                                      for c in record["collectives"])
+        return cls(**fields)
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the profile as indented JSON (its folders made), through a temporary file so a reader never sees
+        half of it."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        partial.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> HostProfile:
+        """Read a profile; a file of another schema, or not a profile at all, is refused naming the fix."""
+        try:
+            record = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"`{path}` is not a readable profile ({error}). HINT: measure this host again with"
+                             f" `{RECALIBRATE}`, or pass another `--profile`.") from None
+        schema = record.get("schema") if isinstance(record, dict) else None
+        if schema != SCHEMA:
+            raise ValueError(f"`{path}` is a profile of schema {schema}, this version reads schema {SCHEMA}. HINT:"
+                             f" measure this host again with `{RECALIBRATE}` (it overwrites the cached one).")
+        try:
+            return cls.from_dict(record)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"`{path}` is not a valid profile ({type(error).__name__}: {error}). HINT: measure this"
+                             f" host again with `{RECALIBRATE}`.") from None
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def cache_path(backend: str) -> Path:
+    """Where this host's profile for ``backend`` is cached: ``$LIGHTNING_ND_PROFILE_DIR``, else
+    ``${XDG_CACHE_HOME:-~/.cache}/lightning_nd/profiles``, in a file named for the host, the torch version and the
+    backend, so a change of any of them is a file not yet measured."""
+    chosen = os.environ.get("LIGHTNING_ND_PROFILE_DIR")
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    folder = Path(chosen) if chosen else Path(cache) / "lightning_nd" / "profiles"
+    name = f"{socket.gethostname()}-torch{torch.__version__}-{backend}"
+    return folder / (re.sub(r"[^A-Za-z0-9._-]", "_", name) + ".json")
+
+
+def cached_profile(backend: str) -> HostProfile | None:
+    """This host's cached profile for ``backend``, or None when there is none or it was measured by another host,
+    torch or backend (two names can share a file name once made safe for a file system)."""
+    path = cache_path(backend)
+    if not path.exists():
+        return None
+    profile = HostProfile.load(path)
+    if (profile.host, profile.torch, profile.backend) != (socket.gethostname(), torch.__version__, backend):
+        return None
+    return profile

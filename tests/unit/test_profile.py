@@ -1,0 +1,127 @@
+"""`HostProfile`: its JSON file read back as written, a file it cannot read refused naming the fix, the cache file
+named for the host, torch and backend, the latency/bandwidth fit, and the interpolations the step model reads."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from lightning_nd.cost import profile as profile_module
+from lightning_nd.cost.profile import SCHEMA, CollectiveFit, HostProfile, cache_path, cached_profile
+from tests.unit.host_profiles import BYTES_PER_S, LATENCY_S, synthetic_profile
+
+
+def test_json_round_trip(tmp_path):
+    profile = synthetic_profile()
+    path = profile.save(tmp_path / "deep" / "host.json")
+    assert HostProfile.load(path) == profile
+    record = json.loads(path.read_text())
+    assert next(iter(record)) == "schema" and record["schema"] == SCHEMA
+    assert record["collectives"][0]["samples"][0] == [2**12, pytest.approx(LATENCY_S + 2**12 / BYTES_PER_S)]
+    assert len(path.read_text().splitlines()) > 20, "indented, for a person to read"
+
+
+@pytest.mark.parametrize(("text", "match"), [
+    ("{not json", "is not a readable profile"),
+    (json.dumps({"schema": 0, "host": "old"}), "is a profile of schema 0, this version reads schema 1"),
+    (json.dumps([1, 2]), "is a profile of schema None"),
+    (json.dumps({"schema": SCHEMA, "host": "x"}), "is not a valid profile"),
+])
+def test_load_refuses_what_it_cannot_read_naming_the_file_and_the_fix(tmp_path, text, match):
+    path = tmp_path / "profile.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=match) as refused:
+        HostProfile.load(path)
+    assert str(path) in str(refused.value) and "python -m lightning_nd.plan --calibrate" in str(refused.value)
+
+
+def test_load_refuses_a_profile_with_a_non_positive_number(tmp_path):
+    record = synthetic_profile().to_dict()
+    record["memory_bytes_per_s"] = -1.0
+    (tmp_path / "bad.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="every time and throughput positive and finite"):
+        HostProfile.load(tmp_path / "bad.json")
+
+
+def test_cache_path_changes_with_host_torch_and_backend(monkeypatch, tmp_path):
+    monkeypatch.delenv("LIGHTNING_ND_PROFILE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(profile_module.socket, "gethostname", lambda: "node-a")
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    first = cache_path("gloo")
+    assert first == tmp_path / "xdg" / "lightning_nd" / "profiles" / "node-a-torch2.13.0_cpu-gloo.json"
+    assert cache_path("nccl") != first
+    monkeypatch.setattr(torch, "__version__", "2.14.0+cpu")
+    assert cache_path("gloo") not in (first, cache_path("nccl"))
+    monkeypatch.setattr(profile_module.socket, "gethostname", lambda: "node-b")
+    assert cache_path("gloo").name == "node-b-torch2.14.0_cpu-gloo.json"
+    monkeypatch.setenv("LIGHTNING_ND_PROFILE_DIR", str(tmp_path / "mine"))
+    assert cache_path("gloo").parent == tmp_path / "mine"
+
+
+def test_cached_profile_is_this_hosts_or_none(monkeypatch, tmp_path):
+    monkeypatch.setenv("LIGHTNING_ND_PROFILE_DIR", str(tmp_path))
+    assert cached_profile("gloo") is None
+    synthetic_profile().save(cache_path("gloo"))
+    assert cached_profile("gloo") == synthetic_profile()
+    synthetic_profile(torch="2.0.0").save(cache_path("gloo"))  # a file another torch wrote under this name
+    assert cached_profile("gloo") is None
+
+
+def test_the_fit_recovers_latency_and_bandwidth():
+    sizes = [2**10, 2**14, 2**18, 2**22, 2**24]
+    fit = CollectiveFit.fit("all_reduce", 4, [(n, 80e-6 + n / 3e9) for n in reversed(sizes)])
+    assert fit.latency_s == pytest.approx(80e-6, rel=1e-9) and fit.bytes_per_s == pytest.approx(3e9, rel=1e-9)
+    assert [size for size, _ in fit.samples] == sizes
+    noisy = CollectiveFit.fit("all_reduce", 4, [(n, (80e-6 + n / 3e9) * (1.05 if i % 2 else 0.95))
+                                                for i, n in enumerate(sizes)])
+    assert noisy.latency_s == pytest.approx(80e-6, rel=0.1) and noisy.bytes_per_s == pytest.approx(3e9, rel=0.1)
+
+
+def test_the_fit_stays_positive_and_finite():
+    flat = CollectiveFit.fit("broadcast", 2, [(2**12, 1e-3), (2**18, 1e-3), (2**22, 0.9e-3)])
+    assert flat.bytes_per_s == 1 / profile_module.LONGEST_LINK_S_PER_BYTE and flat.latency_s == pytest.approx(
+        0.97e-3, rel=0.05)
+    steep = CollectiveFit.fit("broadcast", 2, [(2**12, 1e-9), (2**18, 1e-4), (2**22, 2e-3)])
+    assert steep.latency_s == profile_module.SHORTEST_LATENCY_S and 0 < steep.bytes_per_s < math.inf
+    with pytest.raises(ValueError, match="at least 3 distinct message sizes"):
+        CollectiveFit.fit("broadcast", 2, [(2**12, 1e-3), (2**12, 1e-3), (2**22, 2e-3)])
+
+
+def test_matmul_seconds_interpolates_monotonically_between_measured_shapes():
+    profile = synthetic_profile()
+    for point in profile.matmul:
+        assert profile.matmul_seconds(point.m, point.n, point.k, "float32") == pytest.approx(
+            point.flops / point.flops_per_s)
+    sizes = [2**i for i in range(4, 14)]
+    times = [profile.matmul_seconds(n, n, n, "float32") for n in sizes]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    assert profile.matmul_seconds(8192, 8192, 8192, "float32") == pytest.approx(2 * 8192**3 / 5e10)  # beyond: 50 GF/s
+    between = profile.matmul_seconds(128, 128, 128, "float32")
+    assert 2 * 128**3 / 1e10 < between < 2 * 128**3 / 1e9
+
+
+def test_matmul_seconds_never_prices_a_larger_matmul_faster():
+    profile = synthetic_profile(matmul=tuple(p if p.m != 256 else type(p)(256, 256, 256, "float32", 1e12)
+                                             for p in synthetic_profile().matmul))  # 256^3 measured oddly fast
+    times = [profile.matmul_seconds(n, n, n, "float32") for n in range(32, 2048, 32)]
+    assert times == sorted(times)
+    with pytest.raises(ValueError, match=r"measured no `bfloat16` matmul, only \['float32'\]"):
+        profile.matmul_seconds(64, 64, 64, "bfloat16")
+
+
+def test_collective_and_memory_seconds():
+    profile = synthetic_profile()
+    assert profile.collective_seconds("all_gather", 2, 2**20) == pytest.approx(LATENCY_S + 2**20 / BYTES_PER_S)
+    assert profile.collective_seconds("all_gather", 3, 0) == pytest.approx(LATENCY_S)  # nearest measured: 2
+    assert profile.collective_seconds("all_gather", 5, 0) == pytest.approx(4 * LATENCY_S)  # a tie: the larger, 8
+    assert profile.collective_seconds("all_gather", 64, 0) == pytest.approx(4 * LATENCY_S)
+    assert profile.collective_seconds("send_recv", 1, 2**30) == 0.0
+    assert profile.memory_seconds(5e9) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="Unknown collective `allreduce`"):
+        profile.collective_seconds("allreduce", 2, 1)
+    with pytest.raises(ValueError, match="calibrate with at least 2 processes"):
+        synthetic_profile(collectives=(), processes=1).collective_seconds("all_reduce", 2, 1)
