@@ -1,5 +1,6 @@
 """The analytic cost model over a `Layout`: memory per rank (`memory.py`), bytes per mesh dim (`comm.py`) and step
-time (`step_time.py`), all in one record per layout (`layout_cost.py`). No process group, no Lightning."""
+time (`step_time.py`), all in one record per layout (`layout_cost.py`); what this host measured
+(`profile.py`), by `calibrate.py`. No process group but the calibration's own, no Lightning."""
 
 from lightning_nd.exports import lazy_exports
 
