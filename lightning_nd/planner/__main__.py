@@ -3,6 +3,7 @@
     python -m lightning_nd.plan --model examples.models.llama:Llama --devices 8 --layout tp=2,pp=2,dp_shard=2
     python -m lightning_nd.plan --hf-model-type llama --hf-kwargs '{"num_hidden_layers": 80, ...}' \\
         --devices 64 --layout tp=8,pp=4,dp_shard=2 --gpus-per-node 8 --seq-len 4096 --micro-batch 8 [--json]
+    python -m lightning_nd.plan --calibrate      # measure this host for the cost model (`pricing.py`)
 
 It builds the model on the meta device, makes the run's `Layout` with the very functions `NDParallel` uses
 (`dry_run.py`: every error and warning is the one the real run would raise, with the same HINT; the strategy
@@ -25,6 +26,8 @@ from lightning_nd.cost.hardware import parse_bytes
 from lightning_nd.layout.describe import human_bytes, layout_markdown
 from lightning_nd.layout.record import Layout
 from lightning_nd.planner.dry_run import dry_run, parse_layout
+from lightning_nd.planner.pricing import add_arguments as add_pricing_arguments
+from lightning_nd.planner.pricing import calibrate_command, pricing
 from lightning_nd.planner.run import add_arguments as add_planner_arguments
 from lightning_nd.planner.run import cost_markdown, cost_section, fit_line, layout_precision, layout_step, run_planner
 from lightning_nd.planner.source import build_model, storage_line
@@ -39,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--hf-config", help="a Hugging Face config.json (its `model_type` names the family)")
     source.add_argument("--hf-model-type", help="a Hugging Face model type (llama, mixtral, qwen2, ...)")
     parser.add_argument("--hf-kwargs", default="{}", help="JSON: config fields (with --hf-model-type or --hf-config)")
-    parser.add_argument("--devices", type=int, required=True, help="world size (all processes, all nodes)")
+    parser.add_argument("--devices", type=int, help="world size (all processes, all nodes); required except with"
+                                                   " --calibrate")
     parser.add_argument("--layout", help="dim sizes, e.g. tp=8,pp=4,dp_shard=2 (dp_shard fills the rest); without it and"
                                          " with --gpu-memory, the planner ranks every valid layout")
     parser.add_argument("--options", default="{}", help="JSON: any other NDParallel keyword, e.g. '{\"zero_stage\": 2}'")
@@ -55,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         " microbatch count)")
     parser.add_argument("--json", action="store_true", help="print the Layout (and its cost) as one JSON document")
     add_planner_arguments(parser)
+    add_pricing_arguments(parser)
     return parser
 
 
@@ -71,13 +76,14 @@ def run(args: argparse.Namespace) -> int:
                          " HINT: drop `--layout` (and add `--gpu-memory`), or give the model instead of `--params`.")
     if args.check and args.layout is None:
         raise ValueError("`--check` runs one layout. HINT: add `--layout tp=...,pp=...`.")
+    priced = pricing(args)
     precision = layout_precision(args)
     module = build_model(args.model, args.hf_config, args.hf_model_type, json.loads(args.hf_kwargs), precision) if (
         args.params is None) else None
     if args.layout is None and (args.gpu_memory or args.params is not None):
         if args.gpu_memory is None:
             raise ValueError("`--params` plans against a GPU's memory. HINT: add `--gpu-memory 80GB`.")
-        return run_planner(args, module, json.loads(args.options))
+        return run_planner(args, module, json.loads(args.options), priced)
     options = json.loads(args.options)
     workload, implied = layout_step(args, options)
     sizes = parse_layout(args.layout or "")
@@ -87,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         args.micro_batch = workload.batch if workload is not None and args.global_batch else args.micro_batch
         return check(args, module, layout, {**sizes, **implied, **options}, precision)
-    cost = cost_section(layout, module, args, workload)
+    cost = cost_section(layout, module, args, workload, priced)
     memory_bytes = parse_bytes(args.gpu_memory) if args.gpu_memory else None
     fits = cost is None or memory_bytes is None or cost.peak.peak_bytes <= memory_bytes
     if args.json:
@@ -121,9 +127,12 @@ def check(args: argparse.Namespace, module: Any, layout: Layout, arguments: dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.devices is None and not args.calibrate:
+        parser.error("the following arguments are required: --devices")
     try:
-        return run(args)
+        return calibrate_command(args) if args.calibrate else run(args)
     except (ValueError, TypeError, json.JSONDecodeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

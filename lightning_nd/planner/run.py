@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from lightning_nd.cost.hardware import PRESETS, parse_bytes, parse_hardware
+from lightning_nd.cost.hardware import PRESETS, parse_bytes
 from lightning_nd.cost.layout_cost import LayoutCost, cost_layout
 from lightning_nd.cost.model_state import OPTIMIZER_STATES, check_optimizer
 from lightning_nd.cost.shape import Workload, model_shape
@@ -25,6 +25,7 @@ from lightning_nd.layout.record import Layout
 from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.planner.dry_run import dry_run, parse_layout, read_layout_arguments
 from lightning_nd.planner.params_only import params_only_markdown, params_only_rows
+from lightning_nd.planner.pricing import Pricing
 from lightning_nd.planner.search import Batching, Search, batch_options, print_progress, search
 from lightning_nd.planner.source import storage_line
 from lightning_nd.planner.table import model_state_arithmetic, planner_json, planner_markdown, why
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                              " without --layout this runs the planner")
     parser.add_argument("--global-batch", type=int, help="samples per optimizer step, all ranks together (planner)")
     parser.add_argument("--optimizer", default="adamw", choices=list(OPTIMIZER_STATES), help="its state per parameter")
-    parser.add_argument("--hardware", default="h100", help=f"a preset ({', '.join(PRESETS)}) for the step-time"
+    parser.add_argument("--hardware", help=f"a preset ({', '.join(PRESETS)}; default h100) for the step-time"
                         " estimate, with overrides: h100,peak_flops=7e14,inter_node_bytes_per_s=25e9")
     parser.add_argument("--params", type=float, help="parameters, without a model: model state only (planner)")
     parser.add_argument("--top", type=int, default=20, help="rows of the planner's table")
@@ -43,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                           " planner shows, whether it ranks high or not")
 
 
-def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any]) -> int:
-    """Rank the layouts; exit status 0 when one fits, 1 when none does."""
+def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any], priced: Pricing) -> int:
+    """Rank the layouts, priced by ``priced``; exit status 0 when one fits, 1 when none does."""
     memory_bytes = parse_bytes(args.gpu_memory)
     gpus_per_node = min(args.gpus_per_node or args.devices, args.devices)
     if gpus_per_node < 1:
@@ -66,7 +67,7 @@ def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any]) 
                          " state only.")
     precision = args.precision or "bf16-mixed"
     batching = Batching(args.seq_len, args.global_batch, args.micro_batch or 1, precision)
-    hardware = parse_hardware(args.hardware)
+    hardware = priced.hardware
     memo = PlanMemo()  # the candidates share the model: its blocks, tp plans and stage splits are found once
 
     def plan(sizes: dict[str, int], extra: dict[str, Any]) -> Layout:
@@ -129,13 +130,14 @@ def layout_step(args: argparse.Namespace, options: dict[str, Any]) -> tuple[Work
     return workload, {key: value for key, value in implied.items() if key != "pp_schedule"}
 
 
-def cost_section(layout: Layout, module: Any, args: argparse.Namespace, workload: Workload | None) -> LayoutCost | None:
-    """The cost of the dry run's layout for ``workload`` (None without --seq-len)."""
+def cost_section(layout: Layout, module: Any, args: argparse.Namespace, workload: Workload | None,
+                 priced: Pricing) -> LayoutCost | None:
+    """The cost of the dry run's layout for ``workload`` (None without --seq-len), priced by ``priced``."""
     if workload is None:
         return None
     check_optimizer(args.optimizer)
     return cost_layout(layout, model_shape(module), workload, optimizer=args.optimizer,
-                       hardware=parse_hardware(args.hardware), gpus_per_node=args.gpus_per_node)
+                       hardware=priced.hardware, gpus_per_node=args.gpus_per_node)
 
 
 def fit_line(layout_cost: LayoutCost, memory_bytes: int, workload: Workload) -> str:

@@ -1,8 +1,9 @@
 """`calibrate`: one real calibration on 2 CPU processes within its budget, every number it writes positive and
-finite; its refusals before any process starts."""
+finite; its refusals before any process starts; and the planner's flags that measure and choose a profile."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -10,7 +11,10 @@ import pytest
 
 from lightning_nd.cost import calibrate as calibrate_module
 from lightning_nd.cost.calibrate import calibrate
-from lightning_nd.cost.profile import COLLECTIVES, HostProfile
+from lightning_nd.cost.profile import COLLECTIVES, HostProfile, cache_path
+from lightning_nd.planner.__main__ import build_parser, main
+from lightning_nd.planner.pricing import pricing
+from tests.unit.host_profiles import synthetic_profile
 
 BUDGET_S = 8.0
 
@@ -27,11 +31,12 @@ def _numbers(value):
 
 
 def test_a_real_calibration_measures_everything_within_its_budget(tmp_path):
-    lines = []
+    timeline = []
     start = time.perf_counter()
     profile = calibrate((2,), shapes=[(32, 32, 32), (128, 128, 128)], processes=2, budget_s=BUDGET_S,
-                        progress=lines.append)
-    assert time.perf_counter() - start <= BUDGET_S + 5, lines
+                        progress=lambda line: timeline.append((round(time.perf_counter() - start, 2), line)))
+    assert time.perf_counter() - start <= BUDGET_S + 5, timeline
+    lines = [line for _, line in timeline]
     assert (profile.backend, profile.processes) == ("gloo", 2) and profile.calibration_s <= BUDGET_S + 5
     record = profile.to_dict()
     assert all(math.isfinite(n) and n > 0 for n in _numbers(record)), record
@@ -58,3 +63,60 @@ def test_calibrate_refuses_before_starting_a_process(monkeypatch, arguments, mat
 def test_default_group_sizes_are_the_divisors_above_one():
     assert calibrate_module.default_group_sizes(8) == [2, 4, 8]
     assert calibrate_module.default_group_sizes(1) == []
+
+
+@pytest.fixture
+def measured(monkeypatch, tmp_path):
+    """The profile cache in ``tmp_path``; a calibration returns `synthetic_profile` at once, counted."""
+    monkeypatch.setenv("LIGHTNING_ND_PROFILE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *args: calls.append(args) or synthetic_profile())
+    return calls
+
+
+def test_calibrate_flag_measures_caches_and_prints(measured, capsys):
+    assert main(["--calibrate", "--devices", "4"]) == 0
+    assert measured[0][3] == 4  # processes
+    out = capsys.readouterr().out
+    assert str(cache_path("gloo")) in out and "| all_reduce | 8 | 200 us | 2.00 GB/s | 4.00 KiB to 4.00 MiB (3) |" in out
+    assert HostProfile.load(cache_path("gloo")) == synthetic_profile()
+
+
+def test_profile_flag_reads_a_file_the_host_cache_or_a_preset(measured, tmp_path):
+    parse = build_parser().parse_args
+    assert pricing(parse(["--devices", "4"])).hardware.name == "h100" and pricing(parse(["--devices", "4"])).profile is None
+    assert pricing(parse(["--devices", "4", "--profile", "a100"])).hardware.name == "a100"
+    path = synthetic_profile(host="elsewhere").save(tmp_path / "shared.json")
+    chosen = pricing(parse(["--devices", "4", "--profile", str(path)]))
+    assert chosen.profile.host == "elsewhere" and chosen.profile_path == path and chosen.hardware.name == "h100"
+    assert pricing(parse(["--devices", "4", "--profile", "host"])).profile == synthetic_profile() and len(measured) == 1
+    assert pricing(parse(["--devices", "4", "--profile", "host"])).profile_path == cache_path("gloo")
+    assert len(measured) == 1, "cached: measured once"
+    pricing(parse(["--devices", "4", "--refresh-profile"]))
+    assert len(measured) == 2
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--profile", "a100", "--hardware", "h100"], "names a preset, and `--hardware h100` was given too"),
+    (["--profile", "nowhere.json"], "is neither a file nor a preset"),
+    (["--profile", "a100", "--refresh-profile"], "names a preset, and `--refresh-profile` was given too"),
+])
+def test_profile_flags_refuse_a_contradiction(measured, capsys, argv, match):
+    assert main(["--model", "examples.models.llama:Llama", "--devices", "2", *argv]) == 2
+    assert match in capsys.readouterr().err and not measured
+
+
+def test_refresh_profile_refuses_a_file(measured, tmp_path, capsys):
+    path = synthetic_profile().save(tmp_path / "p.json")
+    assert main(["--model", "examples.models.llama:Llama", "--devices", "2", "--profile", str(path),
+                 "--refresh-profile"]) == 2
+    assert "`--refresh-profile` measures this host" in capsys.readouterr().err
+
+
+def test_a_dry_run_priced_with_a_profile_file_prints_as_before(tmp_path, capsys):
+    path = synthetic_profile().save(tmp_path / "p.json")
+    argv = ["--model", "examples.models.llama:Llama", "--devices", "2", "--layout", "tp=2", "--seq-len", "16", "--json"]
+    assert main(argv) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--profile", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out) == before

@@ -1,0 +1,98 @@
+"""What prices the planner's tables: a datasheet preset (``--hardware h100``, or ``--profile h100``) or a measured
+`HostProfile` (``--profile my_host.json``, or ``--profile host`` for this host's cached one, measured on first use);
+and ``--calibrate``, which measures this host now, caches its profile and prints it.
+
+    python -m lightning_nd.plan --calibrate [--devices 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_nd.cost.calibrate import host_profile
+from lightning_nd.cost.hardware import PRESETS, Hardware, parse_hardware
+from lightning_nd.cost.profile import HostProfile
+from lightning_nd.layout.describe import human_bytes
+
+HOST = "host"
+"""``--profile host``: this host's cached profile."""
+DEFAULT_HARDWARE = "h100"
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """The planner's prices: the datasheet preset the step model reads, and the measured profile, if one was
+    chosen."""
+
+    hardware: Hardware
+    profile: HostProfile | None = None
+    profile_path: Path | None = None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--calibrate", action="store_true", help="measure this host now (at most 30 s), cache its"
+                        " profile, print where and what it measured, and exit; with --devices N: measured with N"
+                        " processes at once (default: the GPUs, else 4)")
+    parser.add_argument("--profile", help=f"price with a measured profile: a JSON file, `{HOST}` (this host's, measured"
+                        f" on first use and cached), or a preset ({', '.join(PRESETS)}) as --hardware takes it")
+    parser.add_argument("--refresh-profile", action="store_true", help=f"measure this host again first (implies"
+                        f" --profile {HOST})")
+
+
+def pricing(args: argparse.Namespace) -> Pricing:
+    """The preset and the profile ``--hardware``, ``--profile`` and ``--refresh-profile`` choose; without them the
+    ``h100`` preset alone, as before profiles existed."""
+    chosen = args.profile or (HOST if args.refresh_profile else None)
+    if chosen is None:
+        return Pricing(parse_hardware(args.hardware or DEFAULT_HARDWARE))
+    if chosen.split(",")[0].strip().lower() in PRESETS:
+        if args.hardware or args.refresh_profile:
+            given = f"--hardware {args.hardware}" if args.hardware else "--refresh-profile"
+            raise ValueError(f"`--profile {chosen}` names a preset, and `{given}` was given too. HINT: pass the"
+                             " preset once, as `--hardware` or as `--profile`.")
+        return Pricing(parse_hardware(chosen))
+    if args.refresh_profile and chosen != HOST:
+        raise ValueError(f"`--refresh-profile` measures this host, `--profile {chosen}` reads a file. HINT: drop one,"
+                         f" or pass `--profile {HOST} --refresh-profile`.")
+    if chosen == HOST:
+        profile, path = host_profile(refresh=args.refresh_profile, processes=_processes(args))
+    else:
+        path = Path(chosen)
+        if not path.is_file():
+            raise ValueError(f"`--profile {chosen}` is neither a file nor a preset. HINT: pass a profile written by"
+                             f" `--calibrate`, `{HOST}`, or one of {', '.join(PRESETS)}.")
+        profile = HostProfile.load(path)
+    return Pricing(parse_hardware(args.hardware or DEFAULT_HARDWARE), profile, path)
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    """``--calibrate``: measure, cache, print the profile's file and a summary."""
+    profile, path = host_profile(refresh=True, processes=_processes(args))
+    print(profile_markdown(profile, path))
+    return 0
+
+
+def _processes(args: argparse.Namespace) -> int | None:
+    """Processes a layout starts on this host: ``--devices``, at most ``--gpus-per-node``; None for the default."""
+    if args.devices is None:
+        return None
+    return min(args.devices, args.gpus_per_node or args.devices)
+
+
+def profile_markdown(profile: HostProfile, path: Path) -> str:
+    """The profile in a few lines: where it is, what ran, and each measured number."""
+    lines = [(f"# Profile of `{profile.host}`: {profile.device}, {profile.processes} processes at once, torch"
+              f" {profile.torch}, {profile.backend}"), "",
+             f"Measured in {profile.calibration_s:.1f} s at {profile.created}; saved to `{path}`.", "",
+             "| what | per process |", "|---|---|",
+             f"| eager overhead of one tiny op | {profile.op_overhead_s * 1e6:.1f} us |",
+             f"| memory-bound add (bytes read + written) | {profile.memory_bytes_per_s / 1e9:.2f} GB/s |"]
+    lines += [f"| matmul {p.m}x{p.n}x{p.k} {p.dtype} | {p.flops_per_s / 1e9:.1f} GFLOP/s |" for p in profile.matmul]
+    if profile.collectives:
+        lines += ["", "| collective | ranks | latency | bandwidth | sizes measured |", "|---|---|---|---|---|"]
+        lines += [f"| {c.kind} | {c.group_size} | {c.latency_s * 1e6:.0f} us | {c.bytes_per_s / 1e9:.2f} GB/s |"
+                  f" {human_bytes(c.samples[0][0])} to {human_bytes(c.samples[-1][0])} ({len(c.samples)}) |"
+                  for c in profile.collectives]
+    return "\n".join(lines)
