@@ -74,7 +74,7 @@ def calibrate(world_sizes: Sequence[int] | None = None, shapes: Sequence[tuple[i
     backend = default_backend()
     processes = default_processes() if processes is None else processes
     group_sizes = sorted({s for s in (default_group_sizes(processes) if world_sizes is None else world_sizes) if s > 1})
-    _check(backend, processes, group_sizes, dtypes, budget_s)
+    _check(backend, processes, group_sizes, shapes, dtypes, budget_s)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="lightning_nd_calibrate_") as folder:
         plan = {"processes": processes, "backend": backend, "store": str(Path(folder) / "store"),
@@ -103,7 +103,8 @@ def host_profile(*, refresh: bool = False, processes: int | None = None, dtypes:
     return profile, path
 
 
-def _check(backend: str, processes: int, group_sizes: list[int], dtypes: Sequence[str], budget_s: float) -> None:
+def _check(backend: str, processes: int, group_sizes: list[int], shapes: Sequence[tuple[int, int, int]] | None,
+           dtypes: Sequence[str], budget_s: float) -> None:
     if processes < 1:
         raise ValueError(f"`calibrate(processes={processes})` runs no process. HINT: pass `processes=1` or more.")
     if backend == "nccl" and processes > torch.cuda.device_count():
@@ -112,6 +113,9 @@ def _check(backend: str, processes: int, group_sizes: list[int], dtypes: Sequenc
     if group_sizes and group_sizes[-1] > processes:
         raise ValueError(f"`calibrate(world_sizes={group_sizes})` asks for groups larger than its {processes}"
                          f" processes. HINT: pass `processes={group_sizes[-1]}` or smaller world sizes.")
+    if shapes is not None and not all(len(shape) == 3 and min(shape) > 0 for shape in shapes):
+        raise ValueError(f"`calibrate(shapes={list(shapes)})`: each shape is (m, n, k), all positive. HINT: e.g."
+                         " `shapes=[(1024, 1024, 1024)]`.")
     unknown = [dtype for dtype in dtypes if not isinstance(getattr(torch, dtype, None), torch.dtype)]
     if unknown or not dtypes:
         raise ValueError(f"`calibrate(dtypes={tuple(dtypes)})`: {unknown or 'none'} not torch dtypes. HINT: e.g."
@@ -134,19 +138,22 @@ def _run(plan_path: Path, processes: int, timeout_s: float, progress: Callable[[
         forward = threading.Thread(target=_forward, args=(workers[0].stdout, progress), daemon=True)
         forward.start()
         deadline = time.monotonic() + timeout_s
-        try:
-            for worker in workers:
-                worker.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for worker in workers:
-                worker.kill()
-                worker.wait()
-            raise RuntimeError(f"The calibration ran past its budget and {GRACE_S:g} s more and was stopped. HINT: a"
-                               f" rank may have hung; its log:\n{_tail(folder, workers)}") from None
+        try:  # until all end, one fails (the others would wait for it in a collective) or the time is up
+            while any(w.poll() is None for w in workers) and not any(w.returncode for w in workers):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"The calibration ran {GRACE_S:g} s past its budget and was stopped. HINT: a"
+                                       f" rank may have hung; rank 0's log:\n{_tail(folder, 0)}")
+                time.sleep(0.05)
         finally:
+            for worker in workers:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.wait()
             forward.join(timeout=5)
-    if any(worker.returncode for worker in workers):
-        raise RuntimeError(f"A calibration process failed:\n{_tail(folder, workers)}")
+    failed = sorted((rank for rank, worker in enumerate(workers) if worker.returncode),
+                    key=lambda rank: workers[rank].returncode < 0)  # a rank that failed before those stopped here
+    if failed:
+        raise RuntimeError(f"Calibration process {failed[0]} failed; its log:\n{_tail(folder, failed[0])}")
     return [json.loads((folder / f"rank{rank}.json").read_text()) for rank in range(processes)]
 
 
@@ -155,9 +162,8 @@ def _forward(stream: IO[str], progress: Callable[[str], None]) -> None:
         progress(line.rstrip("\n"))
 
 
-def _tail(folder: Path, workers: list[subprocess.Popen[str]]) -> str:
-    failed = next((rank for rank, worker in enumerate(workers) if worker.returncode), 0)
-    return f"rank {failed}: " + (folder / f"rank{failed}.log").read_text()[-3000:]
+def _tail(folder: Path, rank: int) -> str:
+    return (folder / f"rank{rank}.log").read_text()[-3000:]
 
 
 def _profile(results: list[dict[str, Any]], backend: str, processes: int, seconds: float) -> HostProfile:

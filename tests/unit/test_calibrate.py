@@ -53,11 +53,19 @@ def test_a_real_calibration_measures_everything_within_its_budget(tmp_path):
     ({"processes": 0}, "runs no process"),
     ({"processes": 2, "dtypes": ("float33",)}, r"\['float33'\] not torch dtypes"),
     ({"processes": 2, "budget_s": 1}, "leaves no time to measure"),
+    ({"processes": 2, "shapes": [(64, 0, 64)]}, "each shape is \\(m, n, k\\), all positive"),
 ])
 def test_calibrate_refuses_before_starting_a_process(monkeypatch, arguments, match):
     monkeypatch.setattr(calibrate_module, "_run", pytest.fail)
     with pytest.raises(ValueError, match=match):
         calibrate(**arguments)
+
+
+def test_a_process_that_fails_stops_the_calibration_with_its_log():
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"Calibration process \d failed; its log:\n(.|\n)*Float8") as failed:
+        calibrate((2,), dtypes=("float8_e4m3fn",), processes=2, budget_s=BUDGET_S, progress=lambda line: None)
+    assert time.perf_counter() - start < BUDGET_S, failed.value
 
 
 def test_default_group_sizes_are_the_divisors_above_one():
