@@ -85,6 +85,10 @@ def calibrate(world_sizes: Sequence[int] | None = None, shapes: Sequence[tuple[i
         plan_path = Path(folder) / "plan.json"
         plan_path.write_text(json.dumps(plan))
         progress(f"calibrating: starting {processes} processes ({backend}), at most {budget_s:g} s")
+        busy = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+        if busy > (os.cpu_count() or 1):
+            progress(f"calibrating: this host is busy (load average {busy:.1f} on {os.cpu_count()} cores): what"
+                     " it measures is slower than the host alone; measure it again when it is idle")
         results = _run(plan_path, processes, budget_s + GRACE_S, progress)
     return _profile(results, backend, processes, time.perf_counter() - start)
 
