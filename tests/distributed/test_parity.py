@@ -60,7 +60,8 @@ LITGPT_STARTS = {"llama3": "fsdp2_tp2", "mixtral": "ep2_fsdp4", "gemma2": "pp2_t
                  "llama3" + PRETRAINING_INIT: "pp2_tp2"}
 STARTS = {
     "single": {f"{model}_single": (model, {"dp_shard": 1}) for model in ("gpt", "own_init", "llama", "moe")},
-    "gpt": {f"{model}_{name}": (model, META[name]) for model in ("gpt", "own_init") for name in META},
+    "gpt": {f"{model}_{name}": (model, META[name]) for model in ("gpt", "own_init")
+            for name in ("tp4", "fsdp4", "fsdp2_tp2", "hsdp_2x2")},
     "llama": {f"llama_{name}": ("llama", META[name]) for name in ("tp4", "fsdp2_tp2")} | ({
         f"litgpt_{key}_{name}": (PREFIX + key, META[name]) for key, name in LITGPT_STARTS.items()
     } if LITGPT_AVAILABLE else {}),  # tests/unit/test_litgpt_install.py fails when litgpt is missing
