@@ -42,6 +42,17 @@ COMM_DIMS = ("fsdp", "dp_replicate", "tp", "pp", "cp", "ep", "expert_dp")
 
 
 @dataclass(frozen=True)
+class Calls:
+    """``count`` calls of one collective per optimizer step, each on a buffer of ``buffer_bytes`` (the whole tensor
+    of an all-reduce, the gathered output of an all-gather, the input of a reduce-scatter, a rank's input to an
+    all-to-all, a message): how a measured profile prices them, latency + buffer / bandwidth each."""
+
+    kind: str
+    count: int
+    buffer_bytes: int
+
+
+@dataclass(frozen=True)
 class DimTraffic:
     """What one rank moves per optimizer step over one mesh dim."""
 
@@ -52,6 +63,8 @@ class DimTraffic:
     group_size: int
     what: str
     """The collectives, in words."""
+    calls: tuple[Calls, ...] = ()
+    """The same traffic as calls: FSDP's per unit (this rank's blocks and the root), the rest as listed above."""
 
 
 def comm_per_step(layout: Layout, shape: ModelShape, workload: Workload, rank: int = 0) -> dict[str, DimTraffic]:
@@ -61,8 +74,8 @@ def comm_per_step(layout: Layout, shape: ModelShape, workload: Workload, rank: i
     for dim in COMM_DIMS:
         size = _group_size(layout, dim, rank) if dim in layout.roles else 1
         if size > 1:
-            moved, what = PRICES[dim](run, size)
-            traffic[dim] = DimTraffic(dim, moved, size, what)
+            moved, what, calls = PRICES[dim](run, size)
+            traffic[dim] = DimTraffic(dim, moved, size, what, tuple(call for call in calls if call.count))
     return traffic
 
 
@@ -113,29 +126,38 @@ def _fsdp_passes(zero_stage: int, pp: int, microbatches: int, micro_steps: int) 
     return (2 if zero_stage == 3 else 1) * micro_steps, micro_steps
 
 
-def _sharded(run: _Run, size: int, role: str) -> tuple[int, str]:
+Priced = tuple[int, str, list[Calls]]
+"""Ring bytes, the collectives in words, and as calls."""
+
+
+def _sharded(run: _Run, size: int, role: str) -> Priced:
     options = run.layout.options
     gathered = run.full_bytes(role, size, options.param_dtype)
     reduced = run.full_bytes(role, size, options.reduce_dtype)
     moved = (run.gathers * gathered + run.reduces * reduced) * (size - 1) // size
-    return moved, f"all-gather params x{run.gathers} + reduce-scatter grads x{run.reduces}"
+    units = run.blocks + 1
+    calls = [Calls("all_gather", run.gathers * units, gathered // units),
+             Calls("reduce_scatter", run.reduces * units, reduced // units)]
+    return moved, f"all-gather params x{run.gathers} + reduce-scatter grads x{run.reduces}", calls
 
 
-def _fsdp(run: _Run, size: int) -> tuple[int, str]:
+def _fsdp(run: _Run, size: int) -> Priced:
     return _sharded(run, size, "fsdp")
 
 
-def _expert_dp(run: _Run, size: int) -> tuple[int, str]:
-    moved, what = _sharded(run, size, "expert_dp")
-    return moved, f"experts: {what}"
+def _expert_dp(run: _Run, size: int) -> Priced:
+    moved, what, calls = _sharded(run, size, "expert_dp")
+    return moved, f"experts: {what}", calls
 
 
-def _dp_replicate(run: _Run, size: int) -> tuple[int, str]:
+def _dp_replicate(run: _Run, size: int) -> Priced:
     shard = run.full_bytes("fsdp", 1, run.layout.options.reduce_dtype)
-    return run.reduces * 2 * shard * (size - 1) // size, f"all-reduce grad shards x{run.reduces}"
+    units = run.blocks + 1
+    return (run.reduces * 2 * shard * (size - 1) // size, f"all-reduce grad shards x{run.reduces}",
+            [Calls("all_reduce", run.reduces * units, shard // units)])
 
 
-def _tp(run: _Run, size: int) -> tuple[int, str]:
+def _tp(run: _Run, size: int) -> Priced:
     options, shape = run.layout.options, run.shape
     activation = run.tokens * shape.hidden * run.activation_bytes
     all_reduces = 2 * _rowwise_per_block(run.layout) * run.blocks + run.has_embedding + run.has_head
@@ -144,11 +166,15 @@ def _tp(run: _Run, size: int) -> tuple[int, str]:
     moved = run.micro_steps * (2 * all_reduces * activation + logits) * (size - 1) // size
     kind = "all-gather + reduce-scatter" if options.sequence_parallel else "all-reduce"
     what = f"{kind} activations x{all_reduces} per micro-step" + (" + all-gather logits" if logits else "")
+    kinds = ("all_gather", "reduce_scatter") if options.sequence_parallel else ("all_reduce",)
+    calls = [Calls(name, run.micro_steps * all_reduces, activation) for name in kinds]
+    calls.append(Calls("all_gather", run.micro_steps if logits else 0, logits))
     if run.layout.applies("expert_tensor_parallel") and run.moe_blocks:
         rows = run.tokens * shape.top_k * shape.hidden * run.activation_bytes  # what the experts get, routed
         moved += run.micro_steps * run.moe_blocks * 2 * 2 * rows * (size - 1) // size
         what += f" + all-reduce routed tokens x{2 * run.moe_blocks} (experts split over tp)"
-    return moved, what
+        calls.append(Calls("all_reduce", run.micro_steps * run.moe_blocks * 2, rows))
+    return moved, what, calls
 
 
 def _rowwise_per_block(layout: Layout) -> int:
@@ -161,7 +187,7 @@ def _rowwise_per_block(layout: Layout) -> int:
     return round(rowwise / len(layout.blocks)) if rowwise and layout.blocks else 2
 
 
-def _pp(run: _Run, size: int) -> tuple[int, str]:
+def _pp(run: _Run, size: int) -> Priced:
     pipeline, stages = run.layout.pipeline, run.holding.stages
     assert pipeline is not None
     owner = {stage: pp_rank for pp_rank, owned in enumerate(pipeline.ranks) for stage in owned}
@@ -169,29 +195,38 @@ def _pp(run: _Run, size: int) -> tuple[int, str]:
                 + (stage > 0 and owner[stage - 1] != owner[stage]) for stage in stages)
     moved = run.micro_steps * sends * run.tokens * run.shape.hidden * run.activation_bytes
     what = f"send activations or their grads to another stage x{sends} per micro-step"
+    microbatches = run.layout.options.pp_microbatches
+    calls = [Calls("send_recv", run.micro_steps * sends * microbatches,
+                   run.tokens * run.shape.hidden * run.activation_bytes // microbatches)]
     last = pipeline.num_stages - 1
     if owner[0] != owner[last] and (0 in stages or last in stages):
         names = {f"{pipeline.attribute}.{name}" for pair in pipeline.split.tied for name in pair}
         tied = sum(shard.bytes for shard in run.holding.params if shard.name in names)
         if tied:  # an all-reduce over the pair of ranks holding the two copies: 2B(2-1)/2
             moved, what = moved + tied, what + " + all-reduce tied weights' grads"
-    return moved, what
+            calls.append(Calls("all_reduce", 1, tied))
+    return moved, what, calls
 
 
-def _cp(run: _Run, size: int) -> tuple[int, str]:
+def _cp(run: _Run, size: int) -> Priced:
     tp = run.layout.dims["tp"]
     elements = 2 * run.tokens * run.shape.kv_dim // tp
     grad_bytes = max(run.activation_bytes, 4)  # dK/dV accumulate and travel in fp32 (fp64 for fp64)
     moved = run.micro_steps * run.blocks * elements * (2 * (size - 1) * run.activation_bytes + size * grad_bytes)
-    return moved, "ring attention: K/V round the ring forward and again backward, their grads following them home"
+    hops = run.micro_steps * run.blocks
+    calls = [Calls("send_recv", hops * 2 * (size - 1), elements * run.activation_bytes),
+             Calls("send_recv", hops * size, elements * grad_bytes)]
+    return (moved, "ring attention: K/V round the ring forward and again backward, their grads following them home",
+            calls)
 
 
-def _ep(run: _Run, size: int) -> tuple[int, str]:
+def _ep(run: _Run, size: int) -> Priced:
     shape = run.shape
     moe_blocks = run.moe_blocks
     rows = run.tokens * shape.top_k * shape.hidden * run.activation_bytes
     moved = run.micro_steps * moe_blocks * 4 * rows * (size - 1) // size
-    return moved, f"all-to-all tokens x{4 * moe_blocks} per micro-step (dispatch + combine, forward + backward)"
+    return (moved, f"all-to-all tokens x{4 * moe_blocks} per micro-step (dispatch + combine, forward + backward)",
+            [Calls("all_to_all", run.micro_steps * moe_blocks * 4, rows)])
 
 
 PRICES = {"fsdp": _fsdp, "dp_replicate": _dp_replicate, "tp": _tp, "pp": _pp, "cp": _cp, "ep": _ep,

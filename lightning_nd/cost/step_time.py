@@ -47,6 +47,10 @@ class StepTime:
     total_s: float
     flops_per_step: float
     """The FLOPs this rank executes per step (recomputation included)."""
+    overhead_s: float = 0.0
+    """Eager per-operation overhead (a measured profile's; datasheet presets count none)."""
+    priced_by: str = ""
+    """What priced it: a preset's name or ``profile of <host>``."""
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> int:
@@ -75,7 +79,7 @@ def step_time(layout: Layout, shape: ModelShape, workload: Workload, hardware: H
     bubble = (theoretical_bubble(options.pp_schedule, dims["pp"], options.pp_microbatches,
                                  options.pp_stages_per_rank) if dims["pp"] > 1 else 0.0)
     return StepTime(compute_s=compute_s, comm_s=comm_s, link=link, exposed_comm_s=exposed_s, bubble_fraction=bubble,
-                    total_s=(compute_s + exposed_s) / (1 - bubble), flops_per_step=flops)
+                    total_s=(compute_s + exposed_s) / (1 - bubble), flops_per_step=flops, priced_by=hardware.name)
 
 
 def within_nodes(groups: list[list[int]], gpus_per_node: int) -> bool:

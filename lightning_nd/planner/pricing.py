@@ -31,6 +31,13 @@ class Pricing:
     profile_path: Path | None = None
 
 
+def priced_by(priced: Pricing) -> str:
+    """What prices the tables, as their headers say it: the preset's name, or the profile's host, file and age."""
+    if priced.profile is None:
+        return priced.hardware.name
+    return f"the profile of {priced.profile.host} ({priced.profile_path}, measured {priced.profile.created})"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", action="store_true", help="measure this host now (at most 30 s), cache its"
                         " profile, print where and what it measured, and exit; with --devices N: measured with N"

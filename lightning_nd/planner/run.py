@@ -18,6 +18,7 @@ from typing import Any
 from lightning_nd.cost.hardware import PRESETS, parse_bytes
 from lightning_nd.cost.layout_cost import LayoutCost, cost_layout
 from lightning_nd.cost.model_state import OPTIMIZER_STATES, check_optimizer
+from lightning_nd.cost.op_count import count_model_ops
 from lightning_nd.cost.shape import Workload, model_shape
 from lightning_nd.layout.describe import human_bytes
 from lightning_nd.layout.plan import PlanMemo
@@ -25,7 +26,7 @@ from lightning_nd.layout.record import Layout
 from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.planner.dry_run import dry_run, parse_layout, read_layout_arguments
 from lightning_nd.planner.params_only import params_only_markdown, params_only_rows
-from lightning_nd.planner.pricing import Pricing
+from lightning_nd.planner.pricing import Pricing, priced_by
 from lightning_nd.planner.search import Batching, Search, batch_options, print_progress, search
 from lightning_nd.planner.source import storage_line
 from lightning_nd.planner.table import model_state_arithmetic, planner_json, planner_markdown, why
@@ -74,9 +75,10 @@ def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any], 
         return dry_run(module, args.devices, sizes, {**options, **extra}, precision=precision,
                        gpus_per_node=gpus_per_node, memo=memo)
 
+    ops = count_model_ops(module) if priced.profile is not None else None
     result = search(plan, model_shape(module), args.devices, gpus_per_node, memory_bytes, batching,
                     optimizer=args.optimizer, hardware=hardware, options=options,
-                    progress=print_progress if sys.stderr.isatty() else None)
+                    progress=print_progress if sys.stderr.isatty() else None, profile=priced.profile, ops=ops)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     params = sum(p.numel() for p in module.parameters())
@@ -85,7 +87,7 @@ def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any], 
     else:
         print(f"# Planner: {params / 1e9:.2f}B parameters on {args.devices} GPUs ({gpus_per_node} per node,"
               f" {human_bytes(memory_bytes)} each), sequence {args.seq_len}, global batch {args.global_batch},"
-              f" {precision}, {args.optimizer}, {hardware.name}\n")
+              f" {precision}, {args.optimizer}, {priced_by(priced)}\n")
         print(storage_line(module, precision, getattr(module, "config_dtype", None)) + "\n")
         print(planner_markdown(result, memory_bytes, params=params, top=args.top))
         if args.explain:
@@ -137,7 +139,8 @@ def cost_section(layout: Layout, module: Any, args: argparse.Namespace, workload
         return None
     check_optimizer(args.optimizer)
     return cost_layout(layout, model_shape(module), workload, optimizer=args.optimizer,
-                       hardware=priced.hardware, gpus_per_node=args.gpus_per_node)
+                       hardware=priced.hardware, gpus_per_node=args.gpus_per_node, profile=priced.profile,
+                       ops=count_model_ops(module) if priced.profile is not None else None)
 
 
 def fit_line(layout_cost: LayoutCost, memory_bytes: int, workload: Workload) -> str:
@@ -171,7 +174,9 @@ def cost_markdown(layout: Layout, layout_cost: LayoutCost, params: int) -> str:
     lines += [f"| {dim} | {human_bytes(c['bytes'])} | {c['what']} |" for dim, c in cost["comm"].items()]
     time = cost["step_time"]
     if time:
-        lines += ["", f"Step time (estimate at peak FLOP/s): {time['total_s']:.3f} s = compute {time['compute_s']:.3f} s"
+        basis = (f"priced by the {time['priced_by']}" if time["priced_by"].startswith("profile")
+                 else "estimate at peak FLOP/s")
+        lines += ["", f"Step time ({basis}): {time['total_s']:.3f} s = compute {time['compute_s']:.3f} s"
                   f" + exposed communication {time['exposed_comm_s']:.3f} s, over (1 - bubble {time['bubble_fraction']:.1%})."]
     lines += ["", model_state_arithmetic(layout, layout_cost.peak, params)]
     return "\n".join(lines)

@@ -20,6 +20,8 @@ from typing import Any
 from lightning_nd.cost.hardware import Hardware
 from lightning_nd.cost.layout_cost import LayoutCost, cost_layout
 from lightning_nd.cost.memory import rank_memories
+from lightning_nd.cost.op_count import OpCount
+from lightning_nd.cost.profile import HostProfile
 from lightning_nd.cost.shape import ModelShape, Workload
 from lightning_nd.layout.record import Layout
 from lightning_nd.mesh.dims import divisors
@@ -82,8 +84,10 @@ def candidate_sizes(devices: int, gpus_per_node: int, shape: ModelShape) -> list
 def search(plan: Callable[[dict[str, int], dict[str, Any]], Layout], shape: ModelShape, devices: int,
            gpus_per_node: int, memory_bytes: int, batching: Batching, *, optimizer: str = "adamw",
            hardware: Hardware | None = None, options: dict[str, Any] | None = None,
-           progress: Callable[[str], None] | None = None) -> Search:
-    """``plan(sizes, options) -> Layout`` is the dry run (raises ValueError on an invalid layout)."""
+           progress: Callable[[str], None] | None = None, profile: HostProfile | None = None,
+           ops: OpCount | None = None) -> Search:
+    """``plan(sizes, options) -> Layout`` is the dry run (raises ValueError on an invalid layout); ``profile``: a
+    measured host that prices the step instead of ``hardware`` (``ops``: the model's counted operations)."""
     sizes_list = candidate_sizes(devices, gpus_per_node, shape)
     result = Search([])
     for index, sizes in enumerate(sizes_list):
@@ -104,7 +108,7 @@ def search(plan: Callable[[dict[str, int], dict[str, Any]], Layout], shape: Mode
             result.skipped[str(error).split(". ")[0]] += 1
             continue
         result.ranked.append(_least_recompute(layout, sizes, shape, workload, memory_bytes, optimizer, hardware,
-                                              gpus_per_node))
+                                              gpus_per_node, profile, ops))
     result.ranked.sort(key=lambda c: (not c.fits, c.cost.time.total_s if c.fits and c.cost.time else 0,
                                       c.cost.peak.peak_bytes))
     return result
@@ -136,10 +140,12 @@ def batch_options(sizes: dict[str, int], batching: Batching) -> tuple[Workload, 
 
 
 def _least_recompute(layout: Layout, sizes: dict[str, int], shape: ModelShape, workload: Workload, memory_bytes: int,
-                     optimizer: str, hardware: Hardware | None, gpus_per_node: int) -> Candidate:
+                     optimizer: str, hardware: Hardware | None, gpus_per_node: int, profile: HostProfile | None = None,
+                     ops: OpCount | None = None) -> Candidate:
     for mode in RECOMPUTE_ORDER:
         trial = replace(layout, options=replace(layout.options, activation_checkpointing=mode))
-        cost = cost_layout(trial, shape, workload, optimizer=optimizer, hardware=hardware, gpus_per_node=gpus_per_node)
+        cost = cost_layout(trial, shape, workload, optimizer=optimizer, hardware=hardware, gpus_per_node=gpus_per_node,
+                           profile=profile, ops=ops)
         fits = cost.peak.peak_bytes <= memory_bytes
         if fits:
             break

@@ -121,10 +121,14 @@ def test_refresh_profile_refuses_a_file(measured, tmp_path, capsys):
     assert "`--refresh-profile` measures this host" in capsys.readouterr().err
 
 
-def test_a_dry_run_priced_with_a_profile_file_prints_as_before(tmp_path, capsys):
+def test_a_dry_run_priced_with_a_profile_file_keeps_its_form_and_only_the_step_time_changes(tmp_path, capsys):
     path = synthetic_profile().save(tmp_path / "p.json")
     argv = ["--model", "examples.models.llama:Llama", "--devices", "2", "--layout", "tp=2", "--seq-len", "16", "--json"]
     assert main(argv) == 0
-    before = json.loads(capsys.readouterr().out)
+    preset = json.loads(capsys.readouterr().out)
     assert main([*argv, "--profile", str(path)]) == 0
-    assert json.loads(capsys.readouterr().out) == before
+    profiled = json.loads(capsys.readouterr().out)
+    preset_time, profiled_time = preset["cost"].pop("step_time"), profiled["cost"].pop("step_time")
+    assert profiled == preset and profiled_time.keys() == preset_time.keys()
+    assert (preset_time["priced_by"], profiled_time["priced_by"]) == ("h100", f"profile of {synthetic_profile().host}")
+    assert profiled_time["total_s"] > 1000 * preset_time["total_s"] and profiled_time["link"] == {"tp": "measured"}

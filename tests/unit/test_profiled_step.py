@@ -1,0 +1,65 @@
+"""`profiled_step_time`: a step priced by a measured host profile, term by term against sums worked out here from the
+profile's own numbers; and the planner labels what priced its tables."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_nd.cost.comm import comm_per_step
+from lightning_nd.cost.layout_cost import cost_layout
+from lightning_nd.cost.op_count import count_model_ops
+from lightning_nd.cost.profiled_step import profiled_step_time
+from lightning_nd.cost.shape import model_shape
+from lightning_nd.planner.dry_run import dry_run
+from tests.unit.host_profiles import synthetic_profile
+from tests.unit.test_cost_comm import DENSE, WORKLOAD
+
+PROFILE = synthetic_profile()
+
+
+def _step(sizes: dict, profile=PROFILE, ops=None, options: dict | None = None):
+    layout = dry_run(DENSE, 8 if sizes.get("pp", 1) > 1 or sizes.get("tp", 1) > 2 else 2, sizes, options or {})
+    return layout, profiled_step_time(layout, model_shape(DENSE.model), WORKLOAD, profile, ops)
+
+
+@pytest.mark.parametrize("sizes", [{"dp_shard": 2}, {"tp": 2}, {"dp_shard": 2, "tp": 4}])
+def test_each_collective_call_costs_the_profiles_latency(sizes):
+    """More latency per call adds exactly calls x the difference to that dim's time."""
+    slower = dataclasses.replace(PROFILE, collectives=tuple(
+        dataclasses.replace(fit, latency_s=fit.latency_s + 1e-3) for fit in PROFILE.collectives))
+    layout, base = _step(sizes)
+    _, late = _step(sizes, slower)
+    for dim, traffic in comm_per_step(layout, model_shape(DENSE.model), WORKLOAD).items():
+        calls = sum(c.count for c in traffic.calls)
+        assert calls > 0 and late.comm_s[dim] - base.comm_s[dim] == pytest.approx(calls * 1e-3, rel=1e-9), dim
+
+
+def test_tp_calls_are_one_all_reduce_per_row_parallel_layer_forward_and_backward_plus_embedding_and_head():
+    layout, _ = _step({"tp": 2})
+    calls = comm_per_step(layout, model_shape(DENSE.model), WORKLOAD)["tp"].calls
+    all_reduces = [c for c in calls if c.kind == "all_reduce"]
+    assert sum(c.count for c in all_reduces) == 2 * 2 * 4 + 2  # 2 row-parallel layers x 4 blocks, fwd + bwd
+
+
+def test_eager_overhead_is_the_counted_operations_times_the_profiles_time_per_operation():
+    ops = count_model_ops(DENSE)  # a meta-device model counts too
+    assert ops is not None
+    _, step = _step({"dp_shard": 2}, ops=ops)
+    _, doubled = _step({"dp_shard": 2}, dataclasses.replace(PROFILE, op_overhead_s=2 * PROFILE.op_overhead_s), ops)
+    assert step.overhead_s == pytest.approx(PROFILE.op_overhead_s * ops.total)
+    assert doubled.total_s - step.total_s == pytest.approx(step.overhead_s)
+
+
+def test_a_pipeline_divides_its_stage_by_one_minus_the_bubble():
+    _, step = _step({"pp": 2, "dp_shard": 4})
+    assert 0 < step.bubble_fraction < 1
+    assert step.total_s > step.compute_s and step.priced_by.startswith("profile of ")
+
+
+def test_cost_layout_prices_with_the_profile_when_one_is_given():
+    layout = dry_run(DENSE, 2, {"dp_shard": 2}, {})
+    priced = cost_layout(layout, model_shape(DENSE.model), WORKLOAD, profile=PROFILE).time
+    preset = cost_layout(layout, model_shape(DENSE.model), WORKLOAD, hardware=None)
+    assert priced is not None and priced.priced_by == f"profile of {PROFILE.host}" and preset.time is None
