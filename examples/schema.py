@@ -100,6 +100,7 @@ class DiagnosticsSchema:
     bottleneck_every_n_steps: int = 10
     routing: bool = True
     routing_every_n_steps: int = 10
+    profile: Optional[str] = None  # noqa: UP045
 
 
 @dataclasses.dataclass
@@ -113,7 +114,7 @@ class SearchSchema:
     timeout_s: float = 600.0
     global_batch: Optional[int] = None  # noqa: UP045
     memory: Optional[str] = None  # noqa: UP045
-    hardware: Optional[str] = None  # noqa: UP045
+    profile: str = "host"
 
 
 def schemas() -> dict[str, type]:

@@ -24,14 +24,17 @@ from omegaconf import DictConfig
 from diagnostics.analysis.compare import compare
 from diagnostics.records import RUN_FILE, RunRecord, find_runs, to_json, write_atomic
 from diagnostics.report.compare_card import write_comparison
-from lightning_nd.cost.hardware import parse_bytes, parse_hardware
+from lightning_nd.cost.hardware import parse_bytes
+from lightning_nd.cost.op_count import count_model_ops
 from lightning_nd.mesh.dims import DIM_NAMES
+from lightning_nd.planner.pricing import Pricing, choose_pricing, priced_by
 from lightning_nd.planner.search import Candidate, describe_sizes
 from lightning_nd.planner.shortlist import Shortlist, per_rank_batch, shortlist
 from lightning_nd.planner.source import Holder
 
 SCRIPT = Path(__file__).resolve()
-OWN_KEYS = ("parallel", "search", "hydra.", "trainer.max_steps", "trainer.limit_val_batches", "checkpoint.")
+OWN_KEYS = ("parallel", "search", "hydra.", "trainer.max_steps", "trainer.limit_val_batches", "checkpoint.",
+            "diagnostics.profile")
 """Overrides the search sets itself on each measured run (the user's others are passed on)."""
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
                   "MASTER_PORT")
@@ -63,7 +66,7 @@ def _memory(cfg: DictConfig, ranks: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
 
 
-def plan_candidates(cfg: DictConfig, model_factory) -> tuple[Shortlist, int]:
+def plan_candidates(cfg: DictConfig, model_factory) -> tuple[Shortlist, int, Pricing]:
     devices, nodes = cfg.trainer.devices, int(cfg.trainer.num_nodes)
     if devices in (-1, "auto") and cfg.trainer.accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
         devices = torch.cuda.device_count()
@@ -71,16 +74,18 @@ def plan_candidates(cfg: DictConfig, model_factory) -> tuple[Shortlist, int]:
         raise ValueError(f"The layout search needs the number of ranks per node; `trainer.devices={devices}` does"
                          " not give it here. HINT: set `trainer.devices=N`.")
     ranks = devices * nodes
-    hardware = cfg.search.hardware or ("cpu" if cfg.trainer.accelerator == "cpu" else "h100")
+    priced = choose_pricing(cfg.search.profile, devices, knob="search.profile=")
     global_batch = cfg.search.global_batch or cfg.data.batch_size * ranks
     with torch.device("meta"):
-        model = model_factory(cfg.model)()
-    found = shortlist(Holder(model), ranks, devices, _memory(cfg, ranks), cfg.data.seq_len, global_batch,
-                      precision=str(cfg.trainer.precision), hardware=parse_hardware(hardware))
-    return found, global_batch
+        model = Holder(model_factory(cfg.model)())
+    found = shortlist(model, ranks, devices, _memory(cfg, ranks), cfg.data.seq_len, global_batch,
+                      precision=str(cfg.trainer.precision), hardware=priced.hardware, profile=priced.profile,
+                      ops=count_model_ops(model) if priced.profile is not None else None)
+    print(f"lightning-nd search: layouts priced by {priced_by(priced)}", flush=True)
+    return found, global_batch, priced
 
 
-def _measure(index: int, candidate: Candidate, passed: list[str], cfg: DictConfig, runs: Path) -> str:
+def _measure(index: int, candidate: Candidate, passed: list[str], cfg: DictConfig, runs: Path, priced: Pricing) -> str:
     """One measured run in its own process group; a run still going at the timeout is killed and recorded as a
     hang, one that left no record as a crash with its exit status."""
     folder = runs / str(index)
@@ -88,6 +93,7 @@ def _measure(index: int, candidate: Candidate, passed: list[str], cfg: DictConfi
     steps = int(cfg.search.steps)
     command = [sys.executable, str(SCRIPT.parent / "train.py"), *passed, *layout_overrides(candidate),
                f"trainer.max_steps={steps}", "trainer.limit_val_batches=0",
+               f"diagnostics.profile={priced.profile_path or priced.hardware.name}",
                f"diagnostics.bottleneck_every_n_steps={steps}",
                "checkpoint.save_top_k=0", "checkpoint.save_last=false", f"hydra.run.dir={folder}"]
     started, code = time.perf_counter(), None
@@ -121,7 +127,7 @@ def _stop(group: int) -> None:
 
 
 def run_search(cfg: DictConfig, overrides: list[str], output_dir: Path, model_factory) -> float:
-    found, global_batch = plan_candidates(cfg, model_factory)
+    found, global_batch, priced = plan_candidates(cfg, model_factory)
     chosen = list(found.ordered[:cfg.search.budget])
     print(f"lightning-nd search: {found.planned} valid layouts planned at a global batch of {global_batch}"
           f" ({len(found.dropped)} predicted not to fit, dropped; {len(found.skipped)} kinds of invalid size sets);"
@@ -136,7 +142,7 @@ def run_search(cfg: DictConfig, overrides: list[str], output_dir: Path, model_fa
         predicted = candidate.cost.time.total_s if candidate.cost.time is not None else float("nan")
         print(f"[{index + 1}/{len(chosen)}] {describe_sizes(candidate.sizes)} {candidate.options}"
               f" (predicted step {predicted * 1e3:.1f} ms) ...", flush=True)
-        print(f"[{index + 1}/{len(chosen)}] done: {_measure(index, candidate, passed, cfg, runs)}", flush=True)
+        print(f"[{index + 1}/{len(chosen)}] done: {_measure(index, candidate, passed, cfg, runs, priced)}", flush=True)
     comparison = compare(find_runs(runs))
     print("\n" + write_comparison(output_dir, comparison), flush=True)
     if comparison.best is None:

@@ -47,6 +47,7 @@ from examples.progress_bar import progress_bars
 from examples.schema import register
 from examples.search import run_search
 from lightning_nd import NDParallel
+from lightning_nd.planner.pricing import is_preset
 
 MODELS = {"llama": (Llama, LlamaConfig), "gpt": (GPT, GPTConfig)}
 
@@ -67,7 +68,7 @@ register()  # conf/'s typed schemas: a typo or a wrong type fails at composition
 def main(cfg: DictConfig) -> float:
     hydra_config = HydraConfig.get()
     overrides = list(hydra_config.overrides.task)
-    summary = RunSummary(log_dir=cfg.log_dir, overrides=overrides)
+    summary = RunSummary(log_dir=cfg.log_dir, overrides=overrides, **prices(cfg.diagnostics.profile))
     try:
         if cfg.search.enabled:  # Lightning's other ranks of an earlier job run the sweep too: one searches
             return run_search(cfg, overrides, Path(hydra_config.runtime.output_dir), model_factory) if (
@@ -110,6 +111,13 @@ def monitors(cfg: DictConfig, summary: RunSummary) -> list:
         memory=d.memory and {"log_every_n_steps": d.memory_every_n_steps},
         bottleneck=d.bottleneck and {"every_n_steps": d.bottleneck_every_n_steps},
         routing=d.routing and {"every_n_steps": d.routing_every_n_steps}, summary=False) + [summary]
+
+
+def prices(profile: str | None) -> dict[str, str]:
+    """`RunSummary`'s keyword for ``diagnostics.profile``: a preset name, or a profile file."""
+    if profile is None:
+        return {}
+    return {"hardware": profile} if is_preset(profile) else {"profile": profile}
 
 
 def budget_flag(argv: list[str]) -> list[str]:

@@ -4,7 +4,7 @@ At the end of fit: the layout, tokens per second over the batch ranks and the me
 first, median), the global batch, each rank's peak memory (one gather), the last bottleneck window's class, the first
 and the final loss, and what
 the planner's cost model predicts for this layout and the first batch (the strategy's `MemoryPlanned` event, the
-step time on the hardware preset the device matches). On a failure: refused, out of memory, hang or crash, with
+step time on the hardware preset the device matches, or priced by a host's measured profile when one is given). On a failure: refused, out of memory, hang or crash, with
 the error (rank 0 writes; no collective is called, the process group may be broken). A job that fails before any
 Trainer exists (a layout refused when the strategy is built) writes its record with `write_failure`.
 """
@@ -39,6 +39,8 @@ from diagnostics.records import (
 )
 from lightning_nd.cost.hardware import parse_hardware
 from lightning_nd.cost.layout_cost import cost_layout
+from lightning_nd.cost.op_count import OpCount, count_model_ops
+from lightning_nd.cost.profile import HostProfile
 from lightning_nd.cost.shape import Workload
 from lightning_nd.model.batch import token_shape, whole_tokens
 from lightning_nd.runtime.errors import exception_chain
@@ -56,14 +58,21 @@ def _chain(error: BaseException) -> tuple[tuple[str, ...], str]:
 
 
 class RunSummary(Callback):
-    def __init__(self, log_dir: str | None = None, overrides: Sequence[str] = (), hardware: str | None = None) -> None:
+    def __init__(self, log_dir: str | None = None, overrides: Sequence[str] = (), hardware: str | None = None,
+                 profile: str | None = None) -> None:
         """``log_dir``: where ``diagnostics/run.json`` goes (default: the Trainer's ``default_root_dir``).
         ``overrides``: the job's command-line overrides (the row's name and the line that repeats it).
         ``hardware``: the cost model's preset for the predicted step time (default: ``cpu`` on CPU, the preset
-        the CUDA device's name matches, else none)."""
+        the CUDA device's name matches, else none). ``profile``: a host profile file (``python -m lightning_nd.plan
+        --calibrate`` writes one) that prices the step instead, with the model's operations counted at setup."""
         if hardware is not None:
             parse_hardware(hardware)  # a bad name fails here, with its HINT
+        if hardware is not None and profile is not None:
+            raise ValueError(f"`RunSummary(hardware={hardware!r}, profile={profile!r})`: both price the predicted"
+                             " step. HINT: pass one.")
+        self.profile = HostProfile.load(Path(profile)) if profile is not None else None  # a bad file fails here
         self._log_dir, self.overrides, self.hardware = log_dir, tuple(overrides), hardware
+        self.ops: OpCount | None = None
         self.layout: Any = None
         self.shape: Any = None
         self.planned: Any = None
@@ -82,6 +91,10 @@ class RunSummary(Callback):
     def folder(self, trainer: Trainer | None = None) -> Path:
         root = self._log_dir or (trainer.default_root_dir if trainer is not None else ".")
         return Path(root) / "diagnostics"
+
+    def on_nd_layout_ready(self, strategy: Any, event: Any) -> None:
+        if self.profile is not None and event.model is not None and strategy.global_rank == 0:
+            self.ops = count_model_ops(event.model)
 
     def on_nd_layout_applied(self, strategy: Any, event: Any) -> None:
         self.layout, self.shape = event.layout, event.shape
@@ -220,10 +233,12 @@ class RunSummary(Callback):
             return None, None, None
         name = device_preset(pl_module.device, self.hardware)
         step = None
-        if name is not None and self.layout is not None and self.shape is not None:
+        if (name is not None or self.profile is not None) and self.layout is not None and self.shape is not None:
             cost = cost_layout(self.layout, self.shape, Workload(**planned.workload), optimizer=planned.optimizer,
-                               hardware=parse_hardware(name), gpus_per_node=trainer.num_devices)
+                               hardware=parse_hardware(name) if name else None, gpus_per_node=trainer.num_devices,
+                               profile=self.profile, ops=self.ops)
             step = cost.time.total_s if cost.time is not None else None
+            name = cost.time.priced_by if cost.time is not None else name
         return step, float(planned.peak["peak_bytes"]), name
 
     def _bottleneck(self, trainer: Trainer) -> str | None:

@@ -57,7 +57,8 @@ class RunRecord:
     predicted_peak_bytes: float | None = None
     """The planner's step time and highest per-rank peak for this layout and the first batch's shape."""
     hardware: str | None = None
-    """The cost model's hardware preset the prediction used (``cpu``, ``h100``, ...)."""
+    """What priced the predicted step: the cost model's hardware preset (``cpu``, ``h100``, ...) or a host's
+    measured profile (``profile of <host> (measured <day>)``)."""
 
     @property
     def peak(self) -> float | None:

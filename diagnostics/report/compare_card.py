@@ -80,6 +80,10 @@ def compare_markdown(comparison: Comparison, folder: str) -> str:
               " after the first. Predicted: the planner's cost model for the run's layout and first batch (in brackets:"
               " predicted / measured; memory only where both count the CUDA allocator's peak, a CPU run measures"
               " its process's resident set, runtime included)."]
+    priced = sorted({row.record.hardware for row in comparison.rows if row.record is not None
+                     and row.record.predicted_step_s is not None and row.record.hardware})
+    if priced:
+        lines += ["", f"Predicted steps priced by: {'; '.join(priced)}."]
     lines += [f"- {note}" for note in comparison.notes]
     return "\n".join(lines) + "\n"
 

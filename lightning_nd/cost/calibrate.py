@@ -96,10 +96,15 @@ def calibrate(world_sizes: Sequence[int] | None = None, shapes: Sequence[tuple[i
 def host_profile(*, refresh: bool = False, processes: int | None = None, dtypes: Sequence[str] | None = None,
                  budget_s: float = 30.0, progress: Callable[[str], None] = to_stderr) -> tuple[HostProfile, Path]:
     """This host's cached profile and its file; measured and cached first when there is none, it was measured by
-    another host, torch or backend, or ``refresh``. Default dtypes: float32, and bfloat16 on GPU."""
+    another host, torch or backend or with another number of ``processes`` at once (when given: 4 processes share
+    2 cores unlike 2 do), or ``refresh``. Default dtypes: float32, and bfloat16 on GPU."""
     backend = default_backend()
     path = cache_path(backend)
     profile = None if refresh else cached_profile(backend)
+    if profile is not None and processes is not None and profile.processes != processes:
+        progress(f"the cached profile {path} was measured with {profile.processes} processes at once, this layout"
+                 f" starts {processes}: measuring again")
+        profile = None
     if profile is None:
         dtypes = dtypes or (("float32", "bfloat16") if backend == "nccl" else ("float32",))
         profile = calibrate(None, None, dtypes, processes, budget_s, progress)

@@ -74,7 +74,12 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     flops = flops_per_token(shape, workload.seq_len) * batch * workload.seq_len * micro_steps * recompute / (tp * cp * pp)
     return StepTime(compute_s=compute + optimizer, comm_s=comm, link=dict.fromkeys(comm, "measured"),
                     exposed_comm_s=sum(comm.values()), bubble_fraction=bubble, total_s=total, flops_per_step=flops,
-                    overhead_s=overhead * micro_steps, priced_by=f"profile of {profile.host}")
+                    overhead_s=overhead * micro_steps, priced_by=profile_label(profile))
+
+
+def profile_label(profile: HostProfile) -> str:
+    """How a table names what priced it: the host and the day it was measured."""
+    return f"profile of {profile.host} (measured {profile.created[:10]})"
 
 
 def _blocks_on(layout: Layout, stages: tuple[int, ...]) -> int:

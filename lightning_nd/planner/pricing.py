@@ -54,24 +54,35 @@ def pricing(args: argparse.Namespace) -> Pricing:
     chosen = args.profile or (HOST if args.refresh_profile else None)
     if chosen is None:
         return Pricing(parse_hardware(args.hardware or DEFAULT_HARDWARE))
-    if chosen.split(",")[0].strip().lower() in PRESETS:
-        if args.hardware or args.refresh_profile:
-            given = f"--hardware {args.hardware}" if args.hardware else "--refresh-profile"
-            raise ValueError(f"`--profile {chosen}` names a preset, and `{given}` was given too. HINT: pass the"
-                             " preset once, as `--hardware` or as `--profile`.")
-        return Pricing(parse_hardware(chosen))
+    if is_preset(chosen) and (args.hardware or args.refresh_profile):
+        given = f"--hardware {args.hardware}" if args.hardware else "--refresh-profile"
+        raise ValueError(f"`--profile {chosen}` names a preset, and `{given}` was given too. HINT: pass the"
+                         " preset once, as `--hardware` or as `--profile`.")
     if args.refresh_profile and chosen != HOST:
         raise ValueError(f"`--refresh-profile` measures this host, `--profile {chosen}` reads a file. HINT: drop one,"
                          f" or pass `--profile {HOST} --refresh-profile`.")
+    return choose_pricing(chosen, _processes(args), hardware=args.hardware, refresh=args.refresh_profile)
+
+
+def is_preset(chosen: str) -> bool:
+    return chosen.split(",")[0].strip().lower() in PRESETS
+
+
+def choose_pricing(chosen: str, processes: int | None, *, hardware: str | None = None, refresh: bool = False,
+                   knob: str = "--profile ") -> Pricing:
+    """``chosen``: a preset, `host` (this host's cached profile, measured first with ``processes`` at once when
+    there is none or ``refresh``) or a profile file; ``knob`` is how errors name what chose it."""
+    if is_preset(chosen):
+        return Pricing(parse_hardware(chosen))
     if chosen == HOST:
-        profile, path = host_profile(refresh=args.refresh_profile, processes=_processes(args))
+        profile, path = host_profile(refresh=refresh, processes=processes)
     else:
         path = Path(chosen)
         if not path.is_file():
-            raise ValueError(f"`--profile {chosen}` is neither a file nor a preset. HINT: pass a profile written by"
+            raise ValueError(f"`{knob}{chosen}` is neither a file nor a preset. HINT: pass a profile written by"
                              f" `--calibrate`, `{HOST}`, or one of {', '.join(PRESETS)}.")
         profile = HostProfile.load(path)
-    return Pricing(parse_hardware(args.hardware or DEFAULT_HARDWARE), profile, path)
+    return Pricing(parse_hardware(hardware or DEFAULT_HARDWARE), profile, path)
 
 
 def calibrate_command(args: argparse.Namespace) -> int:

@@ -16,6 +16,8 @@ from typing import Any
 from torch import nn
 
 from lightning_nd.cost.hardware import Hardware
+from lightning_nd.cost.op_count import OpCount
+from lightning_nd.cost.profile import HostProfile
 from lightning_nd.cost.shape import model_shape
 from lightning_nd.layout.plan import PlanMemo
 from lightning_nd.layout.record import Layout
@@ -64,10 +66,12 @@ def _key(candidate: Candidate) -> tuple:
 def shortlist(module: nn.Module, devices: int, gpus_per_node: int, memory_bytes: int, seq_len: int,
               global_batch: int, *, precision: str = "32-true", hardware: Hardware | None = None,
               optimizer: str = "adamw", options: dict[str, Any] | None = None,
-              progress: Callable[[str], None] | None = None) -> Shortlist:
+              progress: Callable[[str], None] | None = None, profile: HostProfile | None = None,
+              ops: OpCount | None = None) -> Shortlist:
     """``module``: the model on the meta device (a `Holder` or a LightningModule); one optimizer step is
     ``global_batch`` samples of ``seq_len`` tokens on every layout, without gradient accumulation outside pp (each
-    batch rank loads ``global_batch / dp`` samples); under pp every microbatch count that divides it."""
+    batch rank loads ``global_batch / dp`` samples); under pp every microbatch count that divides it. ``profile``: a
+    measured host pricing the steps instead of ``hardware`` (``ops``: the model's counted operations)."""
     memo = PlanMemo()
     shape = model_shape(module)
     fixed = options or {}
@@ -85,7 +89,7 @@ def shortlist(module: nn.Module, devices: int, gpus_per_node: int, memory_bytes:
             progress(f"planning variant {index + 1}/{len(stages) * len(micro_batches)}")
         result = search(plan, shape, devices, gpus_per_node, memory_bytes,
                         Batching(seq_len, global_batch, micro, precision), optimizer=optimizer, hardware=hardware,
-                        options={**fixed, "zero_stage": zero})
+                        options={**fixed, "zero_stage": zero}, profile=profile, ops=ops)
         skipped.update(result.skipped)
         for candidate in result.ranked:
             if candidate.sizes["pp"] == 1 and candidate.workload.accumulation != 1:

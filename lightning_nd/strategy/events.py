@@ -27,7 +27,7 @@ Who delivers what, and when:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from lightning_nd.cost.shape import ModelShape
@@ -38,6 +38,7 @@ __all__ = ["OUT_OF_MEMORY_WORDS"]  # for listeners: how an out-of-memory error (
 
 if TYPE_CHECKING:
     from lightning.pytorch.strategies import Strategy
+    from torch import nn
 
 log = logging.getLogger("lightning_nd")
 
@@ -79,6 +80,9 @@ class ProcessGroupsCreated(Event):
 class LayoutReady(Event):
     hook: ClassVar[str] = "on_nd_layout_ready"
     layout: Layout
+    model: nn.Module | None = field(default=None, compare=False, repr=False)
+    """The whole model the Layout will split, before the composer touches it (on the meta device when
+    `configure_model` built it there): read it during the call, never keep or change it."""
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ class RunPlan:
             self.layout = self._plan(model, where)
         layout = self.layout
         if self.bus.wants(LayoutReady):
-            self.bus.emit(LayoutReady(layout))
+            self.bus.emit(LayoutReady(layout, model))
         self.preflight.layout_ready(model, layout, self.config, where.local_world_size, where.rank)
         if where.rank == 0 and log_dir:
             path = Path(log_dir) / LAYOUT_FILE

@@ -19,6 +19,7 @@ from tensorboard.util.tensor_util import make_ndarray
 
 from diagnostics.records import LABELS
 from tests.launcher import exits, start
+from tests.unit.host_profiles import synthetic_profile
 
 TORCHRUN_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
@@ -123,12 +124,17 @@ def test_hydra_sweep_runs_every_layout_and_ends_with_the_comparison(tmp_path):
 
 
 def test_layout_search_measures_the_planners_first_layouts_and_gives_a_line_that_runs(tmp_path):
+    profile = synthetic_profile().save(tmp_path / "profile.json")  # pinned: the order does not follow this host
     done = run_train_script(["-m", "parallel=search", "trainer.devices=4", "--budget", "2", "search.steps=4",
-                             f"hydra.sweep.dir={tmp_path}"])
+                             f"search.profile={profile}", f"hydra.sweep.dir={tmp_path}"])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "valid layouts planned at a global batch of 32" in done.stdout and "measuring 2" in done.stdout
+    assert f"layouts priced by the profile of {synthetic_profile().host} ({profile}," in done.stdout
     table = json.loads((tmp_path / "0" / "compare.json").read_text())
     assert [row["status"] for row in table["rows"]] == ["ok", "ok"] and table["best"] in ("0", "1")
+    label = f"profile of {synthetic_profile().host} (measured 2025-01-01)"  # the table priced as the search ranked
+    assert all(row["record"]["hardware"] == label and row["record"]["predicted_step_s"] > 0 for row in table["rows"])
+    assert f"Predicted steps priced by: {label}." in done.stdout
     layouts = {row["layout"] for row in table["rows"]}
     assert len(layouts) == 2, layouts  # two different sets of dim sizes, not one layout's knobs twice
     assert done.stdout.count("### Sweep comparison") == 1

@@ -78,7 +78,8 @@ def measured(monkeypatch, tmp_path):
     """The profile cache in ``tmp_path``; a calibration returns `synthetic_profile` at once, counted."""
     monkeypatch.setenv("LIGHTNING_ND_PROFILE_DIR", str(tmp_path))
     calls = []
-    monkeypatch.setattr(calibrate_module, "calibrate", lambda *args: calls.append(args) or synthetic_profile())
+    monkeypatch.setattr(calibrate_module, "calibrate",
+                        lambda *args: calls.append(args) or synthetic_profile(processes=args[3] or 8))
     return calls
 
 
@@ -87,7 +88,7 @@ def test_calibrate_flag_measures_caches_and_prints(measured, capsys):
     assert measured[0][3] == 4  # processes
     out = capsys.readouterr().out
     assert str(cache_path("gloo")) in out and "| all_reduce | 8 | 200 us | 2.00 GB/s | 4.00 KiB to 4.00 MiB (3) |" in out
-    assert HostProfile.load(cache_path("gloo")) == synthetic_profile()
+    assert HostProfile.load(cache_path("gloo")) == synthetic_profile(processes=4)
 
 
 def test_profile_flag_reads_a_file_the_host_cache_or_a_preset(measured, tmp_path):
@@ -97,11 +98,20 @@ def test_profile_flag_reads_a_file_the_host_cache_or_a_preset(measured, tmp_path
     path = synthetic_profile(host="elsewhere").save(tmp_path / "shared.json")
     chosen = pricing(parse(["--devices", "4", "--profile", str(path)]))
     assert chosen.profile.host == "elsewhere" and chosen.profile_path == path and chosen.hardware.name == "h100"
-    assert pricing(parse(["--devices", "4", "--profile", "host"])).profile == synthetic_profile() and len(measured) == 1
+    assert pricing(parse(["--devices", "4", "--profile", "host"])).profile == synthetic_profile(processes=4)
+    assert len(measured) == 1
     assert pricing(parse(["--devices", "4", "--profile", "host"])).profile_path == cache_path("gloo")
     assert len(measured) == 1, "cached: measured once"
     pricing(parse(["--devices", "4", "--refresh-profile"]))
     assert len(measured) == 2
+
+
+def test_a_profile_measured_with_another_number_of_processes_is_measured_again(measured, capsys):
+    parse = build_parser().parse_args
+    assert pricing(parse(["--devices", "4", "--profile", "host"])).profile.processes == 4
+    assert pricing(parse(["--devices", "8", "--profile", "host"])).profile.processes == 8 and len(measured) == 2
+    assert "measured with 4 processes at once, this layout starts 8: measuring again" in capsys.readouterr().err
+    assert pricing(parse(["--devices", "8", "--profile", "host"])).profile.processes == 8 and len(measured) == 2
 
 
 @pytest.mark.parametrize(("argv", "match"), [
@@ -130,5 +140,5 @@ def test_a_dry_run_priced_with_a_profile_file_keeps_its_form_and_only_the_step_t
     profiled = json.loads(capsys.readouterr().out)
     preset_time, profiled_time = preset["cost"].pop("step_time"), profiled["cost"].pop("step_time")
     assert profiled == preset and profiled_time.keys() == preset_time.keys()
-    assert (preset_time["priced_by"], profiled_time["priced_by"]) == ("h100", f"profile of {synthetic_profile().host}")
+    assert (preset_time["priced_by"], profiled_time["priced_by"]) == ("h100", f"profile of {synthetic_profile().host} (measured 2025-01-01)")
     assert profiled_time["total_s"] > 1000 * preset_time["total_s"] and profiled_time["link"] == {"tp": "measured"}

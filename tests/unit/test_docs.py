@@ -157,7 +157,7 @@ TRAINING = [c for c in COMMANDS if kind(c[1]) in ("examples/train.py", "torchrun
 
 
 @pytest.mark.parametrize("file, argv", TRAINING, ids=_ids(TRAINING))
-def test_training_commands_compose_and_plan_as_written(file, argv):
+def test_training_commands_compose_and_plan_as_written(file, argv, tmp_path):
     from examples.train import model_factory
     from lightning_nd.planner.dry_run import dry_run
     from lightning_nd.planner.source import Holder
@@ -169,8 +169,10 @@ def test_training_commands_compose_and_plan_as_written(file, argv):
         world = cfg.trainer.devices * cfg.trainer.num_nodes
         if cfg.search.enabled:
             from examples.search import plan_candidates
+            from tests.unit.host_profiles import synthetic_profile
 
-            found, _ = plan_candidates(cfg, model_factory)
+            cfg.search.profile = str(synthetic_profile().save(tmp_path / "profile.json"))  # not this host's
+            found, _, _ = plan_candidates(cfg, model_factory)
             assert len(found.ordered) >= cfg.search.budget
             continue
         with torch.device("meta"):

@@ -62,4 +62,4 @@ def test_cost_layout_prices_with_the_profile_when_one_is_given():
     layout = dry_run(DENSE, 2, {"dp_shard": 2}, {})
     priced = cost_layout(layout, model_shape(DENSE.model), WORKLOAD, profile=PROFILE).time
     preset = cost_layout(layout, model_shape(DENSE.model), WORKLOAD, hardware=None)
-    assert priced is not None and priced.priced_by == f"profile of {PROFILE.host}" and preset.time is None
+    assert priced is not None and priced.priced_by == f"profile of {PROFILE.host} (measured 2025-01-01)" and preset.time is None
