@@ -10,7 +10,8 @@ model: the example's ``data.batch_size`` x 4; one layout per set of dim sizes fi
 ranks once (torchrun). The ranks train every layout as the example does (`examples.lit.CausalLM`, its data,
 `NDParallel`), in ``--rounds`` interleaved rounds (every layout of every model once per round, the order rotated) so
 the host's drift falls on all alike; a layout's step is the median over rounds of the slowest rank's median step
-after 2 warm-up steps. Then one untimed run per layout measures the highest rank's tensor memory with torch's
+after 2 warm-up steps, from a batch's start to its end (forward, backward, collectives, optimizer: what the cost
+model prices; the data loader's time between steps is the user's pipeline, not the layout's, and is printed apart). Then one untimed run per layout measures the highest rank's tensor memory with torch's
 `MemTracker` (`benchmarks.common.PeakMemory`). ``llama_wide`` (twice the width, half the depth) is the model the step
 model was not written against.
 
@@ -30,7 +31,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+from lightning.pytorch import Callback
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -97,6 +101,25 @@ def train(row: dict, steps: int, callbacks: list) -> None:
     trainer.fit(CausalLM(model_factory=model_factory(cfg.model), lr=cfg.lr), datamodule=TokenDataModule(**data))
 
 
+class InStep(Callback):
+    """Each step's time from its batch's start to its end, and the time between steps, after the warm-up."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def on_train_batch_start(self, *_: object) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, *_: object) -> None:
+        self.ends.append(time.perf_counter())
+
+    def medians(self) -> tuple[float, float]:
+        steps = [end - start for start, end in zip(self.starts, self.ends)][WARMUP:]
+        between = [start - end for end, start in zip(self.ends, self.starts[1:])][WARMUP:]
+        return statistics.median(steps), statistics.median(between)
+
+
 def slowest(value: float) -> float:
     import torch
     import torch.distributed as dist
@@ -110,7 +133,7 @@ def ranks_main(plan_file: Path, out_file: Path, rounds: int, steps: int) -> None
     """On each of the 4 ranks: every layout timed in interleaved rounds, then its memory measured untimed."""
     import warnings
 
-    from benchmarks.common import PeakMemory, StepTimer
+    from benchmarks.common import PeakMemory
 
     warnings.filterwarnings("ignore")
     rows = json.loads(plan_file.read_text())
@@ -118,9 +141,11 @@ def ranks_main(plan_file: Path, out_file: Path, rounds: int, steps: int) -> None
     for round_ in range(rounds):
         order = list(range(len(rows)))
         for index in order[round_ % len(order):] + order[:round_ % len(order)]:
-            timer = StepTimer(WARMUP)
+            timer = InStep()
             train(rows[index], steps, [timer])
-            rows[index].setdefault("steps_s", []).append(slowest(statistics.median(timer.step_times)))
+            step, between = timer.medians()
+            rows[index].setdefault("steps_s", []).append(slowest(step))
+            rows[index].setdefault("between_s", []).append(slowest(between))
             if first:
                 print(f"round {round_ + 1}/{rounds} {rows[index]['model']} {rows[index]['layout']}:"
                       f" {rows[index]['steps_s'][-1] * 1e3:.0f} ms", flush=True)
@@ -138,13 +163,14 @@ def report(rows: list[dict]) -> None:
         for row in mine:
             row["measured_s"] = statistics.median(row["steps_s"])
         print(f"\n## {name}: {len(mine)} layouts\n\n| planner rank | layout | knobs | predicted step | measured step |"
-              " predicted / measured | measured rank | predicted memory | measured memory | predicted / measured |"
-              "\n|---|---|---|---|---|---|---|---|---|---|")
+              " predicted / measured | measured rank | between steps | predicted memory | measured memory |"
+              " predicted / measured |\n|---|---|---|---|---|---|---|---|---|---|---|")
         by_measured = sorted(mine, key=lambda r: r["measured_s"])
         for row in mine:
             print(f"| {row['rank']} | `{row['layout']}` | {row['options']} | {row['predicted_s'] * 1e3:.1f} ms |"
                   f" {row['measured_s'] * 1e3:.1f} ms | {row['predicted_s'] / row['measured_s']:.2f} |"
-                  f" {by_measured.index(row) + 1} | {row['predicted_bytes'] / 2**20:.2f} MiB |"
+                  f" {by_measured.index(row) + 1} | {statistics.median(row['between_s']) * 1e3:.1f} ms |"
+                  f" {row['predicted_bytes'] / 2**20:.2f} MiB |"
                   f" {row['measured_bytes'] / 2**20:.2f} MiB | {row['predicted_bytes'] / row['measured_bytes']:.2f} |")
         step_errors = [abs(r["predicted_s"] / r["measured_s"] - 1) for r in mine]
         memory_errors = [abs(r["predicted_bytes"] / r["measured_bytes"] - 1) for r in mine]
@@ -177,8 +203,6 @@ def main() -> None:
     if args.ranks:
         ranks_main(Path(args.ranks[0]), Path(args.ranks[1]), args.rounds, args.steps)
         return
-    import time
-
     from lightning_nd.cost.calibrate import host_profile
 
     started = time.perf_counter()

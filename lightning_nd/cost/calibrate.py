@@ -33,6 +33,7 @@ import torch
 from lightning_nd.cost.profile import (
     COLLECTIVES,
     CollectiveFit,
+    FrameworkPoint,
     HostProfile,
     MatmulPoint,
     cache_path,
@@ -192,4 +193,8 @@ def _profile(results: list[dict[str, Any]], backend: str, processes: int, second
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), calibration_s=round(seconds, 2),
         processes=processes, matmul=tuple(matmul),
         memory_bytes_per_s=statistics.median(r["memory_bytes_per_s"] for r in results),
-        op_overhead_s=statistics.median(r["op_overhead_s"] for r in results), collectives=tuple(collectives))
+        op_overhead_s=statistics.median(r["op_overhead_s"] for r in results), collectives=tuple(collectives),
+        framework=tuple(FrameworkPoint(int(point[0]), *(statistics.median(r["framework"][i][j] for r in results)
+                                                         for j in (1, 2, 3, 4)))
+                        for i, point in enumerate(results[0].get("framework", []))),
+        adam_tensor_s=statistics.median(r["adam_tensor_s"] for r in results) if "adam_tensor_s" in results[0] else None)

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-SHARES = {"overhead": 0.04, "memory": 0.08, "matmul": 0.38}
+from lightning_nd.cost.framework_benchmarks import framework_steps, training_op_s
+
+SHARES = {"overhead": 0.04, "memory": 0.08, "matmul": 0.28, "framework": 0.15}
 """Of the time left once the processes have started, what each compute step may spend (the matmuls twice as much
 without collectives); the collectives take the rest."""
 MIN_REPETITIONS, MAX_REPETITIONS = 2, 50
@@ -85,9 +87,8 @@ class Bench:
 def compute_steps(bench: Bench, budget_s: float) -> dict[str, Any]:
     """Eager overhead, memory-bound throughput and matmul throughput of this rank, all ranks at once."""
     plan, device = bench.plan, bench.device
-    tiny = torch.ones(1, device=device)
-    bench.say("eager overhead")
-    overhead_s = bench.seconds_per_call(partial(torch.add, tiny, tiny), budget_s * SHARES["overhead"])
+    bench.say("eager overhead of a training operation")
+    overhead_s = training_op_s(bench.seconds_per_call, budget_s * SHARES["overhead"])
     bench.say("memory-bound add")
     elements = MEMORY_ELEMENTS[device.type]
     left, right, out = (torch.rand(elements, device=device) for _ in range(3))
@@ -215,6 +216,10 @@ def main(plan_path: str, rank: int) -> None:
                             device_id=bench.device if bench.cuda else None)
     (left,) = bench.agree(max(bench.left(), 0.0))
     result = compute_steps(bench, left)
+    if not bench.cuda:  # FSDP, DTensor and AdamW's per-call overheads (on GPU the launches overlap the kernels)
+        bench.say("FSDP units, DTensor operations and AdamW updates")
+        result |= framework_steps(bench.seconds_per_call, sorted({1, *plan["group_sizes"]}), bench.world,
+                                  left * SHARES["framework"])
     if plan["group_sizes"]:
         result["collectives"] = collective_steps(bench, bench.left())
     result["device"] = device_name(bench)

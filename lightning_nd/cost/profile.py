@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-SCHEMA = 1
+SCHEMA = 2
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 LONGEST_LINK_S_PER_BYTE = 1e-15
 """The smallest seconds per byte a fit keeps (1 PB/s): above every link, so a fit whose times do not grow with the
@@ -47,6 +47,24 @@ class MatmulPoint:
     @property
     def flops(self) -> int:
         return 2 * self.m * self.n * self.k
+
+
+@dataclass(frozen=True)
+class FrameworkPoint:
+    """The parallel frameworks' own cost per call over groups of ``group_size`` ranks, on tiny tensors
+    (`framework_benchmarks.py`)."""
+
+    group_size: int
+    fsdp_unit_s: float
+    """One FSDP2 unit's forward and backward beyond the same layer's without FSDP: hooks and the unit's three
+    collectives at a few bytes."""
+    dtensor_op_s: float
+    """One DTensor operation and its backward."""
+    dtensor_adam_s: float
+    """AdamW's update of one DTensor parameter."""
+    tp_pair_s: float = 0.0
+    """A column-wise then row-wise parallel linear pair's forward and backward beyond the unsplit pair's: DTensor
+    wrapping and the pair's two all-reduces, as the ranks drift in a step."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +127,13 @@ class HostProfile:
     memory_bytes_per_s: float
     """Bytes read plus written per second by an elementwise add of tensors larger than the caches."""
     op_overhead_s: float
-    """Seconds of one tiny eager op (an add of one-element tensors): the price of launching any op."""
+    """Seconds per aten operation of a small training forward and backward (autograd included): the price of
+    each operation `op_count.py` counts."""
     collectives: tuple[CollectiveFit, ...]
+    framework: tuple[FrameworkPoint, ...] = ()
+    """FSDP, DTensor and AdamW overheads per group size (CPU only: on GPU they overlap the kernels)."""
+    adam_tensor_s: float | None = None
+    """AdamW's update of one plain parameter."""
     schema: int = SCHEMA
 
     def __post_init__(self) -> None:
@@ -166,6 +189,12 @@ class HostProfile:
         nearest = min(fits, key=lambda c: (abs(c.group_size - group_size), -c.group_size))
         return nearest.seconds(nbytes)
 
+    def framework_at(self, group_size: int) -> FrameworkPoint | None:
+        """The framework overheads measured at the nearest group size (the larger on a tie); None if none were."""
+        if not self.framework:
+            return None
+        return min(self.framework, key=lambda p: (abs(p.group_size - group_size), -p.group_size))
+
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
         record["collectives"] = [{**c, "samples": [list(s) for s in c["samples"]]} for c in record["collectives"]]
@@ -177,6 +206,7 @@ class HostProfile:
         fields["matmul"] = tuple(MatmulPoint(**p) for p in record["matmul"])
         fields["collectives"] = tuple(CollectiveFit(**{**c, "samples": tuple(tuple(s) for s in c["samples"])})
                                       for c in record["collectives"])
+        fields["framework"] = tuple(FrameworkPoint(**p) for p in record.get("framework", ()))
         return cls(**fields)
 
     def save(self, path: str | os.PathLike[str]) -> Path:

@@ -12,8 +12,13 @@ peak, this prices what a small or medium model's eager step on that host is made
 - **Eager overhead**: the operations one micro-batch's forward and backward run, counted on the model itself
   (`op_count.py`; `OPS_PER_BLOCK` and `OPS_PER_EXPERT` when the forward does not run on the meta device), x the
   profile's time per operation. A DTensor operation costs more than a plain one; the profile does not measure it yet.
-- **Collectives**: every call `comm.py` lists, latency + buffer / bandwidth at its group size. Nothing overlaps:
-  the profile does not measure how much a collective hides behind compute on this host.
+- **Frameworks** (where the profile measured them, on CPU): each FSDP unit's hooks and collectives per forward and
+  backward pass; each tensor-parallel column-wise / row-wise pair as measured, and the DTensor operations of the
+  column-wise layers beyond one per pair (a transpose, matmul and bias add each, with their backward); AdamW's
+  update per parameter tensor (a DTensor one where FSDP or tp made it one).
+- **Collectives**: every call `comm.py` lists, latency + buffer / bandwidth at its group size (FSDP's and tp's at
+  bandwidth only: their latency is in the unit's or the pair's measured time). Nothing overlaps: the profile does not measure how much a
+  collective hides behind compute on this host.
 - **Pipeline**: the stage's work over all microbatches / (1 - bubble), as `step_time.py`.
 """
 
@@ -21,7 +26,7 @@ from __future__ import annotations
 
 from lightning_nd.cost.comm import comm_per_step
 from lightning_nd.cost.op_count import OpCount
-from lightning_nd.cost.profile import HostProfile
+from lightning_nd.cost.profile import FrameworkPoint, HostProfile
 from lightning_nd.cost.shape import ModelShape, Workload
 from lightning_nd.cost.step_time import RECOMPUTE_FACTOR, StepTime, flops_per_token
 from lightning_nd.layout.record import Layout
@@ -33,6 +38,10 @@ middle of the dense blocks counted (the example GPT's 171, LitGPT Llama 3's 254,
 Llama's 304)."""
 OPS_PER_EXPERT = 30
 """More per local expert of such a block: an expert's three projections and activation, forward and backward."""
+FSDP_DIMS = ("fsdp", "expert_dp")
+DTENSOR_OPS_PER_LINEAR = 3
+"""DTensor operations of one tensor-parallel linear layer's forward (the weight's transpose, the matmul, the bias add;
+`F.linear` decomposes so on a DTensor), each priced with its backward by the profile's ``dtensor_op_s``."""
 OPTIMIZER_PASSES = 8
 """AdamW's update reads and writes the parameter and two moments and reads the gradient."""
 
@@ -62,10 +71,18 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     outside = (ops.outside if ops is not None else 2 * OPS_PER_BLOCK) * (first or last)
     microbatches = options.pp_microbatches if pp > 1 else 1
     overhead = profile.op_overhead_s * (counted * blocks + outside) * microbatches
-    comm = {dim: sum(c.count * profile.collective_seconds(c.kind, traffic.group_size, c.buffer_bytes)
+    fsdp = "fsdp" in {t.technique for t in layout.techniques}
+    framework = profile.framework_at(dims["dp_shard"] * cp)
+    tp_framework = profile.framework_at(tp) if tp > 1 else None
+    inside = {dim for dim in FSDP_DIMS if framework is not None} | ({"tp"} if tp_framework is not None else set())
+    comm = {dim: sum(c.count * _collective_s(profile, c.kind, traffic.group_size, c.buffer_bytes, dim in inside)
                      for c in traffic.calls) for dim, traffic in comm_per_step(layout, shape, workload).items()}
     local_params = sum(p.bytes for p in holding.params)
-    optimizer = profile.memory_seconds(local_params * OPTIMIZER_PASSES)
+    optimizer = profile.memory_seconds(local_params * OPTIMIZER_PASSES) + _adam_s(layout, profile, fsdp)
+    if tp_framework is not None:
+        overhead += microbatches * _tp_overhead_s(holding.params, tp_framework)
+    if fsdp and framework is not None:
+        overhead += (blocks + 1) * microbatches * framework.fsdp_unit_s
     compute = (matmul + memory + overhead) * micro_steps
     bubble = theoretical_bubble(options.pp_schedule, pp, options.pp_microbatches,
                                 options.pp_stages_per_rank) if pp > 1 else 0.0
@@ -80,6 +97,29 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
 def profile_label(profile: HostProfile) -> str:
     """How a table names what priced it: the host and the day it was measured."""
     return f"profile of {profile.host} (measured {profile.created[:10]})"
+
+
+def _collective_s(profile: HostProfile, kind: str, group_size: int, nbytes: int, bandwidth_only: bool) -> float:
+    seconds = profile.collective_seconds(kind, group_size, nbytes)
+    return seconds - profile.collective_seconds(kind, group_size, 0) if bandwidth_only else seconds
+
+
+def _tp_overhead_s(params: tuple, point: FrameworkPoint) -> float:
+    """Each row-wise layer (and a vocabulary-split embedding) closes a measured column-wise / row-wise pair; the
+    column-wise layers beyond one per pair (q, k, v before one output projection) cost their DTensor operations."""
+    split = [p for p in params if len(p.shape) == 2 and "tp:" in p.placement]
+    rowwise = sum("tp:Shard(1)" in p.placement or p.kind == "embedding" for p in split)
+    extra = max(len(split) - 2 * rowwise, 0)
+    return rowwise * point.tp_pair_s + extra * DTENSOR_OPS_PER_LINEAR * point.dtensor_op_s
+
+
+def _adam_s(layout: Layout, profile: HostProfile, fsdp: bool) -> float:
+    """AdamW's per-tensor overhead over this rank's parameters: DTensors where FSDP or tp made them so."""
+    holding, dims = layout.rank(0), layout.dims
+    dtensor = profile.framework_at(dims["dp_shard"] * dims["cp"] if fsdp else dims["tp"])
+    plain = profile.adam_tensor_s or 0.0
+    return sum(dtensor.dtensor_adam_s if dtensor is not None and (fsdp or "tp:" in p.placement) else plain
+               for p in holding.params)
 
 
 def _blocks_on(layout: Layout, stages: tuple[int, ...]) -> int:

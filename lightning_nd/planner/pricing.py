@@ -105,9 +105,16 @@ def profile_markdown(profile: HostProfile, path: Path) -> str:
               f" {profile.torch}, {profile.backend}"), "",
              f"Measured in {profile.calibration_s:.1f} s at {profile.created}; saved to `{path}`.", "",
              "| what | per process |", "|---|---|",
-             f"| eager overhead of one tiny op | {profile.op_overhead_s * 1e6:.1f} us |",
+             f"| one operation of a training forward and backward (autograd included) | {profile.op_overhead_s * 1e6:.1f} us |",
              f"| memory-bound add (bytes read + written) | {profile.memory_bytes_per_s / 1e9:.2f} GB/s |"]
     lines += [f"| matmul {p.m}x{p.n}x{p.k} {p.dtype} | {p.flops_per_s / 1e9:.1f} GFLOP/s |" for p in profile.matmul]
+    if profile.adam_tensor_s is not None:
+        lines += [f"| AdamW update of one plain parameter | {profile.adam_tensor_s * 1e6:.0f} us |"]
+    if profile.framework:
+        lines += ["", "| ranks | FSDP unit, forward + backward | tp linear pair, forward + backward | DTensor op + its"
+                  " backward | AdamW, one DTensor parameter |", "|---|---|---|---|---|"]
+        lines += [f"| {p.group_size} | {p.fsdp_unit_s * 1e3:.2f} ms | {p.tp_pair_s * 1e3:.2f} ms |"
+                  f" {p.dtensor_op_s * 1e6:.0f} us | {p.dtensor_adam_s * 1e6:.0f} us |" for p in profile.framework]
     if profile.collectives:
         lines += ["", "| collective | ranks | latency | bandwidth | sizes measured |", "|---|---|---|---|---|"]
         lines += [f"| {c.kind} | {c.group_size} | {c.latency_s * 1e6:.0f} us | {c.bytes_per_s / 1e9:.2f} GB/s |"

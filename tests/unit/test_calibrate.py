@@ -43,6 +43,8 @@ def test_a_real_calibration_measures_everything_within_its_budget(tmp_path):
     assert {(c.kind, c.group_size) for c in profile.collectives} == {(kind, 2) for kind in COLLECTIVES}
     assert all(len(c.samples) >= 3 for c in profile.collectives)
     assert profile.matmul[0].m == 32 and profile.matmul_seconds(64, 64, 64, "float32") > 0
+    assert [point.group_size for point in profile.framework] == [1, 2] and profile.adam_tensor_s > 0
+    assert "calibrating: FSDP units, DTensor operations and AdamW updates" in lines
     assert lines[0].startswith("calibrating: starting 2 processes (gloo)"), lines
     assert "calibrating: matmul 1/2 32x32x32 float32" in lines and all(line.startswith("calibrating: ") for line in lines)
     assert HostProfile.load(profile.save(tmp_path / "p.json")) == profile

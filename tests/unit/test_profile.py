@@ -26,7 +26,7 @@ def test_json_round_trip(tmp_path):
 
 @pytest.mark.parametrize(("text", "match"), [
     ("{not json", "is not a readable profile"),
-    (json.dumps({"schema": 0, "host": "old"}), "is a profile of schema 0, this version reads schema 1"),
+    (json.dumps({"schema": 0, "host": "old"}), "is a profile of schema 0, this version reads schema 2"),
     (json.dumps([1, 2]), "is a profile of schema None"),
     (json.dumps({"schema": SCHEMA, "host": "x"}), "is not a valid profile"),
 ])

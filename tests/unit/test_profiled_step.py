@@ -16,7 +16,9 @@ from lightning_nd.planner.dry_run import dry_run
 from tests.unit.host_profiles import synthetic_profile
 from tests.unit.test_cost_comm import DENSE, WORKLOAD
 
-PROFILE = synthetic_profile()
+PROFILE = synthetic_profile(framework=(), adam_tensor_s=None)
+"""Without the frameworks' measured overheads: each term below alone."""
+MEASURED = synthetic_profile()
 
 
 def _step(sizes: dict, profile=PROFILE, ops=None, options: dict | None = None):
@@ -50,6 +52,30 @@ def test_eager_overhead_is_the_counted_operations_times_the_profiles_time_per_op
     _, doubled = _step({"dp_shard": 2}, dataclasses.replace(PROFILE, op_overhead_s=2 * PROFILE.op_overhead_s), ops)
     assert step.overhead_s == pytest.approx(PROFILE.op_overhead_s * ops.total)
     assert doubled.total_s - step.total_s == pytest.approx(step.overhead_s)
+
+
+def test_the_frameworks_measured_overheads_are_priced_per_fsdp_unit_tp_layer_and_parameter_tensor():
+    ops = count_model_ops(DENSE)
+    layout, bare = _step({"dp_shard": 2}, ops=ops)
+    _, measured = _step({"dp_shard": 2}, MEASURED, ops)
+    units = 4 + 1  # four blocks and the root, each an FSDP unit
+    assert measured.overhead_s - bare.overhead_s == pytest.approx(units * MEASURED.framework_at(2).fsdp_unit_s)
+    tensors = len(layout.rank(0).params)
+    fsdp_latency = sum(c.count * PROFILE.collective_seconds(c.kind, 2, 0)
+                       for c in comm_per_step(layout, model_shape(DENSE.model), WORKLOAD)["fsdp"].calls)
+    assert measured.comm_s["fsdp"] == pytest.approx(bare.comm_s["fsdp"] - fsdp_latency)  # inside the unit's time
+    assert (measured.compute_s - measured.overhead_s) - (bare.compute_s - bare.overhead_s) == pytest.approx(
+        tensors * MEASURED.framework_at(2).dtensor_adam_s)
+    layout, bare = _step({"tp": 2}, ops=ops)
+    _, measured = _step({"tp": 2}, MEASURED, ops)
+    split = [p for p in layout.rank(0).params if "tp:" in p.placement and len(p.shape) == 2]
+    assert len(split) == 4 * 7 + 2  # q, k, v, o, gate, up and down of each block, the embedding and the head
+    pairs, extra = 4 * 2 + 1, 4 * 3  # o and down close a pair each, the embedding one; q, k, v, gate, up: 3 over
+    point = MEASURED.framework_at(2)
+    assert measured.overhead_s - bare.overhead_s == pytest.approx(pairs * point.tp_pair_s + extra * 3 * point.dtensor_op_s)
+    tp_latency = sum(c.count * PROFILE.collective_seconds(c.kind, 2, 0)
+                     for c in comm_per_step(layout, model_shape(DENSE.model), WORKLOAD)["tp"].calls)
+    assert measured.comm_s["tp"] == pytest.approx(bare.comm_s["tp"] - tp_latency)
 
 
 def test_a_pipeline_divides_its_stage_by_one_minus_the_bubble():

@@ -1,0 +1,101 @@
+"""What the parallel frameworks cost per call on this host, beside the arithmetic and the bytes: one calibration
+process's steps (``micro_benchmarks.py`` runs them on every rank at once), on tiny tensors so only the overhead is
+timed.
+
+- ``training_op_s``: seconds per aten operation of a small forward and backward (autograd records and replays each
+  operation), the price `op_count.py`'s counted operations are multiplied by.
+- per group size, all groups of that size at once: ``fsdp_unit_s``, one FSDP2 unit's forward and backward (its
+  hooks, the parameter all-gathers before forward and backward and the gradient reduce-scatter, at a few bytes,
+  the ranks as they drift apart in a step rather than started together); ``dtensor_op_s``, one DTensor operation
+  with its backward (sharding propagation, redistribution checks, wrapping); ``dtensor_adam_s``, AdamW's update of
+  one DTensor parameter; ``tp_pair_s``, a column-wise then row-wise parallel linear pair's forward and backward
+  beyond the same layers unsplit (torch's `ColwiseParallel`, `RowwiseParallel`: DTensor wrapping, the row-wise
+  output's all-reduce and the column-wise input gradient's, the ranks drifting as in a step);
+- ``adam_tensor_s``: AdamW's update of one plain parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CHAIN = 5
+"""Repeats of matmul, tanh, scale and residual add in the timed chains."""
+UNITS = 4
+"""Linear layers sharded as their own FSDP units, under a root unit."""
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _chain(start: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    hidden = start
+    for _ in range(CHAIN):
+        hidden = torch.tanh(hidden @ weight) * 0.5 + hidden
+    return hidden
+
+
+def training_op_s(seconds_per_call: Callable[[Callable[[], Any], float], float], seconds: float) -> float:
+    inputs = torch.randn(4, 8, requires_grad=True)
+    weight = torch.randn(8, 8, requires_grad=True)
+
+    def step() -> None:
+        _chain(inputs, weight).sum().backward()
+
+    counter = _Count()
+    with counter:
+        step()
+    return seconds_per_call(step, seconds) / counter.calls
+
+
+def _pairs() -> nn.Sequential:
+    return nn.Sequential(*(nn.Linear(8, 16) if i % 2 == 0 else nn.Linear(16, 8) for i in range(UNITS)))
+
+
+def framework_steps(seconds_per_call: Callable[[Callable[[], Any], float], float], group_sizes: list[int],
+                    world: int, seconds: float) -> dict[str, Any]:
+    """Every rank calls this with the same arguments (each group size makes a device mesh: collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    share = seconds / (4 * len(group_sizes) + 1)
+    measured = []
+    for size in group_sizes:
+        mesh = init_device_mesh("cpu", (world // size, size), mesh_dim_names=("across", "within"))["within"]
+        model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
+        plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        batch = torch.randn(4, 8)
+        sharded_s = seconds_per_call(lambda: model(batch).sum().backward(), share)
+        plain_s = seconds_per_call(lambda: plain(batch).sum().backward(), share / 4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        adam_s = seconds_per_call(optimizer.step, share / 2) / (2 * UNITS)
+        start = distribute_tensor(torch.randn(4 * size, 8), mesh, [Shard(0)]).requires_grad_()
+        weight = distribute_tensor(torch.randn(8, 8), mesh, [Replicate()]).requires_grad_()
+        chain_s = seconds_per_call(lambda: _chain(start, weight).to_local().sum().backward(), share)
+        pairs, unsplit = _pairs(), _pairs()
+        parallelize_module(pairs, mesh, {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                                         for i in range(len(pairs))})
+        split_s = seconds_per_call(lambda: pairs(batch).sum().backward(), share)
+        unsplit_s = seconds_per_call(lambda: unsplit(batch).sum().backward(), share / 4)
+        measured.append([size, max(sharded_s - plain_s, 1e-9) / (UNITS + 1), chain_s / (4 * CHAIN), adam_s,
+                         max(split_s - unsplit_s, 1e-9) / (len(pairs) // 2)])
+    plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
+    plain(torch.randn(4, 8)).sum().backward()
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    return {"framework": measured, "adam_tensor_s": seconds_per_call(optimizer.step, share) / (2 * UNITS)}
