@@ -2,14 +2,14 @@
 example models over the planner's layouts on 4 CPU processes, after one calibration.
 
     python benchmarks/cost_accuracy.py [--models llama,gpt,moe,llama_wide] [--layouts 10] [--rounds 3] [--steps 8]
-                                       [--profile host|PATH] [--refresh-profile]
+                                       [--per-launch 1] [--profile host|PATH] [--refresh-profile]
 
 This process calibrates the host once (``host_profile``: the cached profile, measured on first use), lists each
 model's layouts as the planner ranks them with that profile (`lightning_nd.planner.shortlist`, one global batch per
 model: the example's ``data.batch_size`` x 4; one layout per set of dim sizes first, then other knobs), and starts 4
-ranks once (torchrun). The ranks train every layout as the example does (`examples.lit.CausalLM`, its data,
-`NDParallel`), in ``--rounds`` interleaved rounds (every layout of every model once per round, the order rotated) so
-the host's drift falls on all alike; a layout's step is the median over rounds of the slowest rank's median step
+fresh ranks (torchrun) per layout and round. The ranks train each layout as the example does (`examples.lit.CausalLM`,
+its data, `NDParallel`), in ``--rounds`` interleaved rounds (every layout of every model once per round, the order
+rotated, the models' order reversed every other round) so the host's drift falls on all alike; a layout's step is the median over rounds of the slowest rank's median step
 after 2 warm-up steps, from a batch's start to its end (forward, backward, collectives, optimizer: what the cost
 model prices; the data loader's time between steps is the user's pipeline, not the layout's, and is printed apart). Then one untimed run per layout measures the highest rank's tensor memory with torch's
 `MemTracker` (`benchmarks.common.PeakMemory`). ``llama_wide`` (twice the width, half the depth) is the model the step
@@ -129,32 +129,31 @@ def slowest(value: float) -> float:
     return max(float(t) for t in everyone)
 
 
-def ranks_main(plan_file: Path, out_file: Path, rounds: int, steps: int) -> None:
-    """On each of the 4 ranks: every layout timed in interleaved rounds, then its memory measured untimed."""
+def ranks_main(job_file: Path, out_file: Path, steps: int) -> None:
+    """On each of the 4 ranks: one model's layouts timed once each in the job's order (``round`` >= 0), or each
+    one's memory measured in a run that is not timed (``round`` < 0)."""
     import warnings
 
     from benchmarks.common import PeakMemory
 
     warnings.filterwarnings("ignore")
-    rows = json.loads(plan_file.read_text())
-    first = int(os.environ["RANK"]) == 0
-    for round_ in range(rounds):
-        order = list(range(len(rows)))
-        for index in order[round_ % len(order):] + order[:round_ % len(order)]:
-            timer = InStep()
-            train(rows[index], steps, [timer])
-            step, between = timer.medians()
-            rows[index].setdefault("steps_s", []).append(slowest(step))
-            rows[index].setdefault("between_s", []).append(slowest(between))
-            if first:
-                print(f"round {round_ + 1}/{rounds} {rows[index]['model']} {rows[index]['layout']}:"
-                      f" {rows[index]['steps_s'][-1] * 1e3:.0f} ms", flush=True)
-    for row in rows:
-        probe = PeakMemory(step=1)
-        train(row, 2, [probe])
-        row["measured_bytes"] = slowest(float(probe.peak_bytes))
-    if first:
-        out_file.write_text(json.dumps(rows))
+    job = json.loads(job_file.read_text())
+    rows, round_ = job["rows"], job["round"]
+    results: dict[int, dict[str, float]] = {}
+    for index in job["order"]:
+        if round_ < 0:
+            probe = PeakMemory(step=1)
+            train(rows[index], 2, [probe])
+            results[index] = {"measured_bytes": slowest(float(probe.peak_bytes))}
+            continue
+        timer = InStep()
+        train(rows[index], steps, [timer])
+        step, between = (slowest(value) for value in timer.medians())
+        results[index] = {"step_s": step, "between_s": between}
+        if int(os.environ["RANK"]) == 0:
+            print(f"round {round_ + 1} {rows[index]['model']} {rows[index]['layout']}: {step * 1e3:.0f} ms", flush=True)
+    if int(os.environ["RANK"]) == 0:
+        out_file.write_text(json.dumps(results))
 
 
 def report(rows: list[dict]) -> None:
@@ -190,6 +189,25 @@ def report(rows: list[dict]) -> None:
               f" `{best['layout']}` (best's spread between rounds {spread:.1%}; target within max(5%, spread))")
 
 
+def launch(rows: list[dict], order: list[int], round_: int, steps: int) -> dict[str, dict[str, float]]:
+    """One job on 4 fresh ranks (torchrun): a process that trained several layouts grows slower (each layout's
+    process groups and caches stay: the Llama's first layout of a start of ten took 59 ms a step, and 81 ms when it
+    came last), so each layout is timed in ranks of its own by default (``--per-launch``), as each run of a search
+    is; memory, which this does not change, is measured for one model's layouts per start."""
+    with tempfile.TemporaryDirectory() as scratch:
+        job_file, out_file = Path(scratch) / "job.json", Path(scratch) / "out.json"
+        job_file.write_text(json.dumps({"rows": rows, "order": order, "round": round_}))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={DEVICES}",
+                   __file__, "--steps", str(steps), "--ranks", str(job_file), str(out_file)]
+        done = subprocess.run(command, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        print("".join(line for line in done.stdout.splitlines(keepends=True) if line.startswith("round ")), end="",
+              flush=True)
+        if done.returncode:
+            raise RuntimeError(f"The ranks failed (exit status {done.returncode}):\n{done.stdout[-3000:]}")
+        return json.loads(out_file.read_text())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
@@ -198,11 +216,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--profile", default="host", help="`host` (this host's cached profile) or a profile file")
     parser.add_argument("--refresh-profile", action="store_true")
+    parser.add_argument("--per-launch", type=int, default=1, help="layouts timed by one start of the 4 ranks")
     parser.add_argument("--ranks", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.ranks:
-        ranks_main(Path(args.ranks[0]), Path(args.ranks[1]), args.rounds, args.steps)
-        return
+        import torch.distributed as dist
+
+        ranks_main(Path(args.ranks[0]), Path(args.ranks[1]), args.steps)
+        dist.barrier()  # rank 0 has written the results
+        sys.stdout.flush()
+        # The interpreter's teardown is skipped: one start in about 45 aborted there after its results were written
+        # ("terminate called without an active exception"), which failed the whole benchmark.
+        os._exit(0)
     from lightning_nd.cost.calibrate import host_profile
 
     started = time.perf_counter()
@@ -210,15 +235,20 @@ def main() -> None:
                     else Path(args.profile))
     rows = plan(args.models.split(","), args.layouts, profile_path)
     print(f"priced by {profile_path}; {len(rows)} layouts, {args.rounds} rounds of {args.steps} steps", flush=True)
-    with tempfile.TemporaryDirectory() as scratch:
-        plan_file, out_file = Path(scratch) / "plan.json", Path(scratch) / "out.json"
-        plan_file.write_text(json.dumps(rows))
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={DEVICES}",
-                   __file__, "--rounds", str(args.rounds), "--steps", str(args.steps), "--ranks", str(plan_file),
-                   str(out_file)]
-        subprocess.run(command, env=env, cwd=REPO, check=True)
-        report(json.loads(out_file.read_text()))
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    for round_ in [*range(args.rounds), -1]:  # -1: the memory runs, after the timed rounds
+        for name in models if round_ % 2 == 0 else models[::-1]:
+            mine = [row for row in rows if row["model"] == name]
+            order = list(range(len(mine)))
+            order = order[max(round_, 0) % len(order):] + order[:max(round_, 0) % len(order)]
+            size = len(order) if round_ < 0 else args.per_launch
+            for first in range(0, len(order), size):
+                for index, result in launch(mine, order[first:first + size], round_, args.steps).items():
+                    for key, value in result.items():
+                        mine[int(index)].setdefault(key, []).append(value)
+    for row in rows:
+        row["steps_s"], row["measured_bytes"] = row.pop("step_s"), row["measured_bytes"][0]
+    report(rows)
     print(f"\nran in {time.perf_counter() - started:.0f} s")
 
 
