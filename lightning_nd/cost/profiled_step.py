@@ -78,7 +78,8 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     comm = {dim: sum(c.count * _collective_s(profile, c.kind, traffic.group_size, c.buffer_bytes, dim in inside)
                      for c in traffic.calls) for dim, traffic in comm_per_step(layout, shape, workload).items()}
     local_params = sum(p.bytes for p in holding.params)
-    optimizer = profile.memory_seconds(local_params * OPTIMIZER_PASSES) + _adam_s(layout, profile, fsdp)
+    adam = _adam_s(holding.params, framework if fsdp else tp_framework, profile.adam_tensor_s, fsdp)
+    optimizer = profile.memory_seconds(local_params * OPTIMIZER_PASSES) + adam
     if tp_framework is not None:
         overhead += microbatches * _tp_overhead_s(holding.params, tp_framework)
     if fsdp and framework is not None:
@@ -113,13 +114,10 @@ def _tp_overhead_s(params: tuple, point: FrameworkPoint) -> float:
     return rowwise * point.tp_pair_s + extra * DTENSOR_OPS_PER_LINEAR * point.dtensor_op_s
 
 
-def _adam_s(layout: Layout, profile: HostProfile, fsdp: bool) -> float:
+def _adam_s(params: tuple, dtensor: FrameworkPoint | None, plain: float | None, fsdp: bool) -> float:
     """AdamW's per-tensor overhead over this rank's parameters: DTensors where FSDP or tp made them so."""
-    holding, dims = layout.rank(0), layout.dims
-    dtensor = profile.framework_at(dims["dp_shard"] * dims["cp"] if fsdp else dims["tp"])
-    plain = profile.adam_tensor_s or 0.0
-    return sum(dtensor.dtensor_adam_s if dtensor is not None and (fsdp or "tp:" in p.placement) else plain
-               for p in holding.params)
+    return sum(dtensor.dtensor_adam_s if dtensor is not None and (fsdp or "tp:" in p.placement) else plain or 0.0
+               for p in params)
 
 
 def _blocks_on(layout: Layout, stages: tuple[int, ...]) -> int:
