@@ -32,6 +32,7 @@ import torch
 
 from lightning_nd.cost.profile import (
     COLLECTIVES,
+    AttentionPoint,
     CollectiveFit,
     FrameworkPoint,
     HostProfile,
@@ -187,7 +188,11 @@ def _profile(results: list[dict[str, Any]], backend: str, processes: int, second
         for rank in results:
             for nbytes, elapsed in rank["collectives"].get(key, []):
                 times.setdefault(int(nbytes), []).append(elapsed)
-        collectives.append(CollectiveFit.fit(kind, int(size), [(b, statistics.median(t)) for b, t in times.items()]))
+        in_step = [rank["in_step"][key] for rank in results if key in rank.get("in_step", {})]
+        points = [(statistics.median(p[i][0] for p in in_step), statistics.median(p[i][1] for p in in_step))
+                  for i in range(min(map(len, in_step)))] if in_step else []
+        collectives.append(CollectiveFit.fit(kind, int(size), [(b, statistics.median(t)) for b, t in times.items()],
+                                             points))
     return HostProfile(
         host=socket.gethostname(), torch=torch.__version__, backend=backend, device=results[0]["device"],
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), calibration_s=round(seconds, 2),
@@ -195,6 +200,8 @@ def _profile(results: list[dict[str, Any]], backend: str, processes: int, second
         memory_bytes_per_s=statistics.median(r["memory_bytes_per_s"] for r in results),
         op_overhead_s=statistics.median(r["op_overhead_s"] for r in results), collectives=tuple(collectives),
         framework=tuple(FrameworkPoint(int(point[0]), *(statistics.median(r["framework"][i][j] for r in results)
-                                                         for j in (1, 2, 3, 4)))
+                                                         for j in (1, 2, 3, 4, 5)))
                         for i, point in enumerate(results[0].get("framework", []))),
-        adam_tensor_s=statistics.median(r["adam_tensor_s"] for r in results) if "adam_tensor_s" in results[0] else None)
+        adam_tensor_s=statistics.median(r["adam_tensor_s"] for r in results) if "adam_tensor_s" in results[0] else None,
+        attention=tuple(AttentionPoint(*map(int, point[:3]), statistics.median(r["attention"][i][3] for r in results))
+                        for i, point in enumerate(results[0].get("attention", []))))

@@ -10,12 +10,14 @@ timed.
   with its backward (sharding propagation, redistribution checks, wrapping); ``dtensor_adam_s``, AdamW's update of
   one DTensor parameter; ``tp_pair_s``, a column-wise then row-wise parallel linear pair's forward and backward
   beyond the same layers unsplit (torch's `ColwiseParallel`, `RowwiseParallel`: DTensor wrapping, the row-wise
-  output's all-reduce and the column-wise input gradient's, the ranks drifting as in a step);
+  output's all-reduce and the column-wise input gradient's, the ranks drifting as in a step); ``pp_microbatch_s``,
+  one microbatch more through a 1F1B pipeline of that many stages (the schedule's actions and exchanges);
 - ``adam_tensor_s``: AdamW's update of one plain parameter.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +29,9 @@ CHAIN = 5
 """Repeats of matmul, tanh, scale and residual add in the timed chains."""
 UNITS = 4
 """Linear layers sharded as their own FSDP units, under a root unit."""
+PIPELINE_EXTRA, PIPELINE_STEPS = 4, 6
+"""Microbatches a pipeline is timed with beyond one per stage (the difference is priced per microbatch), and its
+steps timed at each."""
 
 
 class _Count(TorchDispatchMode):
@@ -57,6 +62,52 @@ def training_op_s(seconds_per_call: Callable[[Callable[[], Any], float], float],
     with counter:
         step()
     return seconds_per_call(step, seconds) / counter.calls
+
+
+def _pipeline_microbatch_s(mesh: Any) -> float:
+    """One more microbatch's cost to a 1F1B pipeline over the mesh's ranks, one tiny linear layer per stage: the
+    schedule's actions, the activation's and the gradient's exchanges, the ranks drifting as in a step. Every rank
+    runs the same number of steps (a stage waits for its neighbours'), so the steps are counted, not timed."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    stages, index, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+    timed = []
+    for microbatches in (stages, stages + PIPELINE_EXTRA):
+        stage = PipelineStage(nn.Linear(8, 8), index, stages, torch.device("cpu"), group=group)
+        schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=lambda output, _: output.sum())
+        inputs = torch.randn(microbatches, 8)
+        step = {0: lambda: schedule.step(inputs), stages - 1: lambda: schedule.step(target=inputs)}.get(
+            index, schedule.step)
+        step()
+        dist.barrier(group=group)
+        begin = time.perf_counter()
+        for _ in range(PIPELINE_STEPS):
+            step()
+        timed.append((time.perf_counter() - begin) / PIPELINE_STEPS)
+    return max(timed[1] - timed[0], 1e-9) / PIPELINE_EXTRA
+
+
+ATTENTION_SHAPES = {"cpu": [(64, 32, 8), (8, 256, 64)], "cuda": [(64, 512, 64), (16, 2048, 128)]}
+"""(batch x heads, sequence, head size) attention is timed at on each device: a small model's and a larger one's,
+so the fit separates a row's fixed cost from its cost per key and channel."""
+
+
+def attention_points(seconds_per_call: Callable[[Callable[[], Any], float], float], device: torch.device,
+                     dtype: torch.dtype, seconds: float) -> list[list[float]]:
+    """Causal `scaled_dot_product_attention`'s forward and backward at each of ``ATTENTION_SHAPES``: [[batch x
+    heads, sequence, head size, seconds], ...]. On CPU with a small head it is far from matmul speed (a 32-token,
+    8-channel head runs at a tenth of it), so it is measured, not priced by its FLOPs."""
+    points = []
+    for heads, seq, size in ATTENTION_SHAPES[device.type]:
+        query, key, value = (torch.randn(1, heads, seq, size, device=device, dtype=dtype, requires_grad=True)
+                             for _ in range(3))
+
+        def step() -> None:
+            torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True).sum().backward()
+
+        points.append([heads, seq, size, seconds_per_call(step, seconds / len(ATTENTION_SHAPES[device.type]))])
+    return points
 
 
 def _pairs() -> nn.Sequential:
@@ -93,8 +144,9 @@ def framework_steps(seconds_per_call: Callable[[Callable[[], Any], float], float
                                          for i in range(len(pairs))})
         split_s = seconds_per_call(lambda: pairs(batch).sum().backward(), share)
         unsplit_s = seconds_per_call(lambda: unsplit(batch).sum().backward(), share / 4)
+        microbatch_s = _pipeline_microbatch_s(mesh) if size > 1 else 0.0
         measured.append([size, max(sharded_s - plain_s, 1e-9) / (UNITS + 1), chain_s / (4 * CHAIN), adam_s,
-                         max(split_s - unsplit_s, 1e-9) / (len(pairs) // 2)])
+                         max(split_s - unsplit_s, 1e-9) / (len(pairs) // 2), microbatch_s])
     plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
     plain(torch.randn(4, 8)).sum().backward()
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)

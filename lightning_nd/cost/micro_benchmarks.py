@@ -27,9 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_nd.cost.framework_benchmarks import framework_steps, training_op_s
+from lightning_nd.cost.framework_benchmarks import attention_points, framework_steps, training_op_s
+from lightning_nd.cost.in_step_benchmarks import in_step_steps
 
-SHARES = {"overhead": 0.04, "memory": 0.08, "matmul": 0.28, "framework": 0.15}
+SHARES = {"overhead": 0.04, "memory": 0.06, "matmul": 0.25, "attention": 0.05, "framework": 0.15}
 """Of the time left once the processes have started, what each compute step may spend (the matmuls twice as much
 without collectives); the collectives take the rest."""
 MIN_REPETITIONS, MAX_REPETITIONS = 2, 50
@@ -67,25 +68,28 @@ class Bench:
 
     def seconds_per_call(self, call: Callable[[], Any], seconds: float) -> float:
         """One warm-up call, then calls in growing batches until ``seconds`` have passed (at least two calls):
-        the seconds per call, started with every rank."""
+        the seconds per call, started with every rank. Rank 0 decides each batch's size and when to stop, so every
+        rank makes as many calls (a call with collectives would wait forever for a rank that stopped sooner)."""
         call()
         self.sync()
         dist.barrier()
-        count, start = 0, time.perf_counter()
-        batch = 1
+        count, elapsed, batch = 0, 0.0, 1
         while True:
+            start = time.perf_counter()
             for _ in range(batch):
                 call()
             self.sync()
             count += batch
-            elapsed = time.perf_counter() - start
-            if elapsed >= seconds and count >= 2:
+            elapsed += time.perf_counter() - start
+            wanted = max(1, min(count, int((seconds - elapsed) * count / max(elapsed, 1e-9))))
+            done, batch = self.agree(float(elapsed >= seconds and count >= 2), wanted)
+            if done:
                 return elapsed / count
-            batch = max(1, min(count, int((seconds - elapsed) * count / max(elapsed, 1e-9))))
+            batch = int(batch)
 
 
 def compute_steps(bench: Bench, budget_s: float) -> dict[str, Any]:
-    """Eager overhead, memory-bound throughput and matmul throughput of this rank, all ranks at once."""
+    """Eager overhead, memory-bound, matmul and attention throughput of this rank, all ranks at once."""
     plan, device = bench.plan, bench.device
     bench.say("eager overhead of a training operation")
     overhead_s = training_op_s(bench.seconds_per_call, budget_s * SHARES["overhead"])
@@ -111,7 +115,11 @@ def compute_steps(bench: Bench, budget_s: float) -> dict[str, Any]:
         per_call = bench.seconds_per_call(partial(torch.mm, *operands), seconds)
         matmul.append([m, n, k, dtype, 2 * m * n * k / per_call])
         fastest = max(fastest, 2 * m * n * k / per_call)
-    return {"op_overhead_s": overhead_s, "memory_bytes_per_s": 3 * elements * 4 / add_s, "matmul": matmul}
+    bench.say("attention")
+    attention = attention_points(bench.seconds_per_call, device, getattr(torch, plan["dtypes"][-1]),
+                                 budget_s * SHARES["attention"])
+    return {"op_overhead_s": overhead_s, "memory_bytes_per_s": 3 * elements * 4 / add_s, "matmul": matmul,
+            "attention": attention}
 
 
 def _operation(kind: str, members: list[int], nbytes: int, bench: Bench) -> tuple[Callable[[], Any], int]:
@@ -165,18 +173,26 @@ def _time_collective(bench: Bench, kind: str, size: int, nbytes: int, seconds: f
     return exact, statistics.median(timed() for _ in range(int(repetitions)))
 
 
-def collective_steps(bench: Bench, budget_s: float) -> dict[str, list[list[float]]]:
-    """Each collective at each group size and message size, the required sizes first, then larger ones while the
-    time lasts: ``{"kind/group_size": [[bytes, seconds], ...]}`` of this rank."""
-    plan = bench.plan
-    for size in sorted(set(plan["group_sizes"]) | {2}):
+def _kinds(plan: dict[str, Any]) -> list[tuple[str, int]]:
+    kinds = [(kind, size) for size in sorted(plan["group_sizes"]) for kind in plan["collectives"] if kind != "send_recv"]
+    return [*kinds, ("send_recv", 2)]
+
+
+def _groups(bench: Bench) -> None:
+    """Every group of each measured size (and of 2, for the exchanges): ranks [0, 1], [2, 3], ... of it."""
+    for size in sorted(set(bench.plan["group_sizes"]) | {2}):
         for first in range(0, bench.world - size + 1, size):
             members = list(range(first, first + size))
             group = dist.new_group(members)
             if bench.rank in members:
                 bench.groups[size], bench.members[size] = group, members
-    kinds = [(kind, size) for size in sorted(plan["group_sizes"]) for kind in plan["collectives"] if kind != "send_recv"]
-    kinds.append(("send_recv", 2))
+
+
+def collective_steps(bench: Bench, budget_s: float) -> dict[str, list[list[float]]]:
+    """Each collective at each group size and message size, the required sizes first, then larger ones while the
+    time lasts: ``{"kind/group_size": [[bytes, seconds], ...]}`` of this rank."""
+    plan = bench.plan
+    kinds = _kinds(plan)
     required = [(kind, size, nbytes) for nbytes in plan["message_bytes"] for kind, size in kinds]
     items = required + [(kind, size, nbytes) for nbytes in plan["extra_message_bytes"] for kind, size in kinds]
     end = time.time() + budget_s
@@ -221,6 +237,8 @@ def main(plan_path: str, rank: int) -> None:
         result |= framework_steps(bench.seconds_per_call, sorted({1, *plan["group_sizes"]}), bench.world,
                                   left * SHARES["framework"])
     if plan["group_sizes"]:
+        _groups(bench)
+        result["in_step"] = in_step_steps(bench, _operation, _kinds(plan))
         result["collectives"] = collective_steps(bench, bench.left())
     result["device"] = device_name(bench)
     Path(plan_path).with_name(f"rank{rank}.json").write_text(json.dumps(result))

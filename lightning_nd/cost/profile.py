@@ -24,12 +24,10 @@ from typing import Any
 
 import torch
 
-SCHEMA = 2
+from lightning_nd.cost.collective_fit import CollectiveFit
+
+SCHEMA = 3
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
-LONGEST_LINK_S_PER_BYTE = 1e-15
-"""The smallest seconds per byte a fit keeps (1 PB/s): above every link, so a fit whose times do not grow with the
-size stays finite."""
-SHORTEST_LATENCY_S = 1e-9
 RECALIBRATE = "python -m lightning_nd.plan --calibrate"
 
 
@@ -50,6 +48,16 @@ class MatmulPoint:
 
 
 @dataclass(frozen=True)
+class AttentionPoint:
+    """Causal attention's forward and backward over ``batch_heads`` heads of ``seq`` tokens of ``head_dim``."""
+
+    batch_heads: int
+    seq: int
+    head_dim: int
+    seconds: float
+
+
+@dataclass(frozen=True)
 class FrameworkPoint:
     """The parallel frameworks' own cost per call over groups of ``group_size`` ranks, on tiny tensors
     (`framework_benchmarks.py`)."""
@@ -65,46 +73,9 @@ class FrameworkPoint:
     tp_pair_s: float = 0.0
     """A column-wise then row-wise parallel linear pair's forward and backward beyond the unsplit pair's: DTensor
     wrapping and the pair's two all-reduces, as the ranks drift in a step."""
-
-
-@dataclass(frozen=True)
-class CollectiveFit:
-    """One collective over groups of ``group_size`` ranks: time = ``latency_s`` + bytes / ``bytes_per_s``."""
-
-    kind: str
-    group_size: int
-    latency_s: float
-    bytes_per_s: float
-    samples: tuple[tuple[int, float], ...]
-    """(bytes, median seconds) as measured, smallest first: the points the line was fitted to."""
-
-    @classmethod
-    def fit(cls, kind: str, group_size: int, samples: list[tuple[int, float]]) -> CollectiveFit:
-        """Least squares of seconds on bytes over at least 3 sizes, each point weighted by 1 / seconds^2 (its
-        relative error counts, so a 4 KiB message's 0.2 ms weighs as much as a 16 MiB one's 30 ms and the latency is
-        not lost in the large sizes' noise). Both coefficients are kept positive: a negative intercept is refitted
-        through ``SHORTEST_LATENCY_S``, a slope under ``LONGEST_LINK_S_PER_BYTE`` is clamped to it and the
-        intercept refitted."""
-        if len({size for size, _ in samples}) < 3 or min(t for _, t in samples) <= 0:
-            raise ValueError(f"`{kind}` over {group_size} ranks was measured at {len(samples)} sizes. HINT: the fit"
-                             " of latency and bandwidth needs at least 3 distinct message sizes, each of positive time.")
-        points = [(float(size), seconds, seconds**-2) for size, seconds in samples]
-        weight = sum(w for _, _, w in points)
-        mean_size = sum(w * s for s, _, w in points) / weight
-        mean_time = sum(w * t for _, t, w in points) / weight
-        slope = (sum(w * (s - mean_size) * (t - mean_time) for s, t, w in points)
-                 / sum(w * (s - mean_size) ** 2 for s, _, w in points))
-        latency = mean_time - slope * mean_size
-        if latency < SHORTEST_LATENCY_S:
-            latency = SHORTEST_LATENCY_S
-            slope = sum(w * s * (t - latency) for s, t, w in points) / sum(w * s * s for s, _, w in points)
-        if slope < LONGEST_LINK_S_PER_BYTE:
-            slope = LONGEST_LINK_S_PER_BYTE
-            latency = max(SHORTEST_LATENCY_S, sum(w * (t - slope * s) for s, t, w in points) / weight)
-        return cls(kind, group_size, latency, 1 / slope, tuple(sorted((int(s), float(t)) for s, t in samples)))
-
-    def seconds(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bytes_per_s
+    pp_microbatch_s: float = 0.0
+    """One microbatch more through a 1F1B pipeline of ``group_size`` stages of tiny layers: the schedule's actions
+    and each stage's exchanges of the activation and its gradient, as the ranks drift in a step."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +105,8 @@ class HostProfile:
     """FSDP, DTensor and AdamW overheads per group size (CPU only: on GPU they overlap the kernels)."""
     adam_tensor_s: float | None = None
     """AdamW's update of one plain parameter."""
+    attention: tuple[AttentionPoint, ...] = ()
+    """Attention's forward and backward as measured (at least two shapes, a small head's and a larger one's)."""
     schema: int = SCHEMA
 
     def __post_init__(self) -> None:
@@ -171,13 +144,28 @@ class HostProfile:
         share = (wanted - flops[upper - 1]) / (flops[upper] - flops[upper - 1])
         return math.exp(times[upper - 1] + share * (times[upper] - times[upper - 1]))
 
+    def attention_seconds(self, batch_heads: int, seq: int, head_dim: int) -> float | None:
+        """Causal attention's forward and backward: each query row costs a fixed time plus one per key and channel,
+        ``batch_heads x seq x (row + seq x head_dim x per_key_channel)``, both fitted to the measured points (least
+        squares on the per-row times, kept positive); None when the profile measured no attention."""
+        points = [(p.seq * p.head_dim, p.seconds / (p.batch_heads * p.seq)) for p in self.attention]
+        if len(points) < 2:
+            return None
+        mean_x = sum(x for x, _ in points) / len(points)
+        mean_y = sum(y for _, y in points) / len(points)
+        spread = sum((x - mean_x) ** 2 for x, _ in points)
+        slope = max(sum((x - mean_x) * (y - mean_y) for x, y in points) / spread, 0.0) if spread else 0.0
+        row = max(mean_y - slope * mean_x, 0.0)
+        return batch_heads * seq * (row + slope * seq * head_dim)
+
     def memory_seconds(self, nbytes: float) -> float:
         """Seconds of a memory-bound op that reads and writes ``nbytes`` in all."""
         return nbytes / self.memory_bytes_per_s
 
-    def collective_seconds(self, kind: str, group_size: int, nbytes: float) -> float:
-        """Seconds of one ``kind`` of ``nbytes`` over ``group_size`` ranks; 0 for one rank. A group size not
-        measured is priced as the nearest measured one (the larger on a tie)."""
+    def collective_seconds(self, kind: str, group_size: int, nbytes: float, work_s: float | None = None) -> float:
+        """Seconds of one ``kind`` of ``nbytes`` over ``group_size`` ranks (``work_s``: called inside a step after
+        that much work, see `CollectiveFit.in_step`); 0 for one rank. A group size not measured is priced as the
+        nearest measured one (the larger on a tie)."""
         if kind not in COLLECTIVES:
             raise ValueError(f"Unknown collective `{kind}`. HINT: one of {', '.join(COLLECTIVES)}.")
         if group_size <= 1:
@@ -187,7 +175,7 @@ class HostProfile:
             raise ValueError(f"The profile of `{self.host}` measured no `{kind}` (it ran with {self.processes}"
                              f" process(es)). HINT: calibrate with at least 2 processes: `{RECALIBRATE}`.")
         nearest = min(fits, key=lambda c: (abs(c.group_size - group_size), -c.group_size))
-        return nearest.seconds(nbytes)
+        return nearest.seconds(nbytes, work_s)
 
     def framework_at(self, group_size: int) -> FrameworkPoint | None:
         """The framework overheads measured at the nearest group size (the larger on a tie); None if none were."""
@@ -197,16 +185,19 @@ class HostProfile:
 
     def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
-        record["collectives"] = [{**c, "samples": [list(s) for s in c["samples"]]} for c in record["collectives"]]
+        record["collectives"] = [{**c, "samples": [list(s) for s in c["samples"]],
+                                  "in_step": [list(p) for p in c["in_step"]]} for c in record["collectives"]]
         return {"schema": record.pop("schema"), **record}
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> HostProfile:
         fields = dict(record)
         fields["matmul"] = tuple(MatmulPoint(**p) for p in record["matmul"])
-        fields["collectives"] = tuple(CollectiveFit(**{**c, "samples": tuple(tuple(s) for s in c["samples"])})
+        fields["collectives"] = tuple(CollectiveFit(**{**c, "samples": tuple(tuple(s) for s in c["samples"]),
+                                                       "in_step": tuple(tuple(p) for p in c.get("in_step", ()))})
                                       for c in record["collectives"])
         fields["framework"] = tuple(FrameworkPoint(**p) for p in record.get("framework", ()))
+        fields["attention"] = tuple(AttentionPoint(**p) for p in record.get("attention", ()))
         return cls(**fields)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -254,12 +245,16 @@ def cache_path(backend: str) -> Path:
 
 
 def cached_profile(backend: str) -> HostProfile | None:
-    """This host's cached profile for ``backend``, or None when there is none or it was measured by another host,
-    torch or backend (two names can share a file name once made safe for a file system)."""
+    """This host's cached profile for ``backend``, or None when there is none, it is of another schema (an older
+    version measured less) or unreadable, or it was measured by another host, torch or backend (two names can share
+    a file name once made safe for a file system)."""
     path = cache_path(backend)
     if not path.exists():
         return None
-    profile = HostProfile.load(path)
+    try:
+        profile = HostProfile.load(path)
+    except ValueError:
+        return None
     if (profile.host, profile.torch, profile.backend) != (socket.gethostname(), torch.__version__, backend):
         return None
     return profile

@@ -108,16 +108,21 @@ def profile_markdown(profile: HostProfile, path: Path) -> str:
              f"| one operation of a training forward and backward (autograd included) | {profile.op_overhead_s * 1e6:.1f} us |",
              f"| memory-bound add (bytes read + written) | {profile.memory_bytes_per_s / 1e9:.2f} GB/s |"]
     lines += [f"| matmul {p.m}x{p.n}x{p.k} {p.dtype} | {p.flops_per_s / 1e9:.1f} GFLOP/s |" for p in profile.matmul]
+    lines += [f"| attention {a.batch_heads} heads x {a.seq} tokens x {a.head_dim}, forward + backward |"
+              f" {a.seconds * 1e3:.2f} ms |" for a in profile.attention]
     if profile.adam_tensor_s is not None:
         lines += [f"| AdamW update of one plain parameter | {profile.adam_tensor_s * 1e6:.0f} us |"]
     if profile.framework:
         lines += ["", "| ranks | FSDP unit, forward + backward | tp linear pair, forward + backward | DTensor op + its"
-                  " backward | AdamW, one DTensor parameter |", "|---|---|---|---|---|"]
+                  " backward | AdamW, one DTensor parameter | pipeline, one microbatch more |", "|---|---|---|---|---|---|"]
         lines += [f"| {p.group_size} | {p.fsdp_unit_s * 1e3:.2f} ms | {p.tp_pair_s * 1e3:.2f} ms |"
-                  f" {p.dtensor_op_s * 1e6:.0f} us | {p.dtensor_adam_s * 1e6:.0f} us |" for p in profile.framework]
+                  f" {p.dtensor_op_s * 1e6:.0f} us | {p.dtensor_adam_s * 1e6:.0f} us |"
+                  f" {f'{p.pp_microbatch_s * 1e3:.2f} ms' if p.group_size > 1 else '-'} |" for p in profile.framework]
     if profile.collectives:
-        lines += ["", "| collective | ranks | latency | bandwidth | sizes measured |", "|---|---|---|---|---|"]
+        works = sorted({round(w * 1e3, 1) for c in profile.collectives for w, _ in c.in_step})
+        lines += ["", "| collective | ranks | latency | bandwidth | sizes measured |"
+                  + "".join(f" in a step, after {w} ms of work |" for w in works), "|---|---|---|---|---|" + "---|" * len(works)]
         lines += [f"| {c.kind} | {c.group_size} | {c.latency_s * 1e6:.0f} us | {c.bytes_per_s / 1e9:.2f} GB/s |"
                   f" {human_bytes(c.samples[0][0])} to {human_bytes(c.samples[-1][0])} ({len(c.samples)}) |"
-                  for c in profile.collectives]
+                  + "".join(f" {t * 1e6:.0f} us |" for _, t in c.in_step) for c in profile.collectives]
     return "\n".join(lines)

@@ -39,11 +39,14 @@ def test_a_real_calibration_measures_everything_within_its_budget(tmp_path):
     lines = [line for _, line in timeline]  # past budget + GRACE_S the run is stopped with an error, so none here
     assert (profile.backend, profile.processes) == ("gloo", 2) and profile.calibration_s > 0
     record = profile.to_dict()
+    assert record["framework"][0].pop("pp_microbatch_s") == 0.0  # one rank is no pipeline
     assert all(math.isfinite(n) and n > 0 for n in _numbers(record)), record
     assert {(c.kind, c.group_size) for c in profile.collectives} == {(kind, 2) for kind in COLLECTIVES}
     assert all(len(c.samples) >= 3 for c in profile.collectives)
     assert profile.matmul[0].m == 32 and profile.matmul_seconds(64, 64, 64, "float32") > 0
     assert [point.group_size for point in profile.framework] == [1, 2] and profile.adam_tensor_s > 0
+    assert all(len(c.in_step) == 2 and c.in_step[0][0] < c.in_step[1][0] for c in profile.collectives)
+    assert len(profile.attention) == 2 and profile.attention_seconds(8, 32, 8) > 0
     assert "calibrating: FSDP units, DTensor operations and AdamW updates" in lines
     assert lines[0].startswith("calibrating: starting 2 processes (gloo)"), lines
     assert "calibrating: matmul 1/2 32x32x32 float32" in lines and all(line.startswith("calibrating: ") for line in lines)

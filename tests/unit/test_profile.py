@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
+from lightning_nd.cost import collective_fit
 from lightning_nd.cost import profile as profile_module
-from lightning_nd.cost.profile import SCHEMA, CollectiveFit, HostProfile, cache_path, cached_profile
+from lightning_nd.cost.profile import SCHEMA, AttentionPoint, CollectiveFit, HostProfile, cache_path, cached_profile
 from tests.unit.host_profiles import BYTES_PER_S, LATENCY_S, synthetic_profile
 
 
@@ -26,7 +27,7 @@ def test_json_round_trip(tmp_path):
 
 @pytest.mark.parametrize(("text", "match"), [
     ("{not json", "is not a readable profile"),
-    (json.dumps({"schema": 0, "host": "old"}), "is a profile of schema 0, this version reads schema 2"),
+    (json.dumps({"schema": 0, "host": "old"}), f"is a profile of schema 0, this version reads schema {SCHEMA}"),
     (json.dumps([1, 2]), "is a profile of schema None"),
     (json.dumps({"schema": SCHEMA, "host": "x"}), "is not a valid profile"),
 ])
@@ -69,6 +70,9 @@ def test_cached_profile_is_this_hosts_or_none(monkeypatch, tmp_path):
     assert cached_profile("gloo") == synthetic_profile()
     synthetic_profile(torch="2.0.0").save(cache_path("gloo"))  # a file another torch wrote under this name
     assert cached_profile("gloo") is None
+    record = synthetic_profile().to_dict()
+    cache_path("gloo").write_text(json.dumps({**record, "schema": SCHEMA - 1}))  # an older version measured less
+    assert cached_profile("gloo") is None
 
 
 def test_the_fit_recovers_latency_and_bandwidth():
@@ -83,10 +87,10 @@ def test_the_fit_recovers_latency_and_bandwidth():
 
 def test_the_fit_stays_positive_and_finite():
     flat = CollectiveFit.fit("broadcast", 2, [(2**12, 1e-3), (2**18, 1e-3), (2**22, 0.9e-3)])
-    assert flat.bytes_per_s == 1 / profile_module.LONGEST_LINK_S_PER_BYTE and flat.latency_s == pytest.approx(
+    assert flat.bytes_per_s == 1 / collective_fit.LONGEST_LINK_S_PER_BYTE and flat.latency_s == pytest.approx(
         0.97e-3, rel=0.05)
     steep = CollectiveFit.fit("broadcast", 2, [(2**12, 1e-9), (2**18, 1e-4), (2**22, 2e-3)])
-    assert steep.latency_s == profile_module.SHORTEST_LATENCY_S and 0 < steep.bytes_per_s < math.inf
+    assert steep.latency_s == collective_fit.SHORTEST_LATENCY_S and 0 < steep.bytes_per_s < math.inf
     with pytest.raises(ValueError, match="at least 3 distinct message sizes"):
         CollectiveFit.fit("broadcast", 2, [(2**12, 1e-3), (2**12, 1e-3), (2**22, 2e-3)])
 
@@ -125,3 +129,31 @@ def test_collective_and_memory_seconds():
         profile.collective_seconds("allreduce", 2, 1)
     with pytest.raises(ValueError, match="calibrate with at least 2 processes"):
         synthetic_profile(collectives=(), processes=1).collective_seconds("all_reduce", 2, 1)
+
+
+def test_the_in_step_latency_is_interpolated_in_the_work_between_calls_never_below_the_started_together_one():
+    fit = CollectiveFit("all_reduce", 4, 1e-3, 1e9, ((4096, 1e-3), (2**20, 2e-3), (2**22, 5e-3)),
+                        ((1e-3, 2e-3), (10e-3, 8e-3)))
+    assert fit.in_step_latency(0.0) == fit.in_step_latency(1e-3) == 2e-3  # the nearest point outside
+    assert fit.in_step_latency(5.5e-3) == pytest.approx(5e-3)
+    assert fit.in_step_latency(1.0) == 8e-3
+    assert fit.seconds(1e6) == pytest.approx(1e-3 + 1e-3) and fit.seconds(1e6, 5.5e-3) == pytest.approx(5e-3 + 1e-3)
+    faster = CollectiveFit("all_reduce", 4, 1e-3, 1e9, fit.samples, ((1e-3, 1e-4),))
+    assert faster.in_step_latency(3e-3) == 1e-3
+    assert CollectiveFit("all_reduce", 4, 1e-3, 1e9, fit.samples).in_step_latency(3e-3) == 1e-3  # none measured
+    profile = synthetic_profile(collectives=(fit,))
+    assert profile.collective_seconds("all_reduce", 4, 0, work_s=5.5e-3) == pytest.approx(5e-3)
+    assert HostProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
+
+
+def test_attention_is_a_fixed_cost_per_query_row_plus_one_per_key_and_channel_fitted_to_the_points():
+    row, per_key_channel = 0.3e-6, 0.25e-9
+    points = tuple(AttentionPoint(heads, seq, size, heads * seq * (row + per_key_channel * seq * size))
+                   for heads, seq, size in ((64, 32, 8), (8, 256, 64), (16, 128, 16)))
+    profile = synthetic_profile(attention=points)
+    assert profile.attention_seconds(32, 64, 16) == pytest.approx(32 * 64 * (row + per_key_channel * 64 * 16))
+    assert synthetic_profile().attention_seconds(32, 64, 16) is None and synthetic_profile(
+        attention=points[:1]).attention_seconds(32, 64, 16) is None
+    flat = synthetic_profile(attention=(AttentionPoint(8, 32, 8, 1e-3), AttentionPoint(8, 64, 8, 1e-3)))
+    assert flat.attention_seconds(8, 32, 8) >= 0 and flat.attention_seconds(8, 64, 8) >= 0  # kept positive
+    assert HostProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
