@@ -196,7 +196,7 @@ def _pp(run: _Run, size: int) -> Priced:
     moved = run.micro_steps * sends * run.tokens * run.shape.hidden * run.activation_bytes
     what = f"send activations or their grads to another stage x{sends} per micro-step"
     microbatches = run.layout.options.pp_microbatches
-    calls = [Calls("send_recv", run.micro_steps * sends * microbatches,
+    calls = [Calls("send_recv", 2 * run.micro_steps * sends * microbatches,  # the activation, then its gradient
                    run.tokens * run.shape.hidden * run.activation_bytes // microbatches)]
     last = pipeline.num_stages - 1
     if owner[0] != owner[last] and (0 in stages or last in stages):
@@ -225,8 +225,10 @@ def _ep(run: _Run, size: int) -> Priced:
     moe_blocks = run.moe_blocks
     rows = run.tokens * shape.top_k * shape.hidden * run.activation_bytes
     moved = run.micro_steps * moe_blocks * 4 * rows * (size - 1) // size
+    counts = shape.experts * 8  # the int64 tokens per expert each rank routes, exchanged before the tokens
     return (moved, f"all-to-all tokens x{4 * moe_blocks} per micro-step (dispatch + combine, forward + backward)",
-            [Calls("all_to_all", run.micro_steps * moe_blocks * 4, rows)])
+            [Calls("all_to_all", run.micro_steps * moe_blocks * 4, rows),
+             Calls("all_to_all", run.micro_steps * moe_blocks, counts)])
 
 
 PRICES = {"fsdp": _fsdp, "dp_replicate": _dp_replicate, "tp": _tp, "pp": _pp, "cp": _cp, "ep": _ep,

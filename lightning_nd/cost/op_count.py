@@ -29,16 +29,25 @@ COUNT_TOKENS = 8
 
 @dataclass(frozen=True)
 class OpCount:
-    """Aten operations of one forward and backward of one micro-batch."""
+    """Aten operations of one forward and backward of one micro-batch, and the bytes the memory-bound ones move."""
 
     per_block: tuple[int, ...]
     """Each block's, forward and backward, in block order."""
     outside: int
     """The rest of the model's (embedding, final norm, head, loss), forward and backward."""
+    bytes_per_token: tuple[float, ...] = ()
+    """Each block's bytes read and written per token by its operations other than matmuls and attention, forward
+    and backward: what grows with the tokens (views and the weights' own updates excluded)."""
+    outside_bytes_per_token: float = 0.0
 
     @property
     def total(self) -> int:
         return sum(self.per_block) + self.outside
+
+
+COMPUTE_BOUND = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_dot_product", "scaled_dot_product",
+                 "convolution", "embedding_dense_backward")
+"""Operations priced by their arithmetic (matmuls) or on their own (attention), not by the bytes they move."""
 
 
 class _Counter(TorchDispatchMode):
@@ -46,15 +55,33 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.where: list[int] = [-1]
         self.forward: dict[int, int] = {}
+        self.forward_bytes: dict[int, int] = {}
         self.backward = 0
+        self.backward_bytes = 0
         self.in_backward = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        moved = _bytes_moved(func, args, kwargs, result)
         if self.in_backward:
             self.backward += 1
+            self.backward_bytes += moved
         else:
-            self.forward[self.where[-1]] = self.forward.get(self.where[-1], 0) + 1
-        return func(*args, **(kwargs or {}))
+            where = self.where[-1]
+            self.forward[where] = self.forward.get(where, 0) + 1
+            self.forward_bytes[where] = self.forward_bytes.get(where, 0) + moved
+        return result
+
+
+def _bytes_moved(func: Any, args: tuple, kwargs: dict | None, result: Any) -> int:
+    """Bytes a memory-bound operation reads (its tensor inputs) and writes (its outputs); 0 for a view or a
+    compute-bound operation."""
+    name = func.__name__ if hasattr(func, "__name__") else str(func)
+    if getattr(func, "is_view", False) or any(name.startswith(prefix) for prefix in COMPUTE_BOUND):
+        return 0
+    tensors = [t for t in (*args, *(kwargs or {}).values(), *(result if isinstance(result, (tuple, list)) else
+                                                               (result,))) if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _enter(counter: _Counter, index: int, *_: Any) -> None:
@@ -66,8 +93,22 @@ def _leave(counter: _Counter, *_: Any) -> None:
 
 
 def count_ops(model: nn.Module, blocks: Sequence[str], seq_len: int = COUNT_TOKENS) -> OpCount | None:
-    """The operations ``model`` runs in one forward and backward on one row of ``seq_len`` token ids, by block;
+    """The operations ``model`` runs in one forward and backward on one row of ``seq_len`` token ids, by block,
+    and the bytes per token its memory-bound ones move (the difference of a second count at twice the tokens);
     None when its forward or backward does not run on the meta device."""
+    short, long = _count(model, blocks, seq_len), _count(model, blocks, 2 * seq_len)
+    if short is None or long is None:
+        return None
+    (ops, outside, block_bytes, outside_bytes), (_, _, more_block_bytes, more_outside_bytes) = short, long
+    return OpCount(ops, outside, tuple(max(b - a, 0) / seq_len for a, b in zip(block_bytes, more_block_bytes)),
+                   max(more_outside_bytes - outside_bytes, 0) / seq_len)
+
+
+Counted = tuple[tuple[int, ...], int, list[float], float]
+"""Operations per block, outside them, and the bytes each moved (per block, outside)."""
+
+
+def _count(model: nn.Module, blocks: Sequence[str], seq_len: int) -> Counted | None:
     memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.is_floating_point())
                             for p in model.parameters()}
     memo |= {id(b): torch.empty_like(b, device="meta") for b in model.buffers()}
@@ -99,7 +140,13 @@ def count_ops(model: nn.Module, blocks: Sequence[str], seq_len: int = COUNT_TOKE
     outside = counter.forward.get(-1, 0)
     total_forward = sum(forward) + outside
     ratio = counter.backward / total_forward if total_forward else 0.0
-    return OpCount(tuple(round(ops * (1 + ratio)) for ops in forward), round(outside * (1 + ratio)))
+    moved = [counter.forward_bytes.get(index, 0) for index in range(len(blocks))]
+    moved_outside = counter.forward_bytes.get(-1, 0)
+    forward_bytes = sum(moved) + moved_outside
+    bytes_ratio = counter.backward_bytes / forward_bytes if forward_bytes else 0.0
+    # the backward's operations and bytes are split between the blocks and the rest as the forward's were
+    return (tuple(round(ops * (1 + ratio)) for ops in forward), round(outside * (1 + ratio)),
+            [b * (1 + bytes_ratio) for b in moved], moved_outside * (1 + bytes_ratio))
 
 
 def count_model_ops(module: nn.Module) -> OpCount | None:

@@ -3,22 +3,29 @@
 peak, this prices what a small or medium model's eager step on that host is made of, per rank:
 
 - **Matmuls** at this rank's shapes (tp splits the heads and the MLP's inner size, cp the tokens, pp the blocks):
-  each block's projections, attention's scores and weighted values (at full size: the CPU kernels compute the
-  masked half too), the head over the vocabulary, an MoE block's routed rows through its local experts; each
-  forward matmul and its two backward ones priced by the profile's throughput at that size.
-- **Memory-bound operations**: per block and token, the norms, residual adds, rotary embedding, softmax over the
-  sequence and the MLP's activation, read and written once forward and twice backward; the optimizer's update
-  (AdamW: parameter, gradient, two moments, read and written).
+  each block's projections, the head over the vocabulary, an MoE block's routed rows through its local experts;
+  each forward matmul and its two backward ones priced by the profile's throughput at that size.
+- **Attention** as the profile measured it (`HostProfile.attention_seconds`: far from matmul speed for small heads
+  on CPU), once per ring hop under cp; where it was not measured, its scores and weighted values as matmuls.
+- **Memory-bound operations**: the bytes the model's own operations other than matmuls move per token, counted on
+  the meta device (`op_count.py`), over the profile's memory throughput; where they could not be counted, per block
+  and token the norms, residual adds, rotary embedding, softmax over the sequence and the MLP's activation, read and
+  written once forward and twice backward. The optimizer's update (AdamW: parameter, gradient, two moments, read
+  and written).
 - **Eager overhead**: the operations one micro-batch's forward and backward run, counted on the model itself
   (`op_count.py`; `OPS_PER_BLOCK` and `OPS_PER_EXPERT` when the forward does not run on the meta device), x the
-  profile's time per operation. A DTensor operation costs more than a plain one; the profile does not measure it yet.
+  profile's time per operation, with the operations ring attention adds under cp (`RING_OPS_PER_BLOCK`).
 - **Frameworks** (where the profile measured them, on CPU): each FSDP unit's hooks and collectives per forward and
   backward pass; each tensor-parallel column-wise / row-wise pair as measured, and the DTensor operations of the
   column-wise layers beyond one per pair (a transpose, matmul and bias add each, with their backward); AdamW's
-  update per parameter tensor (a DTensor one where FSDP or tp made it one).
-- **Collectives**: every call `comm.py` lists, latency + buffer / bandwidth at its group size (FSDP's and tp's at
-  bandwidth only: their latency is in the unit's or the pair's measured time). Nothing overlaps: the profile does not measure how much a
-  collective hides behind compute on this host.
+  update per parameter tensor (a DTensor one where FSDP or tp made it one); a pipeline's schedule and exchanges per
+  microbatch.
+- **Collectives**: every call `comm.py` lists and the logged loss's average over the batch ranks, latency +
+  buffer / bandwidth at its group size, the latency taken as a call's inside a step after the rank's work between
+  two calls (its compute over its calls) where the profile measured it (`CollectiveFit.in_step`). FSDP's, tp's and
+  pp's latency is in the unit's, the pair's or the microbatch's measured time: their calls add their bytes and how
+  much longer a call waits after that work than after none. Nothing overlaps: the profile does not measure how much
+  a collective hides behind compute on this host.
 - **Pipeline**: the stage's work over all microbatches / (1 - bubble), as `step_time.py`.
 """
 
@@ -42,6 +49,14 @@ FSDP_DIMS = ("fsdp", "expert_dp")
 DTENSOR_OPS_PER_LINEAR = 3
 """DTensor operations of one tensor-parallel linear layer's forward (the weight's transpose, the matmul, the bias add;
 `F.linear` decomposes so on a DTensor), each priced with its backward by the profile's ``dtensor_op_s``."""
+RING_OPS_PER_BLOCK, RING_OPS_PER_HOP = 180, 80
+"""Operations ring attention (`context_parallel/`) adds to a block's forward and backward beyond the attention the
+model's count holds, and more per hop round a ring of cp ranks: counted on the example Llama's step (1,311 at
+dp_shard=4, 2,347 at dp_shard=2 x cp=2, 2,991 at cp=4, over 4 blocks)."""
+LOGGED_BYTES = 4
+"""The logged loss: one float32 scalar."""
+ONCE_PER_STEP = ("pp", "loss")
+"""Collectives outside the pipeline's stage work: its exchanges (priced per call) and the logged loss's average."""
 OPTIMIZER_PASSES = 8
 """AdamW's update reads and writes the parameter and two moments and reads the gradient."""
 
@@ -58,37 +73,57 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     micro_steps, batch = workload.accumulation, workload.batch
     tokens = batch * workload.seq_len // cp
     recompute = RECOMPUTE_FACTOR[options.activation_checkpointing]
+    heads, seq = batch * max(1, shape.heads // tp), workload.seq_len // cp
+    attention = profile.attention_seconds(heads, seq, shape.head_dim)
     matmul = sum(profile.matmul_seconds(m, n, k, dtype) * count for m, n, k, count in
-                 _block_matmuls(shape, tokens, batch, workload.seq_len // cp, tp, dims.get("ep", 1)))
-    matmul = matmul * blocks * recompute
+                 _block_matmuls(shape, tokens, batch, seq, tp, dims.get("ep", 1), attention is None))
+    matmul = (matmul + (attention or 0.0) * cp) * blocks * recompute  # under cp, a block of keys per ring hop
     if last:
         matmul += 3 * profile.matmul_seconds(tokens, shape.vocab // (tp if options.loss_parallel else 1), shape.hidden,
                                              dtype)
-    elementwise = _elementwise_bytes(shape, workload.seq_len // cp, tp) * tokens * workload.activation_bytes
-    memory = profile.memory_seconds(elementwise * 3 * blocks)
+    if ops is not None and ops.bytes_per_token:  # counted at float32, scaled to the activations' dtype
+        scale = tokens * workload.activation_bytes / 4 / tp
+        memory = profile.memory_seconds(scale * (ops.bytes_per_token[0] * blocks
+                                                 + ops.outside_bytes_per_token * (first or last)))
+    else:
+        elementwise = _elementwise_bytes(shape, seq, tp) * tokens * workload.activation_bytes
+        memory = profile.memory_seconds(elementwise * 3 * blocks)
     counted = (ops.per_block[0] if ops is not None and ops.per_block
                else OPS_PER_BLOCK + OPS_PER_EXPERT * shape.experts // dims.get("ep", 1))
     outside = (ops.outside if ops is not None else 2 * OPS_PER_BLOCK) * (first or last)
     microbatches = options.pp_microbatches if pp > 1 else 1
-    overhead = profile.op_overhead_s * (counted * blocks + outside) * microbatches
+    ring = RING_OPS_PER_BLOCK + RING_OPS_PER_HOP * (cp - 1) if cp > 1 else 0
+    overhead = profile.op_overhead_s * ((counted + ring) * blocks + outside) * microbatches
     fsdp = "fsdp" in {t.technique for t in layout.techniques}
     framework = profile.framework_at(dims["dp_shard"] * cp)
     tp_framework = profile.framework_at(tp) if tp > 1 else None
-    inside = {dim for dim in FSDP_DIMS if framework is not None} | ({"tp"} if tp_framework is not None else set())
-    comm = {dim: sum(c.count * _collective_s(profile, c.kind, traffic.group_size, c.buffer_bytes, dim in inside)
-                     for c in traffic.calls) for dim, traffic in comm_per_step(layout, shape, workload).items()}
-    local_params = sum(p.bytes for p in holding.params)
-    adam = _adam_s(holding.params, framework if fsdp else tp_framework, profile.adam_tensor_s, fsdp)
-    optimizer = profile.memory_seconds(local_params * OPTIMIZER_PASSES) + adam
+    pp_framework = profile.framework_at(pp) if pp > 1 else None
+    if pp_framework is None or not pp_framework.pp_microbatch_s:
+        pp_framework = None
+    inside = ({dim for dim in FSDP_DIMS if framework is not None} | ({"tp"} if tp_framework is not None else set())
+              | ({"pp"} if pp_framework is not None else set()))
+    if pp_framework is not None:
+        overhead += microbatches * pp_framework.pp_microbatch_s
     if tp_framework is not None:
         overhead += microbatches * _tp_overhead_s(holding.params, tp_framework)
     if fsdp and framework is not None:
         overhead += (blocks + 1) * microbatches * framework.fsdp_unit_s
+    traffic = comm_per_step(layout, shape, workload)
+    batch_ranks = dims["dp_replicate"] * dims["dp_shard"] * cp
+    calls = sum(c.count for t in traffic.values() for c in t.calls) + (batch_ranks > 1)
+    gap = (matmul + memory + overhead) * micro_steps / max(calls, 1)  # the rank's work between two calls
+    comm = {dim: sum(c.count * _collective_s(profile, c.kind, t.group_size, c.buffer_bytes, dim in inside, gap)
+                     for c in t.calls) for dim, t in traffic.items()}
+    if batch_ranks > 1:  # the logged loss (``self.log(..., sync_dist=True)``), averaged over the batch ranks
+        comm["loss"] = profile.collective_seconds("all_reduce", batch_ranks, LOGGED_BYTES, work_s=gap)
+    local_params = sum(p.bytes for p in holding.params)
+    adam = _adam_s(holding.params, framework if fsdp else tp_framework, profile.adam_tensor_s, fsdp)
+    optimizer = profile.memory_seconds(local_params * OPTIMIZER_PASSES) + adam
     compute = (matmul + memory + overhead) * micro_steps
     bubble = theoretical_bubble(options.pp_schedule, pp, options.pp_microbatches,
                                 options.pp_stages_per_rank) if pp > 1 else 0.0
-    staged = sum(seconds for dim, seconds in comm.items() if dim != "pp")
-    total = (compute + staged) / (1 - bubble) + comm.get("pp", 0.0) + optimizer
+    staged = sum(seconds for dim, seconds in comm.items() if dim not in ONCE_PER_STEP)
+    total = (compute + staged) / (1 - bubble) + sum(comm.get(dim, 0.0) for dim in ONCE_PER_STEP) + optimizer
     flops = flops_per_token(shape, workload.seq_len) * batch * workload.seq_len * micro_steps * recompute / (tp * cp * pp)
     return StepTime(compute_s=compute + optimizer, comm_s=comm, link=dict.fromkeys(comm, "measured"),
                     exposed_comm_s=sum(comm.values()), bubble_fraction=bubble, total_s=total, flops_per_step=flops,
@@ -100,9 +135,14 @@ def profile_label(profile: HostProfile) -> str:
     return f"profile of {profile.host} (measured {profile.created[:10]})"
 
 
-def _collective_s(profile: HostProfile, kind: str, group_size: int, nbytes: int, bandwidth_only: bool) -> float:
-    seconds = profile.collective_seconds(kind, group_size, nbytes)
-    return seconds - profile.collective_seconds(kind, group_size, 0) if bandwidth_only else seconds
+def _collective_s(profile: HostProfile, kind: str, group_size: int, nbytes: int, framework_measured: bool,
+                  gap: float) -> float:
+    """One call after ``gap`` of work; where a framework's measured call holds it (FSDP's, tp's: timed on tiny
+    layers, hardly any work between calls), its bytes and what the longer wait after ``gap`` adds."""
+    seconds = profile.collective_seconds(kind, group_size, nbytes, work_s=gap)
+    if framework_measured:
+        return seconds - profile.collective_seconds(kind, group_size, 0, work_s=0.0)
+    return seconds
 
 
 def _tp_overhead_s(params: tuple, point: FrameworkPoint) -> float:
@@ -127,13 +167,15 @@ def _blocks_on(layout: Layout, stages: tuple[int, ...]) -> int:
     return sum(name in units for name in pipeline.split.blocks)
 
 
-def _block_matmuls(shape: ModelShape, tokens: int, batch: int, seq: int, tp: int,
-                   ep: int) -> list[tuple[int, int, int, int]]:
-    """(m, n, k, how many) of one block's forward matmuls, each x3 for its backward."""
+def _block_matmuls(shape: ModelShape, tokens: int, batch: int, seq: int, tp: int, ep: int,
+                   attention: bool = True) -> list[tuple[int, int, int, int]]:
+    """(m, n, k, how many) of one block's forward matmuls, each x3 for its backward (``attention``: with the
+    attention's two, where the profile did not measure attention itself)."""
     h, kv, inner = shape.hidden, shape.kv_dim, shape.intermediate
     heads = max(1, shape.heads // tp)
-    shapes = [(tokens, (h + 2 * kv) // tp, h, 3), (tokens, h, h // tp, 3),
-              (seq, seq, shape.head_dim, 3 * batch * heads), (seq, shape.head_dim, seq, 3 * batch * heads)]
+    shapes = [(tokens, (h + 2 * kv) // tp, h, 3), (tokens, h, h // tp, 3)]
+    if attention:
+        shapes += [(seq, seq, shape.head_dim, 3 * batch * heads), (seq, shape.head_dim, seq, 3 * batch * heads)]
     mlp = 3 if shape.mlp == "gated" else 2
     if shape.experts:
         local = max(1, shape.experts // ep)

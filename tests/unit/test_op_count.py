@@ -3,6 +3,7 @@ block; None where the forward cannot run there (a data-dependent MoE dispatch)."
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -38,6 +39,48 @@ def test_the_count_is_read_from_the_code_a_fused_projection_runs_fewer():
     fused = count_ops(Projections(True), ["blocks.0", "blocks.1"])
     apart = count_ops(Projections(False), ["blocks.0", "blocks.1"])
     assert fused is not None and apart is not None and fused.per_block[0] < apart.per_block[0]
+
+
+class Doubling(nn.Module):
+    """A linear layer, then ``extra`` multiplications of its [1, tokens, 16] output by 2."""
+
+    def __init__(self, extra: int) -> None:
+        super().__init__()
+        self.linear, self.extra = nn.Linear(16, 16), extra
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear(hidden)
+        for _ in range(self.extra):
+            hidden = hidden * 2
+        return hidden
+
+
+class Scaled(nn.Module):
+    def __init__(self, extra: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(Doubling(extra) for _ in range(2))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return hidden
+
+
+def test_the_bytes_per_token_are_what_the_memory_bound_operations_read_and_write():
+    """One multiplication of 16 float32 channels per token reads and writes 2 x 64 bytes forward, and its gradient
+    the same backward: 256 bytes per token more per block, 512 in all, counted exactly (the backward's bytes are
+    split between the blocks and the rest as the forward's were, so each block's share is close, not exact); a
+    matmul moves none (priced by its FLOPs)."""
+    plain, more = count_ops(Scaled(0), ["blocks.0", "blocks.1"]), count_ops(Scaled(1), ["blocks.0", "blocks.1"])
+    assert plain is not None and more is not None and plain.outside_bytes_per_token > 0  # the embedding's gather
+    total = sum(more.bytes_per_token) + more.outside_bytes_per_token
+    assert total - sum(plain.bytes_per_token) - plain.outside_bytes_per_token == pytest.approx(512)
+    assert more.bytes_per_token[0] == more.bytes_per_token[1] and all(
+        200 < b - a <= 256 for a, b in zip(plain.bytes_per_token, more.bytes_per_token))
+    llama = count_model_ops(Llama(LlamaConfig(**conf_model("llama"))))
+    assert llama is not None and len(set(llama.bytes_per_token)) == 1 and llama.bytes_per_token[0] > 1000
 
 
 def test_the_model_inside_a_holder_is_counted_and_the_model_is_left_as_it_was():

@@ -10,10 +10,11 @@ import pytest
 from lightning_nd.cost.comm import comm_per_step
 from lightning_nd.cost.layout_cost import cost_layout
 from lightning_nd.cost.op_count import count_model_ops
+from lightning_nd.cost.profile import AttentionPoint
 from lightning_nd.cost.profiled_step import profiled_step_time
 from lightning_nd.cost.shape import model_shape
 from lightning_nd.planner.dry_run import dry_run
-from tests.unit.host_profiles import synthetic_profile
+from tests.unit.host_profiles import BYTES_PER_S, synthetic_profile
 from tests.unit.test_cost_comm import DENSE, WORKLOAD
 
 PROFILE = synthetic_profile(framework=(), adam_tensor_s=None)
@@ -89,3 +90,64 @@ def test_cost_layout_prices_with_the_profile_when_one_is_given():
     priced = cost_layout(layout, model_shape(DENSE.model), WORKLOAD, profile=PROFILE).time
     preset = cost_layout(layout, model_shape(DENSE.model), WORKLOAD, hardware=None)
     assert priced is not None and priced.priced_by == f"profile of {PROFILE.host} (measured 2025-01-01)" and preset.time is None
+
+
+def _in_step(profile, latency_at_no_work: float):
+    """Every collective's latency inside a step = ``latency_at_no_work`` + the work between calls."""
+    return dataclasses.replace(profile, collectives=tuple(
+        dataclasses.replace(fit, in_step=((0.0, latency_at_no_work), (1.0, latency_at_no_work + 1.0)))
+        for fit in profile.collectives))
+
+
+def test_a_call_inside_a_step_waits_as_measured_after_the_ranks_work_between_calls():
+    """The logged loss's all-reduce gives the work between calls; cp's exchanges each wait the in-step latency at it,
+    FSDP's (inside its measured unit) only the wait it adds beyond the latency after no work."""
+    ops = count_model_ops(DENSE)
+    profile = _in_step(MEASURED, 2e-3)
+    layout, step = _step({"cp": 2}, profile, ops)
+    loss = step.comm_s["loss"]
+    gap = loss - 2e-3 - 4 / BYTES_PER_S
+    assert gap > 0
+    traffic = comm_per_step(layout, model_shape(DENSE.model), WORKLOAD)
+    calls = sum(c.count for t in traffic.values() for c in t.calls) + 1
+    assert step.comm_s["cp"] == pytest.approx(sum(c.count * (2e-3 + gap + c.buffer_bytes / BYTES_PER_S)
+                                                  for c in traffic["cp"].calls))
+    assert step.comm_s["fsdp"] == pytest.approx(sum(c.count * (gap + c.buffer_bytes / BYTES_PER_S)
+                                                    for c in traffic["fsdp"].calls))
+    assert calls > 2
+    _, alone = _step({"tp": 2}, profile, ops)
+    assert "loss" not in alone.comm_s  # one batch rank: no average to take
+
+
+def test_measured_attention_prices_each_block_once_per_ring_hop():
+    points = (AttentionPoint(64, 32, 8, 2e-3), AttentionPoint(8, 256, 64, 2e-2))
+    slower = (AttentionPoint(64, 32, 8, 4e-3), AttentionPoint(8, 256, 64, 4e-2))
+    for cp in (1, 2):
+        _, once = _step({"dp_shard": 2 // cp, "cp": cp}, synthetic_profile(attention=points))
+        _, twice = _step({"dp_shard": 2 // cp, "cp": cp}, synthetic_profile(attention=slower))
+        shape = model_shape(DENSE.model)
+        attention = synthetic_profile(attention=points).attention_seconds(
+            WORKLOAD.batch * shape.heads, WORKLOAD.seq_len // cp, shape.head_dim)
+        assert twice.compute_s - once.compute_s == pytest.approx(shape.layers * cp * attention)
+
+
+def test_a_pipeline_pays_its_measured_cost_per_microbatch():
+    ops = count_model_ops(DENSE)
+    options = {"pp_microbatches": 4}
+    _, bare = _step({"pp": 2, "dp_shard": 4}, MEASURED, ops, options)
+    points = tuple(dataclasses.replace(p, pp_microbatch_s=3e-3) for p in MEASURED.framework)
+    _, priced = _step({"pp": 2, "dp_shard": 4}, dataclasses.replace(MEASURED, framework=points), ops, options)
+    assert priced.overhead_s - bare.overhead_s == pytest.approx(4 * 3e-3)
+    assert "pp" in priced.comm_s and priced.comm_s["pp"] < bare.comm_s["pp"]  # its exchanges' latency is inside
+
+
+def test_counted_bytes_price_the_memory_bound_operations():
+    ops = count_model_ops(DENSE)
+    assert ops is not None and ops.bytes_per_token
+    doubled = dataclasses.replace(ops, bytes_per_token=tuple(2 * b for b in ops.bytes_per_token),
+                                  outside_bytes_per_token=2 * ops.outside_bytes_per_token)
+    _, step = _step({"dp_shard": 2}, PROFILE, ops)
+    _, more = _step({"dp_shard": 2}, PROFILE, doubled)
+    tokens = WORKLOAD.batch * WORKLOAD.seq_len
+    moved = tokens * (sum(ops.bytes_per_token) + ops.outside_bytes_per_token)
+    assert more.compute_s - step.compute_s == pytest.approx(PROFILE.memory_seconds(moved))
