@@ -149,7 +149,8 @@ def _least_recompute(layout: Layout, sizes: dict[str, int], shape: ModelShape, w
         fits = cost.peak.peak_bytes <= memory_bytes
         if fits:
             break
-    keys = ("zero_stage", "activation_checkpointing") + (("pp_schedule", "pp_microbatches") if sizes["pp"] > 1 else ())
+    keys = (("zero_stage", "activation_checkpointing") + (("sequence_parallel",) if sizes["tp"] > 1 else ())
+            + (("pp_schedule", "pp_microbatches") if sizes["pp"] > 1 else ()))
     options = {key: getattr(trial.options, key) for key in keys}
     longest = longest_sequence(trial, shape, workload, memory_bytes, optimizer)
     return Candidate(sizes, options, trial, workload, cost, fits, longest_seq=longest)
