@@ -110,6 +110,43 @@ def attention_points(seconds_per_call: Callable[[Callable[[], Any], float], floa
     return points
 
 
+def _sequence_parallel_blocks(mesh: Any) -> nn.Module:
+    """``UNITS // 2`` blocks of a norm, a column-wise and a row-wise linear layer with a residual add, sequence
+    parallel over ``mesh`` as a tp block with sequence parallelism runs (the norm on this rank's part of the sequence,
+    an all-gather before the column-wise layer, a reduce-scatter after the row-wise one); unsplit when ``mesh`` is
+    None."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            return hidden + self.down(torch.tanh(self.up(self.norm(hidden))))
+
+    blocks = nn.Sequential(*(Block() for _ in range(UNITS // 2)))
+    if mesh is not None:
+        for block in blocks:
+            parallelize_module(block, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                             "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
+        first = blocks[0]
+        first.register_forward_pre_hook(lambda _, args: (_as_sequence_shard(args[0], mesh),))
+    return blocks
+
+
+def _as_sequence_shard(rows: torch.Tensor, mesh: Any) -> Any:
+    from torch.distributed.tensor import DTensor, Shard
+
+    return rows if isinstance(rows, DTensor) else DTensor.from_local(rows, mesh, [Shard(1)])
+
+
 def _pairs() -> nn.Sequential:
     return nn.Sequential(*(nn.Linear(8, 16) if i % 2 == 0 else nn.Linear(16, 8) for i in range(UNITS)))
 
@@ -122,7 +159,7 @@ def framework_steps(seconds_per_call: Callable[[Callable[[], Any], float], float
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    share = seconds / (4 * len(group_sizes) + 1)
+    share = seconds / (5 * len(group_sizes) + 1)
     measured = []
     for size in group_sizes:
         mesh = init_device_mesh("cpu", (world // size, size), mesh_dim_names=("across", "within"))["within"]
@@ -144,9 +181,14 @@ def framework_steps(seconds_per_call: Callable[[Callable[[], Any], float], float
                                          for i in range(len(pairs))})
         split_s = seconds_per_call(lambda: pairs(batch).sum().backward(), share)
         unsplit_s = seconds_per_call(lambda: unsplit(batch).sum().backward(), share / 4)
+        blocks, whole = _sequence_parallel_blocks(mesh), _sequence_parallel_blocks(None)
+        rows = torch.randn(2, 4, 8)  # this rank's quarter of the sequence
+        sp_s = seconds_per_call(lambda: blocks(rows).to_local().sum().backward(), share)
+        whole_s = seconds_per_call(lambda: whole(rows).sum().backward(), share / 4)
         microbatch_s = _pipeline_microbatch_s(mesh) if size > 1 else 0.0
         measured.append([size, max(sharded_s - plain_s, 1e-9) / (UNITS + 1), chain_s / (4 * CHAIN), adam_s,
-                         max(split_s - unsplit_s, 1e-9) / (len(pairs) // 2), microbatch_s])
+                         max(split_s - unsplit_s, 1e-9) / (len(pairs) // 2), microbatch_s,
+                         max(sp_s - whole_s, 1e-9) / (UNITS // 2)])
     plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
     plain(torch.randn(4, 8)).sum().backward()
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)

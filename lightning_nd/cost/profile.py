@@ -73,6 +73,9 @@ class FrameworkPoint:
     tp_pair_s: float = 0.0
     """A column-wise then row-wise parallel linear pair's forward and backward beyond the unsplit pair's: DTensor
     wrapping and the pair's two all-reduces, as the ranks drift in a step."""
+    tp_sp_pair_s: float = 0.0
+    """A sequence-parallel block's norm, column-wise and row-wise pair and residual add, beyond the same unsplit: the
+    pair's all-gather and reduce-scatter and the norm's and add's DTensor operations, as the ranks drift in a step."""
     pp_microbatch_s: float = 0.0
     """One microbatch more through a 1F1B pipeline of ``group_size`` stages of tiny layers: the schedule's actions
     and each stage's exchanges of the activation and its gradient, as the ranks drift in a step."""

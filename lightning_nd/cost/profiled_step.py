@@ -16,7 +16,8 @@ peak, this prices what a small or medium model's eager step on that host is made
   (`op_count.py`; `OPS_PER_BLOCK` and `OPS_PER_EXPERT` when the forward does not run on the meta device), x the
   profile's time per operation, with the operations ring attention adds under cp (`RING_OPS_PER_BLOCK`).
 - **Frameworks** (where the profile measured them, on CPU): each FSDP unit's hooks and collectives per forward and
-  backward pass; each tensor-parallel column-wise / row-wise pair as measured, and the DTensor operations of the
+  backward pass; each tensor-parallel column-wise / row-wise pair as measured (a sequence-parallel block's, with
+  its norm and residual add, under sequence parallelism), and the DTensor operations of the
   column-wise layers beyond one per pair (a transpose, matmul and bias add each, with their backward); AdamW's
   update per parameter tensor (a DTensor one where FSDP or tp made it one); a pipeline's schedule and exchanges per
   microbatch.
@@ -105,7 +106,7 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     if pp_framework is not None:
         overhead += microbatches * pp_framework.pp_microbatch_s
     if tp_framework is not None:
-        overhead += microbatches * _tp_overhead_s(holding.params, tp_framework)
+        overhead += microbatches * _tp_overhead_s(holding.params, tp_framework, options.sequence_parallel)
     if fsdp and framework is not None:
         overhead += (blocks + 1) * microbatches * framework.fsdp_unit_s
     traffic = comm_per_step(layout, shape, workload)
@@ -145,13 +146,15 @@ def _collective_s(profile: HostProfile, kind: str, group_size: int, nbytes: int,
     return seconds
 
 
-def _tp_overhead_s(params: tuple, point: FrameworkPoint) -> float:
-    """Each row-wise layer (and a vocabulary-split embedding) closes a measured column-wise / row-wise pair; the
+def _tp_overhead_s(params: tuple, point: FrameworkPoint, sequence_parallel: bool = False) -> float:
+    """Each row-wise layer (and a vocabulary-split embedding) closes a measured column-wise / row-wise pair (with
+    ``sequence_parallel``, the sequence-parallel block's: its norm and residual add on DTensors, where measured); the
     column-wise layers beyond one per pair (q, k, v before one output projection) cost their DTensor operations."""
     split = [p for p in params if len(p.shape) == 2 and "tp:" in p.placement]
     rowwise = sum("tp:Shard(1)" in p.placement or p.kind == "embedding" for p in split)
     extra = max(len(split) - 2 * rowwise, 0)
-    return rowwise * point.tp_pair_s + extra * DTENSOR_OPS_PER_LINEAR * point.dtensor_op_s
+    pair = point.tp_sp_pair_s if sequence_parallel and point.tp_sp_pair_s else point.tp_pair_s
+    return rowwise * pair + extra * DTENSOR_OPS_PER_LINEAR * point.dtensor_op_s
 
 
 def _adam_s(params: tuple, dtensor: FrameworkPoint | None, plain: float | None, fsdp: bool) -> float:

@@ -113,9 +113,11 @@ def profile_markdown(profile: HostProfile, path: Path) -> str:
     if profile.adam_tensor_s is not None:
         lines += [f"| AdamW update of one plain parameter | {profile.adam_tensor_s * 1e6:.0f} us |"]
     if profile.framework:
-        lines += ["", "| ranks | FSDP unit, forward + backward | tp linear pair, forward + backward | DTensor op + its"
-                  " backward | AdamW, one DTensor parameter | pipeline, one microbatch more |", "|---|---|---|---|---|---|"]
+        lines += ["", "| ranks | FSDP unit, forward + backward | tp linear pair, forward + backward | the same, sequence"
+                  " parallel, with a norm and a residual add | DTensor op + its backward | AdamW, one DTensor parameter"
+                  " | pipeline, one microbatch more |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {p.group_size} | {p.fsdp_unit_s * 1e3:.2f} ms | {p.tp_pair_s * 1e3:.2f} ms |"
+                  f" {p.tp_sp_pair_s * 1e3:.2f} ms |"
                   f" {p.dtensor_op_s * 1e6:.0f} us | {p.dtensor_adam_s * 1e6:.0f} us |"
                   f" {f'{p.pp_microbatch_s * 1e3:.2f} ms' if p.group_size > 1 else '-'} |" for p in profile.framework]
     if profile.collectives:

@@ -151,3 +151,15 @@ def test_counted_bytes_price_the_memory_bound_operations():
     tokens = WORKLOAD.batch * WORKLOAD.seq_len
     moved = tokens * (sum(ops.bytes_per_token) + ops.outside_bytes_per_token)
     assert more.compute_s - step.compute_s == pytest.approx(PROFILE.memory_seconds(moved))
+
+
+def test_sequence_parallelism_prices_each_pair_as_the_measured_sequence_parallel_block():
+    ops = count_model_ops(DENSE)
+    points = tuple(dataclasses.replace(p, tp_sp_pair_s=p.tp_pair_s + 5e-3) for p in MEASURED.framework)
+    profile = dataclasses.replace(MEASURED, framework=points)
+    _, plain = _step({"tp": 2}, profile, ops, {"sequence_parallel": False})
+    _, sequence = _step({"tp": 2}, profile, ops, {"sequence_parallel": True})
+    pairs = 4 * 2 + 1  # o and down in each of 4 blocks, the embedding
+    assert sequence.overhead_s - plain.overhead_s == pytest.approx(pairs * 5e-3)
+    _, unmeasured = _step({"tp": 2}, MEASURED, ops, {"sequence_parallel": True})
+    assert unmeasured.overhead_s == pytest.approx(plain.overhead_s)  # the plain pair's price where not measured
