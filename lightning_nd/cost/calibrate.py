@@ -200,9 +200,7 @@ def _profile(results: list[dict[str, Any]], backend: str, processes: int, second
         memory_bytes_per_s=statistics.median(r["memory_bytes_per_s"] for r in results),
         op_overhead_s=statistics.median(r["op_overhead_s"] for r in results), collectives=tuple(collectives),
         framework=tuple(FrameworkPoint(int(point[0]), *(statistics.median(r["framework"][i][j] for r in results)
-                                                         for j in (1, 2, 3, 4)),
-                                       tp_sp_pair_s=statistics.median(r["framework"][i][6] for r in results),
-                                       pp_microbatch_s=statistics.median(r["framework"][i][5] for r in results))
+                                                         for j in range(1, len(point))))
                         for i, point in enumerate(results[0].get("framework", []))),
         adam_tensor_s=statistics.median(r["adam_tensor_s"] for r in results) if "adam_tensor_s" in results[0] else None,
         attention=tuple(AttentionPoint(*map(int, point[:3]), statistics.median(r["attention"][i][3] for r in results))

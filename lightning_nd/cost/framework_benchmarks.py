@@ -113,8 +113,8 @@ def attention_points(seconds_per_call: Callable[[Callable[[], Any], float], floa
 def _sequence_parallel_blocks(mesh: Any) -> nn.Module:
     """``UNITS // 2`` blocks of a norm, a column-wise and a row-wise linear layer with a residual add, sequence
     parallel over ``mesh`` as a tp block with sequence parallelism runs (the norm on this rank's part of the sequence,
-    an all-gather before the column-wise layer, a reduce-scatter after the row-wise one); unsplit when ``mesh`` is
-    None."""
+    an all-gather before the column-wise layer, a reduce-scatter after the row-wise one; its input a DTensor sharded
+    along the sequence); unsplit when ``mesh`` is None."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -132,19 +132,10 @@ def _sequence_parallel_blocks(mesh: Any) -> nn.Module:
             return hidden + self.down(torch.tanh(self.up(self.norm(hidden))))
 
     blocks = nn.Sequential(*(Block() for _ in range(UNITS // 2)))
-    if mesh is not None:
-        for block in blocks:
-            parallelize_module(block, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
-                                             "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
-        first = blocks[0]
-        first.register_forward_pre_hook(lambda _, args: (_as_sequence_shard(args[0], mesh),))
+    for block in blocks if mesh is not None else ():
+        parallelize_module(block, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                         "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
     return blocks
-
-
-def _as_sequence_shard(rows: torch.Tensor, mesh: Any) -> Any:
-    from torch.distributed.tensor import DTensor, Shard
-
-    return rows if isinstance(rows, DTensor) else DTensor.from_local(rows, mesh, [Shard(1)])
 
 
 def _pairs() -> nn.Sequential:
@@ -156,7 +147,7 @@ def framework_steps(seconds_per_call: Callable[[Callable[[], Any], float], float
     """Every rank calls this with the same arguments (each group size makes a device mesh: collective)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     share = seconds / (5 * len(group_sizes) + 1)
@@ -182,13 +173,14 @@ def framework_steps(seconds_per_call: Callable[[Callable[[], Any], float], float
         split_s = seconds_per_call(lambda: pairs(batch).sum().backward(), share)
         unsplit_s = seconds_per_call(lambda: unsplit(batch).sum().backward(), share / 4)
         blocks, whole = _sequence_parallel_blocks(mesh), _sequence_parallel_blocks(None)
-        rows = torch.randn(2, 4, 8)  # this rank's quarter of the sequence
-        sp_s = seconds_per_call(lambda: blocks(rows).to_local().sum().backward(), share)
+        rows = torch.randn(2, 4, 8)  # this rank's part of the sequence
+        sequence = DTensor.from_local(rows, mesh, [Shard(1)])
+        sp_s = seconds_per_call(lambda: blocks(sequence).to_local().sum().backward(), share)
         whole_s = seconds_per_call(lambda: whole(rows).sum().backward(), share / 4)
         microbatch_s = _pipeline_microbatch_s(mesh) if size > 1 else 0.0
         measured.append([size, max(sharded_s - plain_s, 1e-9) / (UNITS + 1), chain_s / (4 * CHAIN), adam_s,
-                         max(split_s - unsplit_s, 1e-9) / (len(pairs) // 2), microbatch_s,
-                         max(sp_s - whole_s, 1e-9) / (UNITS // 2)])
+                         max(split_s - unsplit_s, 1e-9) / (len(pairs) // 2), max(sp_s - whole_s, 1e-9) / (UNITS // 2),
+                         microbatch_s])  # `FrameworkPoint`'s fields, in order
     plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
     plain(torch.randn(4, 8)).sum().backward()
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)

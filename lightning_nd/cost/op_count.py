@@ -53,6 +53,9 @@ COMPUTE_BOUND = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_scaled_d
 class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
+        self.reset()
+
+    def reset(self) -> None:
         self.where: list[int] = [-1]
         self.forward: dict[int, int] = {}
         self.forward_bytes: dict[int, int] = {}
@@ -94,21 +97,8 @@ def _leave(counter: _Counter, *_: Any) -> None:
 
 def count_ops(model: nn.Module, blocks: Sequence[str], seq_len: int = COUNT_TOKENS) -> OpCount | None:
     """The operations ``model`` runs in one forward and backward on one row of ``seq_len`` token ids, by block,
-    and the bytes per token its memory-bound ones move (the difference of a second count at twice the tokens);
+    and the bytes per token its memory-bound ones move (the difference of a second run at twice the tokens);
     None when its forward or backward does not run on the meta device."""
-    short, long = _count(model, blocks, seq_len), _count(model, blocks, 2 * seq_len)
-    if short is None or long is None:
-        return None
-    (ops, outside, block_bytes, outside_bytes), (_, _, more_block_bytes, more_outside_bytes) = short, long
-    return OpCount(ops, outside, tuple(max(b - a, 0) / seq_len for a, b in zip(block_bytes, more_block_bytes)),
-                   max(more_outside_bytes - outside_bytes, 0) / seq_len)
-
-
-Counted = tuple[tuple[int, ...], int, list[float], float]
-"""Operations per block, outside them, and the bytes each moved (per block, outside)."""
-
-
-def _count(model: nn.Module, blocks: Sequence[str], seq_len: int) -> Counted | None:
     memo: dict[int, Any] = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.is_floating_point())
                             for p in model.parameters()}
     memo |= {id(b): torch.empty_like(b, device="meta") for b in model.buffers()}
@@ -122,31 +112,44 @@ def _count(model: nn.Module, blocks: Sequence[str], seq_len: int) -> Counted | N
         for module in meta.get_submodule(name).modules():  # a block that is a list is never called itself
             handles.append(module.register_forward_pre_hook(functools.partial(_enter, counter, index)))
             handles.append(module.register_forward_hook(functools.partial(_leave, counter)))
-    tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     try:
-        with counter:
-            output = meta(tokens)
-            output = output.logits if hasattr(output, "logits") else output
-            output = output[0] if isinstance(output, (tuple, list)) else output
-            loss = output.float().sum()
-            counter.in_backward = True
-            loss.backward()
+        runs = []
+        for tokens in (seq_len, 2 * seq_len):
+            counter.reset()
+            _forward_backward(meta, counter, tokens)
+            runs.append((_split(counter.forward, counter.backward, len(blocks)),
+                         _split(counter.forward_bytes, counter.backward_bytes, len(blocks))))
     except Exception:  # no meta kernel (`nonzero`, `.item()`): the caller estimates instead
         return None
     finally:
         for handle in handles:
             handle.remove()
-    forward = [counter.forward.get(index, 0) for index in range(len(blocks))]
-    outside = counter.forward.get(-1, 0)
-    total_forward = sum(forward) + outside
-    ratio = counter.backward / total_forward if total_forward else 0.0
-    moved = [counter.forward_bytes.get(index, 0) for index in range(len(blocks))]
-    moved_outside = counter.forward_bytes.get(-1, 0)
-    forward_bytes = sum(moved) + moved_outside
-    bytes_ratio = counter.backward_bytes / forward_bytes if forward_bytes else 0.0
-    # the backward's operations and bytes are split between the blocks and the rest as the forward's were
-    return (tuple(round(ops * (1 + ratio)) for ops in forward), round(outside * (1 + ratio)),
-            [b * (1 + bytes_ratio) for b in moved], moved_outside * (1 + bytes_ratio))
+    ((ops, outside), (block_bytes, outside_bytes)), (_, (more_block_bytes, more_outside_bytes)) = runs
+    return OpCount(tuple(round(n) for n in ops), round(outside),
+                   tuple(max(b - a, 0) / seq_len for a, b in zip(block_bytes, more_block_bytes)),
+                   max(more_outside_bytes - outside_bytes, 0) / seq_len)
+
+
+def _forward_backward(meta: nn.Module, counter: _Counter, seq_len: int) -> None:
+    for parameter in meta.parameters():
+        parameter.grad = None  # each run's backward writes its gradients anew, as a step's first micro-batch does
+    tokens = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    with counter:
+        output = meta(tokens)
+        output = output.logits if hasattr(output, "logits") else output
+        output = output[0] if isinstance(output, (tuple, list)) else output
+        loss = output.float().sum()
+        counter.in_backward = True
+        loss.backward()
+
+
+def _split(forward: dict[int, int], backward: int, blocks: int) -> tuple[list[float], float]:
+    """Each block's and the rest's forward count with the backward's split between them as the forward's was."""
+    per_block = [forward.get(index, 0) for index in range(blocks)]
+    outside = forward.get(-1, 0)
+    total = sum(per_block) + outside
+    scale = 1 + (backward / total if total else 0.0)
+    return [n * scale for n in per_block], outside * scale
 
 
 def count_model_ops(module: nn.Module) -> OpCount | None:

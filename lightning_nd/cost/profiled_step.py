@@ -74,8 +74,8 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     micro_steps, batch = workload.accumulation, workload.batch
     tokens = batch * workload.seq_len // cp
     recompute = RECOMPUTE_FACTOR[options.activation_checkpointing]
-    heads, seq = batch * max(1, shape.heads // tp), workload.seq_len // cp
-    attention = profile.attention_seconds(heads, seq, shape.head_dim)
+    seq = workload.seq_len // cp
+    attention = profile.attention_seconds(batch * max(1, shape.heads // tp), seq, shape.head_dim)
     matmul = sum(profile.matmul_seconds(m, n, k, dtype) * count for m, n, k, count in
                  _block_matmuls(shape, tokens, batch, seq, tp, dims.get("ep", 1), attention is None))
     matmul = (matmul + (attention or 0.0) * cp) * blocks * recompute  # under cp, a block of keys per ring hop
@@ -98,13 +98,11 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     fsdp = "fsdp" in {t.technique for t in layout.techniques}
     framework = profile.framework_at(dims["dp_shard"] * cp)
     tp_framework = profile.framework_at(tp) if tp > 1 else None
-    pp_framework = profile.framework_at(pp) if pp > 1 else None
-    if pp_framework is None or not pp_framework.pp_microbatch_s:
-        pp_framework = None
+    pp_point = profile.framework_at(pp) if pp > 1 else None
+    pp_microbatch_s = pp_point.pp_microbatch_s if pp_point is not None else 0.0
     inside = ({dim for dim in FSDP_DIMS if framework is not None} | ({"tp"} if tp_framework is not None else set())
-              | ({"pp"} if pp_framework is not None else set()))
-    if pp_framework is not None:
-        overhead += microbatches * pp_framework.pp_microbatch_s
+              | ({"pp"} if pp_microbatch_s else set()))
+    overhead += microbatches * pp_microbatch_s
     if tp_framework is not None:
         overhead += microbatches * _tp_overhead_s(holding.params, tp_framework, options.sequence_parallel)
     if fsdp and framework is not None:
