@@ -213,7 +213,7 @@ def run_layouts(
                                    batch.get(key, PER_RANK_BATCH), key in validate)
         results[key] = {"parallel": parallel}
     for key, (start_model, layout) in (starts or {}).items():
-        results[key] = {"start": start(start_model, layout, world, batch.get(key, PER_RANK_BATCH))}
+        results[key] = {"start": start(start_model, layout, world, rank, batch.get(key, PER_RANK_BATCH))}
     dist.barrier()
     if rank != 0:
         return results  # its own copies of every parameter: replicas must agree with rank 0's reference
