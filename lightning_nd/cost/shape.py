@@ -126,11 +126,14 @@ def _moe_blocks(blocks: list[tuple[str, Any]]) -> tuple[int, ...] | None:
 
 
 def _intermediate(block: Any, hidden: int) -> int:
-    """The MLP's inner size: the widest weight dim that is not the hidden size (stacked experts: their last dim,
-    as ``gate_up_proj`` [E, 2I, H] holds both halves and ``down_proj`` [E, H, I] one)."""
+    """The MLP's inner size: the widest weight dim that is not the hidden size. Stacked experts: each stack's dim
+    beside the hidden one, the narrowest (``gate_up_proj`` [E, 2I, H] holds both halves, ``down_proj`` [E, H, I]
+    one, in either order), so an expert as wide as the hidden size (I = H) reads as I, not as the dense default."""
     weights = [p for _, p in block.named_parameters() if p.ndim >= 2]
     stacked = [p for p in weights if p.ndim == 3]
-    dims = [p.shape[-1] for p in stacked] if stacked else [d for p in weights for d in p.shape[-2:]]
+    if stacked:
+        return min(p.shape[-2] if p.shape[-1] == hidden else p.shape[-1] for p in stacked)
+    dims = [d for p in weights for d in p.shape[-2:]]
     return max((d for d in dims if d != hidden), default=4 * hidden)
 
 

@@ -21,6 +21,7 @@ LLAMA = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=352, num_
                     num_attention_heads=8, num_key_value_heads=2)
 MOE = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
                   num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+MOE_SQUARE = LlamaConfig(**{**vars(MOE), "intermediate_size": 128})  # experts as wide as the hidden size (conf/model/moe.yaml)
 GPT_CONFIG = GPTConfig(vocab_size=256, n_embd=96, n_head=4, n_layer=2, block_size=64)
 
 
@@ -55,14 +56,16 @@ def _forward_activations(block: torch.nn.Module, x: torch.Tensor, *args) -> int:
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
-@pytest.mark.parametrize("family", ["llama", "gpt", "moe"])
+@pytest.mark.parametrize("family", ["llama", "gpt", "moe", "moe_square"])
 def test_block_activations_are_what_the_block_saves(family, mode):
-    """The per-block count of `cost.activations` against what torch really keeps, for both block kinds."""
+    """The per-block count of `cost.activations` against what torch really keeps, for both block kinds (and experts
+    as wide as the hidden size, whose inner size the shape reads from the stacks as I, not as the dense 4h)."""
     torch.manual_seed(0)
     batch, seq = 2, 64
-    if family in ("llama", "moe"):
-        config = LLAMA if family == "llama" else MOE
+    if family in ("llama", "moe", "moe_square"):
+        config = {"llama": LLAMA, "moe": MOE, "moe_square": MOE_SQUARE}[family]
         block, shape, extra = DecoderLayer(config), model_shape(Llama(config)), (torch.arange(seq),)
+        assert shape.intermediate == config.intermediate_size
     else:
         block, shape, extra = Block(GPT_CONFIG), model_shape(GPT(GPT_CONFIG)), ()
     apply_ac([block], mode)
