@@ -48,7 +48,7 @@ SHAPES = {"gloo": [(64, 64, 64), (128, 128, 128), (256, 256, 256), (512, 512, 51
           "nccl": [(256, 256, 256), (1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192)]}
 MESSAGE_BYTES = {"gloo": ([2**12, 2**18, 2**22], [2**24]), "nccl": ([2**16, 2**22, 2**26], [2**28, 2**30])}
 """Per backend: the three sizes every collective is measured at, then the larger ones measured while time is left."""
-RESERVE_S = 2.0
+RESERVE_S = 3.0
 """Of the budget, kept for the last step to end, the processes to exit and the profile to be assembled."""
 GRACE_S = 60.0
 """How long past the budget the processes may run before they are stopped and the calibration fails."""

@@ -8,13 +8,13 @@ peak, this prices what a small or medium model's eager step on that host is made
 - **Attention** as the profile measured it (`HostProfile.attention_seconds`: far from matmul speed for small heads
   on CPU), once per ring hop under cp; where it was not measured, its scores and weighted values as matmuls.
 - **Memory-bound operations**: the bytes the model's own operations other than matmuls move per token, counted on
-  the meta device (`op_count.py`), over the profile's memory throughput; where they could not be counted, per block
+  the meta device or a small model's CPU copy (`op_count.py`), over the profile's memory throughput; where they could not be counted, per block
   and token the norms, residual adds, rotary embedding, softmax over the sequence and the MLP's activation, read and
   written once forward and twice backward. The optimizer's update (AdamW: parameter, gradient, two moments, read
   and written).
 - **Eager overhead**: the operations one micro-batch's forward and backward run, counted on the model itself
-  (`op_count.py`; `OPS_PER_BLOCK` and `OPS_PER_EXPERT` when the forward does not run on the meta device), x the
-  profile's time per operation, with the operations ring attention adds under cp (`RING_OPS_PER_BLOCK`).
+  (`op_count.py`; under ep a rank's share of those inside the experts; `OPS_PER_BLOCK` and `OPS_PER_EXPERT` when
+  they could not be counted), x the profile's time per operation, with the operations ring attention adds under cp (`RING_OPS_PER_BLOCK`).
 - **Frameworks** (where the profile measured them, on CPU): each FSDP unit's hooks and collectives per forward and
   backward pass; each tensor-parallel column-wise / row-wise pair as measured (a sequence-parallel block's, with
   its norm and residual add, under sequence parallelism), and the DTensor operations of the
@@ -41,7 +41,8 @@ from lightning_nd.layout.record import Layout
 from lightning_nd.pipeline_parallel.schedules import theoretical_bubble
 
 OPS_PER_BLOCK = 250
-"""Forward and backward operations of a block whose count could not be read (a data-dependent MoE dispatch): the
+"""Forward and backward operations of a block whose count could not be read (a data-dependent MoE dispatch in a
+model too large to count on a CPU copy, `op_count.CPU_COUNT_PARAMS`): the
 middle of the dense blocks counted (the example GPT's 171, LitGPT Llama 3's 254, HF Mistral's 267, the example
 Llama's 304)."""
 OPS_PER_EXPERT = 30
@@ -89,8 +90,11 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     else:
         elementwise = _elementwise_bytes(shape, seq, tp) * tokens * workload.activation_bytes
         memory = profile.memory_seconds(elementwise * 3 * blocks)
-    counted = (ops.per_block[0] if ops is not None and ops.per_block
-               else OPS_PER_BLOCK + OPS_PER_EXPERT * shape.experts // dims.get("ep", 1))
+    ep = dims.get("ep", 1)
+    if ops is not None and ops.per_block:  # expert parallelism runs this rank's experts only
+        counted = ops.per_block[0] - (ops.expert_ops[0] * (ep - 1) // ep if ops.expert_ops else 0)
+    else:
+        counted = OPS_PER_BLOCK + OPS_PER_EXPERT * shape.experts // ep
     outside = (ops.outside if ops is not None else 2 * OPS_PER_BLOCK) * (first or last)
     microbatches = options.pp_microbatches if pp > 1 else 1
     ring = RING_OPS_PER_BLOCK + RING_OPS_PER_HOP * (cp - 1) if cp > 1 else 0

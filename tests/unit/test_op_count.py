@@ -1,5 +1,5 @@
 """`count_ops`: the operations of one forward and backward, read from the model's own code on the meta device, by
-block; None where the forward cannot run there (a data-dependent MoE dispatch)."""
+block; on a CPU copy where the forward cannot run there (a data-dependent MoE dispatch) and the model is small."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from torch import nn
 
 from examples.models.gpt import GPT, GPTConfig
 from examples.models.llama import Llama, LlamaConfig
+from lightning_nd.cost import op_count
 from lightning_nd.cost.op_count import count_model_ops, count_ops
 from lightning_nd.planner.source import Holder
 from tests.distributed.meta_starts_ranks import conf_model
@@ -90,5 +91,24 @@ def test_the_model_inside_a_holder_is_counted_and_the_model_is_left_as_it_was():
     assert all(torch.equal(p, before[name]) and p.grad is None for name, p in model.named_parameters())
 
 
-def test_a_data_dependent_dispatch_gives_no_count():
-    assert count_model_ops(Llama(LlamaConfig(**conf_model("moe")))) is None
+def test_a_data_dependent_dispatch_is_counted_on_a_cpu_copy_with_every_expert_running(monkeypatch):
+    """The MoE's dispatch cannot run on the meta device: its small model is counted on a CPU copy (from a model on
+    the meta device too, as the planner has it), the same each time, the model left as it was, the operations inside
+    its experts apart and every expert's loop run (twice the experts, about twice those); above `CPU_COUNT_PARAMS`
+    parameters, no count."""
+    config = conf_model("moe")
+    model = Llama(LlamaConfig(**config))
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    count = count_model_ops(model)
+    with torch.device("meta"):
+        on_meta, wider = Llama(LlamaConfig(**config)), Llama(LlamaConfig(**{**config, "num_experts": 16}))
+    assert count is not None and count == count_model_ops(model) == count_model_ops(on_meta)
+    assert len(count.expert_ops) == 2 and 100 < count.expert_ops[0] < count.per_block[0]
+    assert count.bytes_per_token[0] > 1000
+    more = count_model_ops(wider)
+    assert more is not None and 1.8 < more.expert_ops[0] / count.expert_ops[0] < 2.2
+    assert all(torch.equal(p, before[name]) and p.grad is None for name, p in model.named_parameters())
+    dense = count_model_ops(Llama(LlamaConfig(**conf_model("llama"))))
+    assert dense is not None and dense.expert_ops == ()
+    monkeypatch.setattr(op_count, "CPU_COUNT_PARAMS", 1000)
+    assert count_model_ops(model) is None

@@ -9,13 +9,13 @@ import pytest
 
 from lightning_nd.cost.comm import comm_per_step
 from lightning_nd.cost.layout_cost import cost_layout
-from lightning_nd.cost.op_count import count_model_ops
+from lightning_nd.cost.op_count import OpCount, count_model_ops
 from lightning_nd.cost.profile import AttentionPoint
 from lightning_nd.cost.profiled_step import profiled_step_time
 from lightning_nd.cost.shape import model_shape
 from lightning_nd.planner.dry_run import dry_run
 from tests.unit.host_profiles import BYTES_PER_S, synthetic_profile
-from tests.unit.test_cost_comm import DENSE, WORKLOAD
+from tests.unit.test_cost_comm import DENSE, MOE, WORKLOAD
 
 PROFILE = synthetic_profile(framework=(), adam_tensor_s=None)
 """Without the frameworks' measured overheads: each term below alone."""
@@ -53,6 +53,14 @@ def test_eager_overhead_is_the_counted_operations_times_the_profiles_time_per_op
     _, doubled = _step({"dp_shard": 2}, dataclasses.replace(PROFILE, op_overhead_s=2 * PROFILE.op_overhead_s), ops)
     assert step.overhead_s == pytest.approx(PROFILE.op_overhead_s * ops.total)
     assert doubled.total_s - step.total_s == pytest.approx(step.overhead_s)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_expert_parallelism_runs_a_ranks_share_of_the_operations_inside_the_experts(ep):
+    ops = OpCount(per_block=(700,) * 4, outside=30, expert_ops=(400,) * 4)
+    layout = dry_run(MOE, 8, {"dp_shard": 8, "ep": ep}, {})
+    step = profiled_step_time(layout, model_shape(MOE.model), WORKLOAD, PROFILE, ops)
+    assert step.overhead_s == pytest.approx(PROFILE.op_overhead_s * ((700 - 400 * (ep - 1) // ep) * 4 + 30))
 
 
 def test_the_frameworks_measured_overheads_are_priced_per_fsdp_unit_tp_layer_and_parameter_tensor():
