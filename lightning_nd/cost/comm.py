@@ -24,7 +24,8 @@ sends to the others. ``benchmarks/comm_volume.py`` checks each dim against the c
   backward, which recomputes instead of keeping them) and cp x their gradients' bytes in fp32 (each block's dK/dV
   travels with it and takes one more hop home).
 - ep: per MoE block 4 all-to-alls (dispatch and combine, forward and backward) of tokens x top_k rows of
-  ``hidden`` elements, (ep-1)/ep of them sent off-rank (routing spread evenly).
+  ``hidden`` elements, (ep-1)/ep of them sent off-rank (routing spread evenly), per microbatch under pp; before
+  them an all-to-all and an all-reduce of the tokens per expert.
 
 Tokens per rank = batch x seq_len / cp; activations are ``workload.activation_bytes`` per element.
 """
@@ -221,14 +222,18 @@ def _cp(run: _Run, size: int) -> Priced:
 
 
 def _ep(run: _Run, size: int) -> Priced:
-    shape = run.shape
+    shape, options = run.shape, run.layout.options
     moe_blocks = run.moe_blocks
     rows = run.tokens * shape.top_k * shape.hidden * run.activation_bytes
     moved = run.micro_steps * moe_blocks * 4 * rows * (size - 1) // size
-    counts = shape.experts * 8  # the int64 tokens per expert each rank routes, exchanged before the tokens
+    # Each microbatch of a pipeline dispatches its own tokens; before them, the int64 tokens per expert each rank
+    # routes are exchanged (all-to-all) and summed over the group (all-reduce: the load the auxiliary loss reads).
+    microbatches = options.pp_microbatches if run.layout.dims["pp"] > 1 else 1
+    passes = run.micro_steps * microbatches * moe_blocks
+    counts = shape.experts * 8
     return (moved, f"all-to-all tokens x{4 * moe_blocks} per micro-step (dispatch + combine, forward + backward)",
-            [Calls("all_to_all", run.micro_steps * moe_blocks * 4, rows),
-             Calls("all_to_all", run.micro_steps * moe_blocks, counts)])
+            [Calls("all_to_all", passes * 4, rows // microbatches), Calls("all_to_all", passes, counts),
+             Calls("all_reduce", passes, counts)])
 
 
 PRICES = {"fsdp": _fsdp, "dp_replicate": _dp_replicate, "tp": _tp, "pp": _pp, "cp": _cp, "ep": _ep,

@@ -8,19 +8,20 @@ peak, this prices what a small or medium model's eager step on that host is made
 - **Attention** as the profile measured it (`HostProfile.attention_seconds`: far from matmul speed for small heads
   on CPU), once per ring hop under cp; where it was not measured, its scores and weighted values as matmuls.
 - **Memory-bound operations**: the bytes the model's own operations other than matmuls move per token, counted on
-  the meta device or a small model's CPU copy (`op_count.py`), over the profile's memory throughput; where they could not be counted, per block
-  and token the norms, residual adds, rotary embedding, softmax over the sequence and the MLP's activation, read and
-  written once forward and twice backward. The optimizer's update (AdamW: parameter, gradient, two moments, read
-  and written).
+  the meta device or a small model's CPU copy (`op_count.py`), over the profile's memory throughput; where they could
+  not be counted, per block and token the norms, residual adds, rotary embedding, softmax over the sequence and the
+  MLP's activation, read and written once forward and twice backward. The optimizer's update (AdamW: parameter,
+  gradient, two moments, read and written).
 - **Eager overhead**: the operations one micro-batch's forward and backward run, counted on the model itself
   (`op_count.py`; under ep a rank's share of those inside the experts; `OPS_PER_BLOCK` and `OPS_PER_EXPERT` when
-  they could not be counted), x the profile's time per operation, with the operations ring attention adds under cp (`RING_OPS_PER_BLOCK`).
+  they could not be counted), x the profile's time per operation, with the operations ring attention adds under cp
+  (`RING_OPS_PER_BLOCK`).
 - **Frameworks** (where the profile measured them, on CPU): each FSDP unit's hooks and collectives per forward and
-  backward pass; each tensor-parallel column-wise / row-wise pair as measured (a sequence-parallel block's, with
-  its norm and residual add, under sequence parallelism), and the DTensor operations of the
-  column-wise layers beyond one per pair (a transpose, matmul and bias add each, with their backward); AdamW's
-  update per parameter tensor (a DTensor one where FSDP or tp made it one); a pipeline's schedule and exchanges per
-  microbatch.
+  backward pass (under ep also each block's experts, a unit over the ranks holding the same experts); each
+  tensor-parallel column-wise / row-wise pair as measured (a sequence-parallel block's, with its norm and residual
+  add, under sequence parallelism), and the DTensor operations of the column-wise layers beyond one per pair (a
+  transpose, matmul and bias add each, with their backward); AdamW's update per parameter tensor (a DTensor one
+  where FSDP or tp made it one); a pipeline's schedule and exchanges per microbatch.
 - **Collectives**: every call `comm.py` lists and the logged loss's average over the batch ranks, latency +
   buffer / bandwidth at its group size, the latency taken as a call's inside a step after the rank's work between
   two calls (its compute over its calls) where the profile measured it (`CollectiveFit.in_step`). FSDP's, tp's and
@@ -47,7 +48,6 @@ middle of the dense blocks counted (the example GPT's 171, LitGPT Llama 3's 254,
 Llama's 304)."""
 OPS_PER_EXPERT = 30
 """More per local expert of such a block: an expert's three projections and activation, forward and backward."""
-FSDP_DIMS = ("fsdp", "expert_dp")
 DTENSOR_OPS_PER_LINEAR = 3
 """DTensor operations of one tensor-parallel linear layer's forward (the weight's transpose, the matmul, the bias add;
 `F.linear` decomposes so on a DTensor), each priced with its backward by the profile's ``dtensor_op_s``."""
@@ -69,7 +69,8 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     dims, options = layout.dims, layout.options
     tp, cp, pp = dims["tp"], dims["cp"], dims["pp"]
     holding = layout.rank(0)
-    blocks = _blocks_on(layout, holding.stages) if layout.pipeline is not None else shape.layers
+    held = _blocks_on(layout, holding.stages) if layout.pipeline is not None else range(shape.layers)
+    blocks = len(held)
     first = layout.pipeline is None or 0 in holding.stages
     last = layout.pipeline is None or layout.pipeline.num_stages - 1 in holding.stages
     micro_steps, batch = workload.accumulation, workload.batch
@@ -104,14 +105,19 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     tp_framework = profile.framework_at(tp) if tp > 1 else None
     pp_point = profile.framework_at(pp) if pp > 1 else None
     pp_microbatch_s = pp_point.pp_microbatch_s if pp_point is not None else 0.0
-    inside = ({dim for dim in FSDP_DIMS if framework is not None} | ({"tp"} if tp_framework is not None else set())
-              | ({"pp"} if pp_microbatch_s else set()))
+    traffic = comm_per_step(layout, shape, workload)
+    # Under ep the experts are FSDP units of their own, over the ranks holding the same experts (`parallel/fsdp.py`).
+    expert_point = profile.framework_at(traffic["expert_dp"].group_size) if "expert_dp" in traffic else None
+    inside = ({"fsdp"} if framework is not None else set()) | ({"expert_dp"} if expert_point is not None else set()) | (
+        {"tp"} if tp_framework is not None else set()) | ({"pp"} if pp_microbatch_s else set())
     overhead += microbatches * pp_microbatch_s
     if tp_framework is not None:
         overhead += microbatches * _tp_overhead_s(holding.params, tp_framework, options.sequence_parallel)
     if fsdp and framework is not None:
         overhead += (blocks + 1) * microbatches * framework.fsdp_unit_s
-    traffic = comm_per_step(layout, shape, workload)
+    if expert_point is not None:
+        moe = shape.moe_blocks if shape.moe_blocks is not None else held
+        overhead += sum(index in moe for index in held) * microbatches * expert_point.fsdp_unit_s
     batch_ranks = dims["dp_replicate"] * dims["dp_shard"] * cp
     calls = sum(c.count for t in traffic.values() for c in t.calls) + (batch_ranks > 1)
     gap = (matmul + memory + overhead) * micro_steps / max(calls, 1)  # the rank's work between two calls
@@ -165,11 +171,12 @@ def _adam_s(params: tuple, dtensor: FrameworkPoint | None, plain: float | None, 
                for p in params)
 
 
-def _blocks_on(layout: Layout, stages: tuple[int, ...]) -> int:
+def _blocks_on(layout: Layout, stages: tuple[int, ...]) -> list[int]:
+    """The indices of the blocks ``stages`` hold."""
     pipeline = layout.pipeline
     assert pipeline is not None
     units = {unit for stage in stages for unit in pipeline.split.stages[stage]}
-    return sum(name in units for name in pipeline.split.blocks)
+    return [index for index, name in enumerate(pipeline.split.blocks) if name in units]
 
 
 def _block_matmuls(shape: ModelShape, tokens: int, batch: int, seq: int, tp: int, ep: int,

@@ -131,6 +131,20 @@ def test_ep_moves_token_copies_and_expert_dp_shards_the_experts():
     assert traffic["expert_dp"] == (2 * experts_here * 3 // 4, 4)
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_ep_calls_are_per_microbatch_with_the_counts_exchanged_and_summed_first(pp):
+    """Each MoE block, per microbatch: 4 all-to-alls of the microbatch's token copies, one all-to-all and one
+    all-reduce of the 8 experts' int64 counts (`expert_parallel/dispatch.py`)."""
+    options = {"pp_microbatches": 4, "pp_schedule": "1f1b"} if pp > 1 else {}
+    layout = dry_run(MOE, 8, {"ep": 2, "dp_shard": 8 // pp, "pp": pp}, options)
+    calls = comm_per_step(layout, model_shape(MOE.model), WORKLOAD)["ep"].calls
+    blocks, microbatches = LAYERS // pp, 4 if pp > 1 else 1
+    rows = TOKENS * 2 * HIDDEN * 4 // microbatches
+    assert [(c.kind, c.count, c.buffer_bytes) for c in calls] == [
+        ("all_to_all", 4 * blocks * microbatches, rows), ("all_to_all", blocks * microbatches, 64),
+        ("all_reduce", blocks * microbatches, 64)]
+
+
 def test_a_single_rank_moves_nothing():
     assert _traffic({}, devices=1) == {}
 

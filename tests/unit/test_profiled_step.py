@@ -63,6 +63,22 @@ def test_expert_parallelism_runs_a_ranks_share_of_the_operations_inside_the_expe
     assert step.overhead_s == pytest.approx(PROFILE.op_overhead_s * ((700 - 400 * (ep - 1) // ep) * 4 + 30))
 
 
+def test_under_ep_each_blocks_experts_are_an_fsdp_unit_over_the_ranks_holding_the_same_experts():
+    """ep=2 of 4 batch ranks: the experts of each of the 4 blocks are a unit over 2 ranks (expert_dp); ep=4: each
+    rank holds its experts whole, no such unit. The difference is those units and the 100 operations per block ep=4
+    runs fewer (a quarter of the 400 inside the experts against a half)."""
+    ops = OpCount(per_block=(700,) * 4, outside=30, expert_ops=(400,) * 4)
+    steps = {}
+    for ep in (2, 4):
+        layout = dry_run(MOE, 4, {"dp_shard": 4, "ep": ep}, {})
+        steps[ep] = profiled_step_time(layout, model_shape(MOE.model), WORKLOAD, MEASURED, ops)
+        assert ("expert_dp" in comm_per_step(layout, model_shape(MOE.model), WORKLOAD)) == (ep == 2)
+    unit = MEASURED.framework_at(2)
+    assert unit is not None
+    assert steps[2].overhead_s - steps[4].overhead_s == pytest.approx(
+        4 * unit.fsdp_unit_s + 100 * 4 * MEASURED.op_overhead_s)
+
+
 def test_the_frameworks_measured_overheads_are_priced_per_fsdp_unit_tp_layer_and_parameter_tensor():
     ops = count_model_ops(DENSE)
     layout, bare = _step({"dp_shard": 2}, ops=ops)
