@@ -93,16 +93,11 @@ class _Run:
         self.tokens = workload.batch * workload.seq_len // layout.dims["cp"]
         self.activation_bytes = workload.activation_bytes
         pipeline = layout.pipeline
-        if pipeline is None:
-            mine: Sequence[int] = range(len(layout.blocks))
-            self.has_embedding, self.has_head = True, True
-        else:
-            units = {unit for stage in holding.stages for unit in pipeline.split.stages[stage]}
-            mine = [index for index, name in enumerate(pipeline.split.blocks) if name in units]
-            self.has_embedding, self.has_head = 0 in holding.stages, pipeline.num_stages - 1 in holding.stages
+        mine = held_blocks(layout, holding.stages)
+        self.has_embedding = pipeline is None or 0 in holding.stages
+        self.has_head = pipeline is None or pipeline.num_stages - 1 in holding.stages
         self.blocks = len(mine)
-        moe = mine if shape.moe_blocks is None else shape.moe_blocks
-        self.moe_blocks = sum(index in moe for index in mine) if shape.experts else 0
+        self.moe_blocks = moe_blocks_held(shape, mine)
         """This rank's blocks that hold experts."""
         self.gathers, self.reduces = _fsdp_passes(layout.options.zero_stage, layout.dims["pp"],
                                                   layout.options.pp_microbatches, self.micro_steps)
@@ -116,6 +111,23 @@ class _Run:
                 own = DTYPE_BYTES.get(shard.dtype, 4)
                 total += shard.padded_bytes // own * size * (DTYPE_BYTES.get(dtype, own) if dtype else own)
         return total
+
+
+def held_blocks(layout: Layout, stages: Sequence[int]) -> Sequence[int]:
+    """The indices of the blocks the pipeline ``stages`` hold (every block without a pipeline)."""
+    pipeline = layout.pipeline
+    if pipeline is None:
+        return range(len(layout.blocks))
+    units = {unit for stage in stages for unit in pipeline.split.stages[stage]}
+    return [index for index, name in enumerate(pipeline.split.blocks) if name in units]
+
+
+def moe_blocks_held(shape: ModelShape, held: Sequence[int]) -> int:
+    """How many of the ``held`` blocks hold experts (all of them when the shape does not say which)."""
+    if not shape.experts:
+        return 0
+    moe = held if shape.moe_blocks is None else shape.moe_blocks
+    return sum(index in moe for index in held)
 
 
 def _fsdp_passes(zero_stage: int, pp: int, microbatches: int, micro_steps: int) -> tuple[int, int]:

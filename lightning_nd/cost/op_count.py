@@ -160,9 +160,10 @@ def _count(copied: nn.Module, blocks: Sequence[str], seq_len: int) -> OpCount | 
         for tokens in (seq_len, 2 * seq_len):
             counter.reset()
             _forward_backward(copied, counter, tokens)
+            scale = _with_backward(counter.forward, counter.backward)
             runs.append((_split(counter.forward, counter.backward, len(blocks)),
                          _split(counter.forward_bytes, counter.backward_bytes, len(blocks)),
-                         _scaled(counter, len(blocks))))
+                         [counter.expert_forward.get(index, 0) * scale for index in range(len(blocks))]))
     except Exception:  # no meta kernel (`nonzero`, `.item()`): counted on the CPU or estimated by the caller
         return None
     finally:
@@ -173,13 +174,6 @@ def _count(copied: nn.Module, blocks: Sequence[str], seq_len: int) -> OpCount | 
                    tuple(max(b - a, 0) / seq_len for a, b in zip(block_bytes, more_block_bytes)),
                    max(more_outside_bytes - outside_bytes, 0) / seq_len,
                    tuple(round(n) for n in experts) if any(experts) else ())
-
-
-def _scaled(counter: _Counter, blocks: int) -> list[float]:
-    """Each block's operations inside its experts, forward and backward (the backward split as `_split` splits it)."""
-    total = sum(counter.forward.values())
-    scale = 1 + (counter.backward / total if total else 0.0)
-    return [counter.expert_forward.get(index, 0) * scale for index in range(blocks)]
 
 
 def _forward_backward(copied: nn.Module, counter: _Counter, seq_len: int) -> None:
@@ -199,11 +193,15 @@ def _forward_backward(copied: nn.Module, counter: _Counter, seq_len: int) -> Non
 
 def _split(forward: dict[int, int], backward: int, blocks: int) -> tuple[list[float], float]:
     """Each block's and the rest's forward count with the backward's split between them as the forward's was."""
-    per_block = [forward.get(index, 0) for index in range(blocks)]
-    outside = forward.get(-1, 0)
-    total = sum(per_block) + outside
-    scale = 1 + (backward / total if total else 0.0)
-    return [n * scale for n in per_block], outside * scale
+    scale = _with_backward(forward, backward)
+    return [forward.get(index, 0) * scale for index in range(blocks)], forward.get(-1, 0) * scale
+
+
+def _with_backward(forward: dict[int, int], backward: int) -> float:
+    """What a forward count becomes with its share of the backward's (which hooks cannot place): 1 + backward over
+    the whole forward."""
+    total = sum(forward.values())
+    return 1 + (backward / total if total else 0.0)
 
 
 def count_model_ops(module: nn.Module) -> OpCount | None:

@@ -33,7 +33,7 @@ peak, this prices what a small or medium model's eager step on that host is made
 
 from __future__ import annotations
 
-from lightning_nd.cost.comm import comm_per_step
+from lightning_nd.cost.comm import comm_per_step, held_blocks, moe_blocks_held
 from lightning_nd.cost.op_count import OpCount
 from lightning_nd.cost.profile import FrameworkPoint, HostProfile
 from lightning_nd.cost.shape import ModelShape, Workload
@@ -69,7 +69,7 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     dims, options = layout.dims, layout.options
     tp, cp, pp = dims["tp"], dims["cp"], dims["pp"]
     holding = layout.rank(0)
-    held = _blocks_on(layout, holding.stages) if layout.pipeline is not None else range(shape.layers)
+    held = held_blocks(layout, holding.stages)
     blocks = len(held)
     first = layout.pipeline is None or 0 in holding.stages
     last = layout.pipeline is None or layout.pipeline.num_stages - 1 in holding.stages
@@ -116,8 +116,7 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     if fsdp and framework is not None:
         overhead += (blocks + 1) * microbatches * framework.fsdp_unit_s
     if expert_point is not None:
-        moe = shape.moe_blocks if shape.moe_blocks is not None else held
-        overhead += sum(index in moe for index in held) * microbatches * expert_point.fsdp_unit_s
+        overhead += moe_blocks_held(shape, held) * microbatches * expert_point.fsdp_unit_s
     batch_ranks = dims["dp_replicate"] * dims["dp_shard"] * cp
     calls = sum(c.count for t in traffic.values() for c in t.calls) + (batch_ranks > 1)
     gap = (matmul + memory + overhead) * micro_steps / max(calls, 1)  # the rank's work between two calls
@@ -169,14 +168,6 @@ def _adam_s(params: tuple, dtensor: FrameworkPoint | None, plain: float | None, 
     """AdamW's per-tensor overhead over this rank's parameters: DTensors where FSDP or tp made them so."""
     return sum(dtensor.dtensor_adam_s if dtensor is not None and (fsdp or "tp:" in p.placement) else plain or 0.0
                for p in params)
-
-
-def _blocks_on(layout: Layout, stages: tuple[int, ...]) -> list[int]:
-    """The indices of the blocks ``stages`` hold."""
-    pipeline = layout.pipeline
-    assert pipeline is not None
-    units = {unit for stage in stages for unit in pipeline.split.stages[stage]}
-    return [index for index, name in enumerate(pipeline.split.blocks) if name in units]
 
 
 def _block_matmuls(shape: ModelShape, tokens: int, batch: int, seq: int, tp: int, ep: int,
