@@ -17,8 +17,10 @@ timed.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -64,23 +66,31 @@ def training_op_s(seconds_per_call: Callable[[Callable[[], Any], float], float],
     return seconds_per_call(step, seconds) / counter.calls
 
 
-def _pipeline_microbatch_s(mesh: Any) -> float:
-    """One more microbatch's cost to a 1F1B pipeline over the mesh's ranks, one tiny linear layer per stage: the
-    schedule's actions, the activation's and the gradient's exchanges, the ranks drifting as in a step. Every rank
-    runs the same number of steps (a stage waits for its neighbours'), so the steps are counted, not timed."""
-    import torch.distributed as dist
+def _pipeline(mesh: Any) -> list[Callable[[], Any]]:
+    """A step of a 1F1B pipeline over the mesh's ranks, one tiny linear layer per stage, at one microbatch per stage
+    and at ``PIPELINE_EXTRA`` more: the schedule's actions, the activation's and the gradient's exchanges."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     stages, index, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
-    timed = []
+    steps = []
     for microbatches in (stages, stages + PIPELINE_EXTRA):
         stage = PipelineStage(nn.Linear(8, 8), index, stages, torch.device("cpu"), group=group)
         schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=lambda output, _: output.sum())
         inputs = torch.randn(microbatches, 8)
-        step = {0: lambda: schedule.step(inputs), stages - 1: lambda: schedule.step(target=inputs)}.get(
-            index, schedule.step)
-        step()
-        dist.barrier(group=group)
+        steps.append({0: partial(schedule.step, inputs), stages - 1: partial(schedule.step, target=inputs)}.get(
+            index, schedule.step))
+        steps[-1]()
+    return steps
+
+
+def _pipeline_microbatch_s(mesh: Any, steps: list[Callable[[], Any]]) -> float:
+    """One more microbatch's cost to the pipeline (``_pipeline``), the ranks drifting as in a step. Every rank runs
+    the same number of steps (a stage waits for its neighbours'), so the steps are counted, not timed."""
+    import torch.distributed as dist
+
+    timed = []
+    for step in steps:
+        dist.barrier(group=mesh.get_group())
         begin = time.perf_counter()
         for _ in range(PIPELINE_STEPS):
             step()
@@ -142,46 +152,74 @@ def _pairs() -> nn.Sequential:
     return nn.Sequential(*(nn.Linear(8, 16) if i % 2 == 0 else nn.Linear(16, 8) for i in range(UNITS)))
 
 
-def framework_steps(seconds_per_call: Callable[[Callable[[], Any], float], float], group_sizes: list[int],
-                    world: int, seconds: float) -> dict[str, Any]:
-    """Every rank calls this with the same arguments (each group size makes a device mesh: collective)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+class _GroupBench:
+    """What is timed over one group size: built once (its device mesh is collective), timed in every round."""
 
-    share = seconds / (5 * len(group_sizes) + 1)
-    measured = []
-    for size in group_sizes:
-        mesh = init_device_mesh("cpu", (world // size, size), mesh_dim_names=("across", "within"))["within"]
-        model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
-        plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
-        for layer in model:
+    def __init__(self, size: int, world: int) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        self.size = size
+        self.mesh = mesh = init_device_mesh("cpu", (world // size, size), mesh_dim_names=("across", "within"))["within"]
+        self.model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
+        self.plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
+        for layer in self.model:
             fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        batch = torch.randn(4, 8)
-        sharded_s = seconds_per_call(lambda: model(batch).sum().backward(), share)
-        plain_s = seconds_per_call(lambda: plain(batch).sum().backward(), share / 4)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        adam_s = seconds_per_call(optimizer.step, share / 2) / (2 * UNITS)
-        start = distribute_tensor(torch.randn(4 * size, 8), mesh, [Shard(0)]).requires_grad_()
-        weight = distribute_tensor(torch.randn(8, 8), mesh, [Replicate()]).requires_grad_()
-        chain_s = seconds_per_call(lambda: _chain(start, weight).to_local().sum().backward(), share)
-        pairs, unsplit = _pairs(), _pairs()
-        parallelize_module(pairs, mesh, {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
-                                         for i in range(len(pairs))})
-        split_s = seconds_per_call(lambda: pairs(batch).sum().backward(), share)
-        unsplit_s = seconds_per_call(lambda: unsplit(batch).sum().backward(), share / 4)
-        blocks, whole = _sequence_parallel_blocks(mesh), _sequence_parallel_blocks(None)
-        rows = torch.randn(2, 4, 8)  # this rank's part of the sequence
-        sequence = DTensor.from_local(rows, mesh, [Shard(1)])
-        sp_s = seconds_per_call(lambda: blocks(sequence).to_local().sum().backward(), share)
-        whole_s = seconds_per_call(lambda: whole(rows).sum().backward(), share / 4)
-        microbatch_s = _pipeline_microbatch_s(mesh) if size > 1 else 0.0
-        measured.append([size, max(sharded_s - plain_s, 1e-9) / (UNITS + 1), chain_s / (4 * CHAIN), adam_s,
-                         max(split_s - unsplit_s, 1e-9) / (len(pairs) // 2), max(sp_s - whole_s, 1e-9) / (UNITS // 2),
-                         microbatch_s])  # `FrameworkPoint`'s fields, in order
-    plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
-    plain(torch.randn(4, 8)).sum().backward()
-    optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-3)
-    return {"framework": measured, "adam_tensor_s": seconds_per_call(optimizer.step, share) / (2 * UNITS)}
+        fully_shard(self.model, mesh=mesh)
+        self.batch = torch.randn(4, 8)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.start = distribute_tensor(torch.randn(4 * size, 8), mesh, [Shard(0)]).requires_grad_()
+        self.weight = distribute_tensor(torch.randn(8, 8), mesh, [Replicate()]).requires_grad_()
+        self.pairs, self.unsplit = _pairs(), _pairs()
+        parallelize_module(self.pairs, mesh, {str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                                              for i in range(len(self.pairs))})
+        self.blocks, self.whole = _sequence_parallel_blocks(mesh), _sequence_parallel_blocks(None)
+        self.rows = torch.randn(2, 4, 8)  # this rank's part of the sequence
+        self.sequence = DTensor.from_local(self.rows, mesh, [Shard(1)])
+        self.pipeline = _pipeline(mesh) if size > 1 else []
+
+    def measure(self, seconds_per_call: Callable[[Callable[[], Any], float], float], share: float) -> list[float]:
+        """`FrameworkPoint`'s fields, in order."""
+        sharded_s = seconds_per_call(lambda: self.model(self.batch).sum().backward(), share)
+        plain_s = seconds_per_call(lambda: self.plain(self.batch).sum().backward(), share / 4)
+        adam_s = seconds_per_call(self.optimizer.step, share / 2) / (2 * UNITS)
+        chain_s = seconds_per_call(lambda: _chain(self.start, self.weight).to_local().sum().backward(), share)
+        split_s = seconds_per_call(lambda: self.pairs(self.batch).sum().backward(), share)
+        unsplit_s = seconds_per_call(lambda: self.unsplit(self.batch).sum().backward(), share / 4)
+        sp_s = seconds_per_call(lambda: self.blocks(self.sequence).to_local().sum().backward(), share)
+        whole_s = seconds_per_call(lambda: self.whole(self.rows).sum().backward(), share / 4)
+        microbatch_s = _pipeline_microbatch_s(self.mesh, self.pipeline) if self.pipeline else 0.0
+        return [self.size, max(sharded_s - plain_s, 1e-9) / (UNITS + 1), chain_s / (4 * CHAIN), adam_s,
+                max(split_s - unsplit_s, 1e-9) / (len(self.pairs) // 2), max(sp_s - whole_s, 1e-9) / (UNITS // 2),
+                microbatch_s]
+
+
+class FrameworkBench:
+    """Every rank builds it with the same arguments (each group size makes a device mesh: collective), then times it
+    in rounds (`measure`) spread over the calibration: on a host whose ranks share its cores one window's numbers
+    swing with the scheduler (a 4-rank FSDP unit 11-30 ms on the 2-core host), so the profile keeps each number's
+    median over the rounds (`median_of_rounds`)."""
+
+    def __init__(self, group_sizes: list[int], world: int) -> None:
+        self.groups = [_GroupBench(size, world) for size in group_sizes]
+        self.plain = nn.Sequential(*(nn.Linear(8, 8) for _ in range(UNITS)))
+        self.plain(torch.randn(4, 8)).sum().backward()
+        self.optimizer = torch.optim.AdamW(self.plain.parameters(), lr=1e-3)
+
+    def measure(self, seconds_per_call: Callable[[Callable[[], Any], float], float], seconds: float) -> dict[str, Any]:
+        """One round: ``{"framework": [[group size, *overheads], ...], "adam_tensor_s": ...}``."""
+        share = seconds / (5 * len(self.groups) + 1)
+        return {"framework": [group.measure(seconds_per_call, share) for group in self.groups],
+                "adam_tensor_s": seconds_per_call(self.optimizer.step, share) / (2 * UNITS)}
+
+
+def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each number's median over ``FrameworkBench.measure``'s rounds (or ``training_op_s``'s, under "op_overhead_s")."""
+    first = rounds[0]
+    merged: dict[str, Any] = {key: statistics.median(r[key] for r in rounds) for key in first if key != "framework"}
+    if "framework" in first:
+        merged["framework"] = [[point[0], *(statistics.median(r["framework"][i][j] for r in rounds)
+                                            for j in range(1, len(point)))] for i, point in enumerate(first["framework"])]
+    return merged

@@ -3,11 +3,11 @@ once per rank, all at the same time. PLAN is the JSON file `calibrate` writes (w
 `FileStore`'s file, the deadline); each rank writes what it measured to ``rank<RANK>.json`` beside it, and rank 0
 prints one progress line per step on stdout.
 
-Each step runs on every rank at once: the compute steps (eager overhead, memory-bound add, each matmul) run for a
-share of the time left and count calls; each collective runs on every group of its size together (on 4 ranks,
-groups of 2 are ranks [0, 1] and [2, 3]) for as many timed repetitions as rank 0 decides from a first timed call,
-each repetition started together by a small all-reduce, its median kept. Rank 0 decides what runs and
-broadcasts it, so every rank calls the same collectives.
+Each step runs on every rank at once: the compute steps (memory-bound add, each matmul) and the per-call overheads'
+rounds (`ROUNDS`) run for a share of the time left and count calls; each collective runs on every group of its size
+together (on 4 ranks, groups of 2 are ranks [0, 1] and [2, 3]) for as many timed repetitions as rank 0 decides from a
+first timed call, each repetition started together by a small all-reduce, its median kept. Rank 0 decides what runs
+and broadcasts it, so every rank calls the same collectives.
 """
 
 from __future__ import annotations
@@ -27,12 +27,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_nd.cost.framework_benchmarks import attention_points, framework_steps, training_op_s
+from lightning_nd.cost.framework_benchmarks import FrameworkBench, attention_points, median_of_rounds, training_op_s
 from lightning_nd.cost.in_step_benchmarks import in_step_steps
 
 SHARES = {"overhead": 0.04, "memory": 0.06, "matmul": 0.25, "attention": 0.05, "framework": 0.15}
 """Of the time left once the processes have started, what each compute step may spend (the matmuls twice as much
-without collectives); the collectives take the rest."""
+without collectives; the overheads over all their rounds); the collectives take the rest."""
+ROUNDS = 3
+"""Rounds the per-call overheads (an eager training operation's, the parallel frameworks') are timed in: before the
+compute steps, between them and the collectives as inside a step, and between those and the other collectives
+(`main`). Each is a short window whose number swings with the scheduler where the ranks outnumber the cores; the profile
+keeps their median."""
 MIN_REPETITIONS, MAX_REPETITIONS = 2, 50
 MEMORY_ELEMENTS = {"cpu": 1 << 22, "cuda": 1 << 26}
 """float32 elements per operand of the memory-bound add: 16 MiB on CPU (past the last-level cache), 256 MiB on GPU."""
@@ -89,10 +94,8 @@ class Bench:
 
 
 def compute_steps(bench: Bench, budget_s: float) -> dict[str, Any]:
-    """Eager overhead, memory-bound, matmul and attention throughput of this rank, all ranks at once."""
+    """Memory-bound, matmul and attention throughput of this rank, all ranks at once."""
     plan, device = bench.plan, bench.device
-    bench.say("eager overhead of a training operation")
-    overhead_s = training_op_s(bench.seconds_per_call, budget_s * SHARES["overhead"])
     bench.say("memory-bound add")
     elements = MEMORY_ELEMENTS[device.type]
     left, right, out = (torch.rand(elements, device=device) for _ in range(3))
@@ -118,8 +121,19 @@ def compute_steps(bench: Bench, budget_s: float) -> dict[str, Any]:
     bench.say("attention")
     attention = attention_points(bench.seconds_per_call, device, getattr(torch, plan["dtypes"][-1]),
                                  budget_s * SHARES["attention"])
-    return {"op_overhead_s": overhead_s, "memory_bytes_per_s": 3 * elements * 4 / add_s, "matmul": matmul,
+    return {"memory_bytes_per_s": 3 * elements * 4 / add_s, "matmul": matmul,
             "attention": attention}
+
+
+def overhead_round(bench: Bench, frameworks: FrameworkBench | None, budget_s: float, index: int) -> dict[str, Any]:
+    """One round of the per-call overheads: an eager training operation's, and on CPU the parallel frameworks' (on
+    GPU their launches overlap the kernels)."""
+    bench.say(f"per-call overheads, round {index}/{ROUNDS}: an eager training operation"
+              + (", FSDP units, DTensor operations, AdamW updates and pipelines" if frameworks else ""))
+    measured = {"op_overhead_s": training_op_s(bench.seconds_per_call, budget_s * SHARES["overhead"] / ROUNDS)}
+    if frameworks is not None:
+        measured |= frameworks.measure(bench.seconds_per_call, budget_s * SHARES["framework"] / ROUNDS)
+    return measured
 
 
 def _operation(kind: str, members: list[int], nbytes: int, bench: Bench) -> tuple[Callable[[], Any], int]:
@@ -231,15 +245,17 @@ def main(plan_path: str, rank: int) -> None:
                             world_size=bench.world, timeout=timedelta(seconds=plan["timeout_s"]),
                             device_id=bench.device if bench.cuda else None)
     (left,) = bench.agree(max(bench.left(), 0.0))
+    frameworks = None if bench.cuda else FrameworkBench(sorted({1, *plan["group_sizes"]}), bench.world)
+    rounds = [overhead_round(bench, frameworks, left, 1)]
     result = compute_steps(bench, left)
-    if not bench.cuda:  # FSDP, DTensor and AdamW's per-call overheads (on GPU the launches overlap the kernels)
-        bench.say("FSDP units, DTensor operations and AdamW updates")
-        result |= framework_steps(bench.seconds_per_call, sorted({1, *plan["group_sizes"]}), bench.world,
-                                  left * SHARES["framework"])
+    rounds.append(overhead_round(bench, frameworks, left, 2))
     if plan["group_sizes"]:
         _groups(bench)
         result["in_step"] = in_step_steps(bench, _operation, _kinds(plan))
+    rounds.append(overhead_round(bench, frameworks, left, 3))
+    if plan["group_sizes"]:
         result["collectives"] = collective_steps(bench, bench.left())
+    result |= median_of_rounds(rounds)
     result["device"] = device_name(bench)
     Path(plan_path).with_name(f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

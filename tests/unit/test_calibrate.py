@@ -12,6 +12,7 @@ import pytest
 
 from lightning_nd.cost import calibrate as calibrate_module
 from lightning_nd.cost.calibrate import calibrate
+from lightning_nd.cost.framework_benchmarks import median_of_rounds
 from lightning_nd.cost.profile import COLLECTIVES, HostProfile, cache_path
 from lightning_nd.planner.__main__ import build_parser, main
 from lightning_nd.planner.pricing import pricing
@@ -47,10 +48,22 @@ def test_a_real_calibration_measures_everything_within_its_budget(tmp_path):
     assert [point.group_size for point in profile.framework] == [1, 2] and profile.adam_tensor_s > 0
     assert all(len(c.in_step) == 2 and c.in_step[0][0] < c.in_step[1][0] for c in profile.collectives)
     assert len(profile.attention) == 2 and profile.attention_seconds(8, 32, 8) > 0
-    assert "calibrating: FSDP units, DTensor operations and AdamW updates" in lines
+    overheads = [line for line in lines if line.startswith("calibrating: per-call overheads, round ")]
+    assert [line.split(":")[1] for line in overheads] == [f" per-call overheads, round {i}/3" for i in (1, 2, 3)]
+    assert lines.index(overheads[1]) < min(i for i, line in enumerate(lines) if "inside a step" in line), lines
+    assert lines.index(overheads[2]) < min(i for i, line in enumerate(lines) if "collective 1/" in line), lines
     assert lines[0].startswith("calibrating: starting 2 processes (gloo)"), lines
     assert "calibrating: matmul 1/2 32x32x32 float32" in lines and all(line.startswith("calibrating: ") for line in lines)
     assert HostProfile.load(profile.save(tmp_path / "p.json")) == profile
+
+
+def test_the_overheads_are_the_median_of_their_rounds_so_one_stalled_window_moves_nothing():
+    rounds = [{"op_overhead_s": 3e-6, "adam_tensor_s": 5e-5, "framework": [[1, 0.5e-3, 0.1], [4, 12e-3, 2e-3]]},
+              {"op_overhead_s": 9e-6, "adam_tensor_s": 4e-5, "framework": [[1, 0.7e-3, 0.1], [4, 30e-3, 1e-3]]},
+              {"op_overhead_s": 4e-6, "adam_tensor_s": 6e-5, "framework": [[1, 0.6e-3, 0.3], [4, 13e-3, 3e-3]]}]
+    assert median_of_rounds(rounds) == {"op_overhead_s": 4e-6, "adam_tensor_s": 5e-5,
+                                        "framework": [[1, 0.6e-3, 0.1], [4, 13e-3, 2e-3]]}
+    assert median_of_rounds([{"op_overhead_s": 2e-6}, {"op_overhead_s": 4e-6}]) == {"op_overhead_s": 3e-6}  # on GPU
 
 
 @pytest.mark.parametrize(("arguments", "match"), [
