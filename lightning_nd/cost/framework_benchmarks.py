@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+Timer = Callable[[Callable[[], Any], float], float]
+"""Seconds per call of a call timed for about a number of seconds (`micro_benchmarks.Bench`'s two ways)."""
 CHAIN = 5
 """Repeats of matmul, tanh, scale and residual add in the timed chains."""
 UNITS = 4
@@ -53,7 +55,7 @@ def _chain(start: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def training_op_s(seconds_per_call: Callable[[Callable[[], Any], float], float], seconds: float) -> float:
+def training_op_s(seconds_per_call: Timer, seconds: float) -> float:
     inputs = torch.randn(4, 8, requires_grad=True)
     weight = torch.randn(8, 8, requires_grad=True)
 
@@ -72,7 +74,7 @@ def _pipeline(mesh: Any) -> list[Callable[[], Any]]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     stages, index, group = mesh.size(), mesh.get_local_rank(), mesh.get_group()
-    steps = []
+    steps: list[Callable[[], Any]] = []
     for microbatches in (stages, stages + PIPELINE_EXTRA):
         stage = PipelineStage(nn.Linear(8, 8), index, stages, torch.device("cpu"), group=group)
         schedule = Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=lambda output, _: output.sum())
@@ -103,7 +105,7 @@ ATTENTION_SHAPES = {"cpu": [(64, 32, 8), (8, 256, 64)], "cuda": [(64, 512, 64), 
 so the fit separates a row's fixed cost from its cost per key and channel."""
 
 
-def attention_points(seconds_per_call: Callable[[Callable[[], Any], float], float], device: torch.device,
+def attention_points(seconds_per_call: Timer, device: torch.device,
                      dtype: torch.dtype, seconds: float) -> list[list[float]]:
     """Causal `scaled_dot_product_attention`'s forward and backward at each of ``ATTENTION_SHAPES``: [[batch x
     heads, sequence, head size, seconds], ...]. On CPU with a small head it is far from matmul speed (a 32-token,
@@ -180,16 +182,17 @@ class _GroupBench:
         self.sequence = DTensor.from_local(self.rows, mesh, [Shard(1)])
         self.pipeline = _pipeline(mesh) if size > 1 else []
 
-    def measure(self, seconds_per_call: Callable[[Callable[[], Any], float], float], share: float) -> list[float]:
-        """`FrameworkPoint`'s fields, in order."""
-        sharded_s = seconds_per_call(lambda: self.model(self.batch).sum().backward(), share)
-        plain_s = seconds_per_call(lambda: self.plain(self.batch).sum().backward(), share / 4)
-        adam_s = seconds_per_call(self.optimizer.step, share / 2) / (2 * UNITS)
-        chain_s = seconds_per_call(lambda: _chain(self.start, self.weight).to_local().sum().backward(), share)
-        split_s = seconds_per_call(lambda: self.pairs(self.batch).sum().backward(), share)
-        unsplit_s = seconds_per_call(lambda: self.unsplit(self.batch).sum().backward(), share / 4)
-        sp_s = seconds_per_call(lambda: self.blocks(self.sequence).to_local().sum().backward(), share)
-        whole_s = seconds_per_call(lambda: self.whole(self.rows).sum().backward(), share / 4)
+    def measure(self, timed: Timer, local: Timer, share: float) -> list[float]:
+        """`FrameworkPoint`'s fields, in order: ``timed`` times calls with collectives (every rank as many),
+        ``local`` the unsplit references (every rank until one deadline)."""
+        sharded_s = timed(lambda: self.model(self.batch).sum().backward(), share)
+        plain_s = local(lambda: self.plain(self.batch).sum().backward(), share / 4)
+        adam_s = timed(self.optimizer.step, share / 2) / (2 * UNITS)
+        chain_s = timed(lambda: _chain(self.start, self.weight).to_local().sum().backward(), share)
+        split_s = timed(lambda: self.pairs(self.batch).sum().backward(), share)
+        unsplit_s = local(lambda: self.unsplit(self.batch).sum().backward(), share / 4)
+        sp_s = timed(lambda: self.blocks(self.sequence).to_local().sum().backward(), share)
+        whole_s = local(lambda: self.whole(self.rows).sum().backward(), share / 4)
         microbatch_s = _pipeline_microbatch_s(self.mesh, self.pipeline) if self.pipeline else 0.0
         return [self.size, max(sharded_s - plain_s, 1e-9) / (UNITS + 1), chain_s / (4 * CHAIN), adam_s,
                 max(split_s - unsplit_s, 1e-9) / (len(self.pairs) // 2), max(sp_s - whole_s, 1e-9) / (UNITS // 2),
@@ -208,11 +211,11 @@ class FrameworkBench:
         self.plain(torch.randn(4, 8)).sum().backward()
         self.optimizer = torch.optim.AdamW(self.plain.parameters(), lr=1e-3)
 
-    def measure(self, seconds_per_call: Callable[[Callable[[], Any], float], float], seconds: float) -> dict[str, Any]:
+    def measure(self, timed: Timer, local: Timer, seconds: float) -> dict[str, Any]:
         """One round: ``{"framework": [[group size, *overheads], ...], "adam_tensor_s": ...}``."""
         share = seconds / (5 * len(self.groups) + 1)
-        return {"framework": [group.measure(seconds_per_call, share) for group in self.groups],
-                "adam_tensor_s": seconds_per_call(self.optimizer.step, share) / (2 * UNITS)}
+        return {"framework": [group.measure(timed, local, share) for group in self.groups],
+                "adam_tensor_s": local(self.optimizer.step, share) / (2 * UNITS)}
 
 
 def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
