@@ -30,6 +30,7 @@ from typing import IO, Any
 
 import torch
 
+from lightning_nd.cost.framework_benchmarks import median_overheads
 from lightning_nd.cost.profile import (
     COLLECTIVES,
     AttentionPoint,
@@ -193,15 +194,14 @@ def _profile(results: list[dict[str, Any]], backend: str, processes: int, second
                   for i in range(min(map(len, in_step)))] if in_step else []
         collectives.append(CollectiveFit.fit(kind, int(size), [(b, statistics.median(t)) for b, t in times.items()],
                                              points))
+    overheads = median_overheads(results)
     return HostProfile(
         host=socket.gethostname(), torch=torch.__version__, backend=backend, device=results[0]["device"],
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), calibration_s=round(seconds, 2),
         processes=processes, matmul=tuple(matmul),
         memory_bytes_per_s=statistics.median(r["memory_bytes_per_s"] for r in results),
-        op_overhead_s=statistics.median(r["op_overhead_s"] for r in results), collectives=tuple(collectives),
-        framework=tuple(FrameworkPoint(int(point[0]), *(statistics.median(r["framework"][i][j] for r in results)
-                                                         for j in range(1, len(point))))
-                        for i, point in enumerate(results[0].get("framework", []))),
-        adam_tensor_s=statistics.median(r["adam_tensor_s"] for r in results) if "adam_tensor_s" in results[0] else None,
+        op_overhead_s=overheads["op_overhead_s"], collectives=tuple(collectives),
+        framework=tuple(FrameworkPoint(int(point[0]), *point[1:]) for point in overheads.get("framework", [])),
+        adam_tensor_s=overheads.get("adam_tensor_s"),
         attention=tuple(AttentionPoint(*map(int, point[:3]), statistics.median(r["attention"][i][3] for r in results))
                         for i, point in enumerate(results[0].get("attention", []))))

@@ -92,10 +92,8 @@ class _Run:
         self.micro_steps = workload.accumulation
         self.tokens = workload.batch * workload.seq_len // layout.dims["cp"]
         self.activation_bytes = workload.activation_bytes
-        pipeline = layout.pipeline
         mine = held_blocks(layout, holding.stages)
-        self.has_embedding = pipeline is None or 0 in holding.stages
-        self.has_head = pipeline is None or pipeline.num_stages - 1 in holding.stages
+        self.has_embedding, self.has_head = held_ends(layout, holding.stages)
         self.blocks = len(mine)
         self.moe_blocks = moe_blocks_held(shape, mine)
         """This rank's blocks that hold experts."""
@@ -120,6 +118,13 @@ def held_blocks(layout: Layout, stages: Sequence[int]) -> Sequence[int]:
         return range(len(layout.blocks))
     units = {unit for stage in stages for unit in pipeline.split.stages[stage]}
     return [index for index, name in enumerate(pipeline.split.blocks) if name in units]
+
+
+def held_ends(layout: Layout, stages: Sequence[int]) -> tuple[bool, bool]:
+    """Whether the pipeline ``stages`` hold the first stage (the embedding) and the last (the head); both without a
+    pipeline."""
+    pipeline = layout.pipeline
+    return pipeline is None or 0 in stages, pipeline is None or pipeline.num_stages - 1 in stages
 
 
 def moe_blocks_held(shape: ModelShape, held: Sequence[int]) -> int:

@@ -29,6 +29,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 Timer = Callable[[Callable[[], Any], float], float]
 """Seconds per call of a call timed for about a number of seconds (`micro_benchmarks.Bench`'s two ways)."""
+OVERHEADS = ("op_overhead_s", "adam_tensor_s", "framework")
+"""What a rank's record of the calibration holds of the per-call overheads (`median_overheads`)."""
 CHAIN = 5
 """Repeats of matmul, tanh, scale and residual add in the timed chains."""
 UNITS = 4
@@ -203,7 +205,7 @@ class FrameworkBench:
     """Every rank builds it with the same arguments (each group size makes a device mesh: collective), then times it
     in rounds (`measure`) spread over the calibration: on a host whose ranks share its cores one window's numbers
     swing with the scheduler (a 4-rank FSDP unit 11-30 ms on the 2-core host), so the profile keeps each number's
-    median over the rounds (`median_of_rounds`)."""
+    median over the rounds (`median_overheads`)."""
 
     def __init__(self, group_sizes: list[int], world: int) -> None:
         self.groups = [_GroupBench(size, world) for size in group_sizes]
@@ -218,11 +220,13 @@ class FrameworkBench:
                 "adam_tensor_s": local(self.optimizer.step, share) / (2 * UNITS)}
 
 
-def median_of_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each number's median over ``FrameworkBench.measure``'s rounds (or ``training_op_s``'s, under "op_overhead_s")."""
-    first = rounds[0]
-    merged: dict[str, Any] = {key: statistics.median(r[key] for r in rounds) for key in first if key != "framework"}
+def median_overheads(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each per-call overhead's median over ``records``: one rank's rounds (``FrameworkBench.measure``'s, with
+    ``training_op_s``'s under "op_overhead_s"), or the ranks' medians of theirs. Only the keys the first record has
+    ("framework" and "adam_tensor_s" are not measured on GPU); a framework row keeps its group size."""
+    first = {key: value for key, value in records[0].items() if key in OVERHEADS}
+    merged: dict[str, Any] = {key: statistics.median(r[key] for r in records) for key in first if key != "framework"}
     if "framework" in first:
-        merged["framework"] = [[point[0], *(statistics.median(r["framework"][i][j] for r in rounds)
+        merged["framework"] = [[point[0], *(statistics.median(r["framework"][i][j] for r in records)
                                             for j in range(1, len(point)))] for i, point in enumerate(first["framework"])]
     return merged

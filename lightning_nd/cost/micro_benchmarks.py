@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_nd.cost.framework_benchmarks import FrameworkBench, attention_points, median_of_rounds, training_op_s
+from lightning_nd.cost.framework_benchmarks import FrameworkBench, attention_points, median_overheads, training_op_s
 from lightning_nd.cost.in_step_benchmarks import in_step_steps
 
 SHARES = {"overhead": 0.04, "memory": 0.06, "matmul": 0.25, "attention": 0.05, "framework": 0.15}
@@ -271,7 +271,7 @@ def main(plan_path: str, rank: int) -> None:
     rounds.append(overhead_round(bench, frameworks, left, 3))
     if plan["group_sizes"]:
         result["collectives"] = collective_steps(bench, bench.left())
-    result |= median_of_rounds(rounds)
+    result |= median_overheads(rounds)
     result["device"] = device_name(bench)
     Path(plan_path).with_name(f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -33,7 +33,7 @@ peak, this prices what a small or medium model's eager step on that host is made
 
 from __future__ import annotations
 
-from lightning_nd.cost.comm import comm_per_step, held_blocks, moe_blocks_held
+from lightning_nd.cost.comm import comm_per_step, held_blocks, held_ends, moe_blocks_held
 from lightning_nd.cost.op_count import OpCount
 from lightning_nd.cost.profile import FrameworkPoint, HostProfile
 from lightning_nd.cost.shape import ModelShape, Workload
@@ -71,8 +71,7 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     holding = layout.rank(0)
     held = held_blocks(layout, holding.stages)
     blocks = len(held)
-    first = layout.pipeline is None or 0 in holding.stages
-    last = layout.pipeline is None or layout.pipeline.num_stages - 1 in holding.stages
+    first, last = held_ends(layout, holding.stages)
     micro_steps, batch = workload.accumulation, workload.batch
     tokens = batch * workload.seq_len // cp
     recompute = RECOMPUTE_FACTOR[options.activation_checkpointing]

@@ -12,7 +12,7 @@ import pytest
 
 from lightning_nd.cost import calibrate as calibrate_module
 from lightning_nd.cost.calibrate import calibrate
-from lightning_nd.cost.framework_benchmarks import median_of_rounds
+from lightning_nd.cost.framework_benchmarks import median_overheads
 from lightning_nd.cost.profile import COLLECTIVES, HostProfile, cache_path
 from lightning_nd.planner.__main__ import build_parser, main
 from lightning_nd.planner.pricing import pricing
@@ -61,9 +61,9 @@ def test_the_overheads_are_the_median_of_their_rounds_so_one_stalled_window_move
     rounds = [{"op_overhead_s": 3e-6, "adam_tensor_s": 5e-5, "framework": [[1, 0.5e-3, 0.1], [4, 12e-3, 2e-3]]},
               {"op_overhead_s": 9e-6, "adam_tensor_s": 4e-5, "framework": [[1, 0.7e-3, 0.1], [4, 30e-3, 1e-3]]},
               {"op_overhead_s": 4e-6, "adam_tensor_s": 6e-5, "framework": [[1, 0.6e-3, 0.3], [4, 13e-3, 3e-3]]}]
-    assert median_of_rounds(rounds) == {"op_overhead_s": 4e-6, "adam_tensor_s": 5e-5,
+    assert median_overheads(rounds) == {"op_overhead_s": 4e-6, "adam_tensor_s": 5e-5,
                                         "framework": [[1, 0.6e-3, 0.1], [4, 13e-3, 2e-3]]}
-    assert median_of_rounds([{"op_overhead_s": 2e-6}, {"op_overhead_s": 4e-6}]) == {"op_overhead_s": 3e-6}  # on GPU
+    assert median_overheads([{"op_overhead_s": 2e-6}, {"op_overhead_s": 4e-6}]) == {"op_overhead_s": 3e-6}  # on GPU
 
 
 @pytest.mark.parametrize(("arguments", "match"), [
