@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -28,9 +29,25 @@ FRESH = "FRESH_RANKS"
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now and below the kernel's ephemeral range: rank 0 binds the store's port again for every
+    `Trainer.fit` of a launch, and between two fits the gloo connections of the ranks (and of another pytest
+    worker's) take ephemeral ports, one of which once took a port the kernel had handed out here (EADDRINUSE)."""
+    low = _ephemeral_low()
+    for port in random.sample(range(max(1024, low - 12000), low), 64):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"No free port below the ephemeral range (from {low}). HINT: free some ports.")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def rank_environment(world_size: int, rank: int, port: str, environment: dict[str, str | None] | None) -> dict[str, str]:
