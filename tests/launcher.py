@@ -28,17 +28,24 @@ FRESH = "FRESH_RANKS"
 """Set (to anything) to start every rank as a fresh interpreter, as before the zygotes."""
 
 
+_GIVEN: set[int] = set()
+"""Ports `free_port` handed out in this process."""
+
+
 def free_port() -> int:
     """A port free now and below the kernel's ephemeral range: rank 0 binds the store's port again for every
     `Trainer.fit` of a launch, and between two fits the gloo connections of the ranks (and of another pytest
     worker's) take ephemeral ports, one of which once took a port the kernel had handed out here (EADDRINUSE)."""
     low = _ephemeral_low()
     for port in random.sample(range(max(1024, low - 12000), low), 64):
+        if port in _GIVEN:  # two daemons of one test (slurm_cluster.py) ask before either binds
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _GIVEN.add(port)
             return port
     raise RuntimeError(f"No free port below the ephemeral range (from {low}). HINT: free some ports.")
 
