@@ -195,6 +195,7 @@ def _profile(results: list[dict[str, Any]], backend: str, processes: int, second
         collectives.append(CollectiveFit.fit(kind, int(size), [(b, statistics.median(t)) for b, t in times.items()],
                                              points))
     overheads = median_overheads(results)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return HostProfile(
         host=socket.gethostname(), torch=torch.__version__, backend=backend, device=results[0]["device"],
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"), calibration_s=round(seconds, 2),
@@ -204,4 +205,16 @@ def _profile(results: list[dict[str, Any]], backend: str, processes: int, second
         framework=tuple(FrameworkPoint(int(point[0]), *point[1:]) for point in overheads.get("framework", [])),
         adam_tensor_s=overheads.get("adam_tensor_s"),
         attention=tuple(AttentionPoint(*map(int, point[:3]), statistics.median(r["attention"][i][3] for r in results))
-                        for i, point in enumerate(results[0].get("attention", []))))
+                        for i, point in enumerate(results[0].get("attention", []))),
+        cores=cores, utilization=_utilization(results, min(cores, processes)))
+
+
+def _utilization(results: list[dict[str, Any]], cores: int) -> tuple[tuple[float, float], ...]:
+    """Per amount of work between collective calls, the ranks' processor seconds over ``cores`` x their mean wall
+    seconds through the same loops (at most 1)."""
+    loops = [r["busy"] for r in results if r.get("busy")]
+    if len(loops) < len(results) or not loops:
+        return ()
+    return tuple((statistics.median(r[i][0] for r in loops),
+                  min(1.0, sum(r[i][1] for r in loops) / cores / statistics.mean(r[i][2] for r in loops)))
+                 for i in range(min(map(len, loops))) if all(r[i][2] > 0 and r[i][1] > 0 for r in loops))

@@ -1,6 +1,8 @@
 """How long a collective takes inside a step, where the ranks compute between calls and are never started together
 again (``in_step_steps``, run by ``micro_benchmarks.py`` on every rank at once): the latency `CollectiveFit.in_step`
-keeps beside the one measured with the ranks started together.
+keeps beside the one measured with the ranks started together; and, over the same loops, how much of its wall time
+each rank spent on a core (its processor time, its collectives' threads included): where the ranks outnumber the
+cores, the share of the cores a step keeps busy (`HostProfile.busy_share`).
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ def _work(seconds: float) -> None:
 
 
 def _time_in_step(bench: Any, operation: Operation, kind: str, size: int, work_s: float,
-                  working_s: float) -> float | None:
+                  working_s: float) -> tuple[float, float, float] | None:
     """Seconds a small ``kind`` over this rank's group adds to a loop that works ``work_s`` of processor time
     between calls (``working_s`` per call without them) and never starts the ranks together again, as a step's
     collectives run: where the ranks outnumber the cores, a rank that waits gives its core up and the call lasts
     until the scheduler gives it back, longer the longer the others ran (on the 2-core host the tests run on, 4
     ranks: a pair's all-reduce 0.3 ms started together, 2-5 ms in such a loop). A ``send_recv`` is one exchange,
-    each rank sending to its peer and receiving from it at once, as a pipeline's and a ring's exchanges are."""
+    each rank sending to its peer and receiving from it at once, as a pipeline's and a ring's exchanges are. Returns
+    that time per call, and the loop's processor and wall seconds on this rank."""
     members = bench.members.get(size)
     if not members:
         return None
@@ -53,18 +56,22 @@ def _time_in_step(bench: Any, operation: Operation, kind: str, size: int, work_s
         call, _ = operation(kind, members, 256, bench)
     call()
     dist.barrier(group=bench.groups[size])
-    begin = time.perf_counter()
+    begin, processor = time.perf_counter(), time.process_time()
     for _ in range(IN_STEP_CALLS):
         _work(work_s)
         call()
     bench.sync()
-    return max((time.perf_counter() - begin) / IN_STEP_CALLS - working_s, 1e-9)
+    wall = time.perf_counter() - begin
+    return max(wall / IN_STEP_CALLS - working_s, 1e-9), time.process_time() - processor, wall
 
 
-def in_step_steps(bench: Any, operation: Operation, kinds: list[tuple[str, int]]) -> dict[str, list[list[float]]]:
+def in_step_steps(bench: Any, operation: Operation,
+                  kinds: list[tuple[str, int]]) -> tuple[dict[str, list[list[float]]], list[list[float]]]:
     """Each collective's ``_time_in_step`` at each group size after each of ``IN_STEP_WORK_S``: ``{"kind/group_size":
-    [[seconds of work between calls, seconds per call], ...]}`` of this rank, the work as long as it took here."""
+    [[seconds of work between calls, seconds per call], ...]}`` of this rank, the work as long as it took here; and
+    per amount of work, ``[seconds of work between calls, processor seconds, wall seconds]`` of this rank's loops."""
     measured: dict[str, list[list[float]]] = {}
+    busy: list[list[float]] = []
     for work_s in IN_STEP_WORK_S:
         dist.barrier()
         repetitions = max(IN_STEP_CALLS, round(IN_STEP_WORKING_S / work_s))
@@ -72,9 +79,12 @@ def in_step_steps(bench: Any, operation: Operation, kinds: list[tuple[str, int]]
         for _ in range(repetitions):
             _work(work_s)
         (working_s,) = bench.agree((time.perf_counter() - begin) / repetitions)
+        busy.append([working_s, 0.0, 0.0])
         for kind, size in kinds:
             bench.say(f"{kind} over {size} ranks, inside a step ({working_s * 1e3:.1f} ms of work between calls)")
-            seconds = _time_in_step(bench, operation, kind, size, work_s, working_s)
-            if seconds is not None:
-                measured.setdefault(f"{kind}/{size}", []).append([working_s, seconds])
-    return measured
+            timed = _time_in_step(bench, operation, kind, size, work_s, working_s)
+            if timed is not None:
+                measured.setdefault(f"{kind}/{size}", []).append([working_s, timed[0]])
+                busy[-1][1] += timed[1]
+                busy[-1][2] += timed[2]
+    return measured, busy

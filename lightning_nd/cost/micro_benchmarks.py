@@ -267,7 +267,7 @@ def main(plan_path: str, rank: int) -> None:
     rounds.append(overhead_round(bench, frameworks, left, 2))
     if plan["group_sizes"]:
         _groups(bench)
-        result["in_step"] = in_step_steps(bench, _operation, _kinds(plan))
+        result["in_step"], result["busy"] = in_step_steps(bench, _operation, _kinds(plan))
     rounds.append(overhead_round(bench, frameworks, left, 3))
     if plan["group_sizes"]:
         result["collectives"] = collective_steps(bench, bench.left())

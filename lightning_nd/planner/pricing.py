@@ -127,4 +127,10 @@ def profile_markdown(profile: HostProfile, path: Path) -> str:
         lines += [f"| {c.kind} | {c.group_size} | {c.latency_s * 1e6:.0f} us | {c.bytes_per_s / 1e9:.2f} GB/s |"
                   f" {human_bytes(c.samples[0][0])} to {human_bytes(c.samples[-1][0])} ({len(c.samples)}) |"
                   + "".join(f" {t * 1e6:.0f} us |" for _, t in c.in_step) for c in profile.collectives]
+    if profile.utilization:
+        busy = ", ".join(f"{share:.0%} after {work * 1e3:.1f} ms of work between calls" for work, share in
+                         profile.utilization)
+        lines += ["", f"Share of the {profile.cores} cores the {profile.processes} processes kept busy through those"
+                  f" loops: {busy}" + ("" if profile.oversubscribed else " (as many cores as processes: not used)")
+                  + "."]
     return "\n".join(lines)

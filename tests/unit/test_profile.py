@@ -3,6 +3,7 @@ named for the host, torch and backend, the latency/bandwidth fit, and the interp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -45,6 +46,18 @@ def test_load_refuses_a_profile_with_a_non_positive_number(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(record))
     with pytest.raises(ValueError, match="every time and throughput positive and finite"):
         HostProfile.load(tmp_path / "bad.json")
+
+
+def test_the_busy_share_is_interpolated_in_the_work_between_calls_and_one_where_the_cores_were_enough(tmp_path):
+    measured = synthetic_profile(processes=4, cores=2, utilization=((1e-3, 0.6), (11e-3, 0.9)))
+    assert measured.oversubscribed and HostProfile.load(measured.save(tmp_path / "p.json")) == measured
+    assert measured.busy_share(0.0) == measured.busy_share(1e-3) == 0.6  # the nearest point outside
+    assert measured.busy_share(6e-3) == pytest.approx(0.75) and measured.busy_share(1.0) == 0.9
+    for enough in (dataclasses.replace(measured, cores=4), dataclasses.replace(measured, cores=0),
+                   dataclasses.replace(measured, utilization=())):
+        assert enough.busy_share(6e-3) == 1.0
+    with pytest.raises(ValueError, match="share of the cores busy is at most 1"):
+        dataclasses.replace(measured, utilization=((1e-3, 1.2),))
 
 
 def test_cache_path_changes_with_host_torch_and_backend(monkeypatch, tmp_path):
