@@ -29,6 +29,13 @@ peak, this prices what a small or medium model's eager step on that host is made
   much longer a call waits after that work than after none. Nothing overlaps: the profile does not measure how much
   a collective hides behind compute on this host.
 - **Pipeline**: the stage's work over all microbatches / (1 - bubble), as `step_time.py`.
+- **A host whose ranks outnumber its cores** (the profile's ``processes`` over its ``cores``: 4 ranks on 2 CPU
+  cores): every time above is one rank's while all of them run, so the sum is the rank's share of the cores' work.
+  The step is that work over the share of the cores the ranks keep busy (`HostProfile.busy_share` at the rank's
+  work between two collective calls: a rank waiting for one gives its core up, and while the others wait too the
+  core idles), and a pipeline's bubble costs nothing beyond it: a stage waiting for its neighbours lends its core
+  to the stages that work. Only where the stage's work at a whole core each (``cores / processes`` of its time above)
+  over 1 - bubble is longer (few microbatches, many stages) is that the step.
 """
 
 from __future__ import annotations
@@ -130,11 +137,15 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     bubble = theoretical_bubble(options.pp_schedule, pp, options.pp_microbatches,
                                 options.pp_stages_per_rank) if pp > 1 else 0.0
     staged = sum(seconds for dim, seconds in comm.items() if dim not in ONCE_PER_STEP)
-    total = (compute + staged) / (1 - bubble) + sum(comm.get(dim, 0.0) for dim in ONCE_PER_STEP) + optimizer
+    once = sum(comm.get(dim, 0.0) for dim in ONCE_PER_STEP) + optimizer
+    total = (compute + staged) / (1 - bubble) + once
+    busy = profile.busy_share(gap)
+    if profile.oversubscribed:  # the cores are the bottleneck: a rank idle in the bubble lends its core to the others
+        total = max((compute + staged + once) / busy, total * profile.cores / profile.processes)
     flops = flops_per_token(shape, workload.seq_len) * batch * workload.seq_len * micro_steps * recompute / (tp * cp * pp)
     return StepTime(compute_s=compute + optimizer, comm_s=comm, link=dict.fromkeys(comm, "measured"),
                     exposed_comm_s=sum(comm.values()), bubble_fraction=bubble, total_s=total, flops_per_step=flops,
-                    overhead_s=overhead * micro_steps, priced_by=profile_label(profile))
+                    overhead_s=overhead * micro_steps, priced_by=profile_label(profile), busy_share=busy)
 
 
 def profile_label(profile: HostProfile) -> str:

@@ -51,6 +51,9 @@ class StepTime:
     """Eager per-operation overhead (a measured profile's; datasheet presets count none)."""
     priced_by: str = ""
     """What priced it: a preset's name or ``profile of <host>``."""
+    busy_share: float = 1.0
+    """The share of the cores the ranks keep busy through the step, where a measured profile's ranks outnumber its
+    cores (`HostProfile.busy_share`); 1 elsewhere."""
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> int:

@@ -47,6 +47,8 @@ def test_a_real_calibration_measures_everything_within_its_budget(tmp_path):
     assert profile.matmul[0].m == 32 and profile.matmul_seconds(64, 64, 64, "float32") > 0
     assert [point.group_size for point in profile.framework] == [1, 2] and profile.adam_tensor_s > 0
     assert all(len(c.in_step) == 2 and c.in_step[0][0] < c.in_step[1][0] for c in profile.collectives)
+    assert profile.cores >= 1 and [work for work, _ in profile.utilization] == [w for w, _ in profile.collectives[0].in_step]
+    assert all(0 < share <= 1 for _, share in profile.utilization), profile.utilization
     assert len(profile.attention) == 2 and profile.attention_seconds(8, 32, 8) > 0
     overheads = [line for line in lines if line.startswith("calibrating: per-call overheads, round ")]
     assert [line.split(":")[1] for line in overheads] == [f" per-call overheads, round {i}/3" for i in (1, 2, 3)]
@@ -64,6 +66,14 @@ def test_the_overheads_are_the_median_of_their_rounds_so_one_stalled_window_move
     assert median_overheads(rounds) == {"op_overhead_s": 4e-6, "adam_tensor_s": 5e-5,
                                         "framework": [[1, 0.6e-3, 0.1], [4, 13e-3, 2e-3]]}
     assert median_overheads([{"op_overhead_s": 2e-6}, {"op_overhead_s": 4e-6}]) == {"op_overhead_s": 3e-6}  # on GPU
+
+
+def test_the_busy_share_is_the_ranks_processor_time_over_the_cores_wall_time_per_amount_of_work():
+    ranks = [{"busy": [[1e-3, 0.30, 0.50], [10e-3, 0.45, 0.50]]}, {"busy": [[1.2e-3, 0.20, 0.50], [11e-3, 0.55, 0.50]]},
+             {"busy": [[1.1e-3, 0.30, 0.60], [9e-3, 0.50, 0.60]]}, {"busy": [[1e-3, 0.20, 0.40], [10e-3, 0.50, 0.40]]}]
+    assert calibrate_module._utilization(ranks, 2) == (pytest.approx((1.05e-3, 1.0 / 2 / 0.5)), (10e-3, 1.0))
+    assert calibrate_module._utilization(ranks, 4) == (pytest.approx((1.05e-3, 0.5)), pytest.approx((10e-3, 1.0)))
+    assert calibrate_module._utilization([*ranks[:3], {}], 2) == ()  # a rank that measured none: none
 
 
 @pytest.mark.parametrize(("arguments", "match"), [
@@ -163,3 +173,14 @@ def test_a_dry_run_priced_with_a_profile_file_keeps_its_form_and_only_the_step_t
     assert profiled == preset and profiled_time.keys() == preset_time.keys()
     assert (preset_time["priced_by"], profiled_time["priced_by"]) == ("h100", f"profile of {synthetic_profile().host} (measured 2025-01-01)")
     assert profiled_time["total_s"] > 1000 * preset_time["total_s"] and profiled_time["link"] == {"tp": "measured"}
+
+
+def test_a_dry_run_priced_by_a_profile_whose_ranks_outnumbered_its_cores_says_so(tmp_path, capsys):
+    shared = synthetic_profile(processes=4, cores=2, utilization=((1e-3, 0.75),)).save(tmp_path / "shared.json")
+    argv = ["--model", "examples.models.llama:Llama", "--devices", "4", "--layout", "pp=2,dp_shard=2", "--seq-len", "16",
+            "--micro-batch", "4"]
+    assert main([*argv, "--profile", str(shared)]) == 0
+    out = capsys.readouterr().out
+    assert "per rank over the 75% of the cores the ranks keep busy" in out and "is filled by the other ranks' work" in out
+    assert main([*argv, "--profile", str(synthetic_profile().save(tmp_path / "alone.json"))]) == 0
+    assert "over (1 - bubble" in capsys.readouterr().out

@@ -109,6 +109,26 @@ def test_a_pipeline_divides_its_stage_by_one_minus_the_bubble():
     assert step.total_s > step.compute_s and step.priced_by.startswith("profile of ")
 
 
+@pytest.mark.parametrize(("sizes", "options", "cores"), [
+    ({"dp_shard": 2}, {}, 2), ({"tp": 2}, {}, 2), ({"pp": 2, "dp_shard": 4}, {"pp_microbatches": 8}, 2),
+    ({"pp": 4, "dp_shard": 2}, {"pp_microbatches": 4}, 6)])
+def test_where_the_ranks_outnumber_the_cores_the_step_is_their_work_over_the_busy_share_and_no_bubble(sizes, options,
+                                                                                                     cores):
+    alone = dataclasses.replace(MEASURED, processes=8, cores=8, utilization=((1e-3, 0.8),))
+    shared = dataclasses.replace(alone, cores=cores)
+    layout, step = _step(sizes, alone, options=options)
+    _, busy = _step(sizes, shared, options=options)
+    assert step.busy_share == 1.0 and busy.busy_share == 0.8
+    work = step.compute_s + sum(step.comm_s.values())
+    assert busy.total_s == pytest.approx(max(work / 0.8, step.total_s * cores / 8))
+    if layout.dims["pp"] == 1:
+        assert busy.total_s == pytest.approx(step.total_s / 0.8)
+    elif options["pp_microbatches"] == 8:  # the bubble is filled by the other stages' work: nothing of it is left
+        assert busy.total_s == pytest.approx(work / 0.8) and step.total_s > work
+    else:  # 4 microbatches through 4 stages on 6 cores of 8 ranks: a stage at a whole core over 1 - bubble is longer
+        assert busy.total_s == pytest.approx(step.total_s * 6 / 8) and busy.total_s > work / 0.8
+
+
 def test_cost_layout_prices_with_the_profile_when_one_is_given():
     layout = dry_run(DENSE, 2, {"dp_shard": 2}, {})
     priced = cost_layout(layout, model_shape(DENSE.model), WORKLOAD, profile=PROFILE).time
