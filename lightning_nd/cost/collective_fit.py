@@ -65,13 +65,18 @@ class CollectiveFit:
     def in_step_latency(self, work_s: float) -> float:
         """A small call's seconds after ``work_s`` of work, interpolated linearly between the measured points (the
         nearest one outside them), never below ``latency_s``; ``latency_s`` where none were measured."""
-        points = self.in_step
-        if not points:
+        if not self.in_step:
             return self.latency_s
-        if work_s <= points[0][0] or len(points) == 1:
-            return max(self.latency_s, points[0][1])
-        if work_s >= points[-1][0]:
-            return max(self.latency_s, points[-1][1])
-        upper = next(i for i, (w, _) in enumerate(points) if w >= work_s)
-        (w0, t0), (w1, t1) = points[upper - 1], points[upper]
-        return max(self.latency_s, t0 + (t1 - t0) * (work_s - w0) / (w1 - w0))
+        return max(self.latency_s, piecewise_linear(self.in_step, work_s))
+
+
+def piecewise_linear(points: Sequence[tuple[float, float]], x: float) -> float:
+    """The value at ``x`` of the line through ``points`` (sorted by x, at least one), interpolated linearly between
+    the two around it; the nearest point's value outside them."""
+    if x <= points[0][0] or len(points) == 1:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    upper = next(i for i, (px, _) in enumerate(points) if px >= x)
+    (x0, y0), (x1, y1) = points[upper - 1], points[upper]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from lightning_nd.cost.collective_fit import CollectiveFit
+from lightning_nd.cost.collective_fit import CollectiveFit, piecewise_linear
 
 SCHEMA = 4
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
@@ -198,15 +198,9 @@ class HostProfile:
         where the processes did not outnumber the cores or it was not measured, else interpolated linearly between
         the measured amounts of work (the nearest outside them). A rank waiting for a call gives its core up, and
         while the others wait too the core idles: 0.72-0.88 of the 2 cores busy through steps of 4 ranks."""
-        points = sorted(self.utilization)
-        if not self.oversubscribed or not points:
+        if not self.oversubscribed or not self.utilization:
             return 1.0
-        work = min(max(work_s, points[0][0]), points[-1][0])
-        upper = next(i for i, (w, _) in enumerate(points) if w >= work)
-        if upper == 0:
-            return points[0][1]
-        (w0, u0), (w1, u1) = points[upper - 1], points[upper]
-        return u0 + (u1 - u0) * (work - w0) / (w1 - w0)
+        return piecewise_linear(sorted(self.utilization), work_s)
 
     def framework_at(self, group_size: int) -> FrameworkPoint | None:
         """The framework overheads measured at the nearest group size (the larger on a tie); None if none were."""

@@ -176,14 +176,14 @@ def cost_markdown(layout: Layout, layout_cost: LayoutCost, params: int) -> str:
     if time:
         basis = (f"priced by the {time['priced_by']}" if time["priced_by"].startswith("profile")
                  else "estimate at peak FLOP/s")
+        head = f"Step time ({basis}): {time['total_s']:.3f} s"
         if time.get("busy_share", 1.0) < 1:  # a profile whose ranks outnumbered its cores
-            lines += ["", (f"Step time ({basis}): {time['total_s']:.3f} s: compute {time['compute_s']:.3f} s +"
-                           f" communication {time['exposed_comm_s']:.3f} s per rank over the {time['busy_share']:.0%} of"
-                           f" the cores the ranks keep busy (they outnumber the cores: a pipeline bubble of"
-                           f" {time['bubble_fraction']:.1%} is filled by the other ranks' work).")]
+            lines += ["", (f"{head}: compute {time['compute_s']:.3f} s + communication {time['exposed_comm_s']:.3f} s"
+                           f" per rank over the {time['busy_share']:.0%} of the cores the ranks keep busy (they outnumber"
+                           f" the cores: a pipeline bubble of {time['bubble_fraction']:.1%} is filled by the other ranks'"
+                           " work).")]
         else:
-            lines += ["", (f"Step time ({basis}): {time['total_s']:.3f} s = compute {time['compute_s']:.3f} s"
-                           f" + exposed communication {time['exposed_comm_s']:.3f} s, over (1 - bubble"
-                           f" {time['bubble_fraction']:.1%}).")]
+            lines += ["", (f"{head} = compute {time['compute_s']:.3f} s + exposed communication"
+                           f" {time['exposed_comm_s']:.3f} s, over (1 - bubble {time['bubble_fraction']:.1%}).")]
     lines += ["", model_state_arithmetic(layout, layout_cost.peak, params)]
     return "\n".join(lines)
