@@ -33,6 +33,7 @@ import torch
 from lightning_nd.cost.framework_benchmarks import median_overheads
 from lightning_nd.cost.profile import (
     COLLECTIVES,
+    RECALIBRATE,
     AttentionPoint,
     CollectiveFit,
     FrameworkPoint,
@@ -53,6 +54,10 @@ RESERVE_S = 3.0
 """Of the budget, kept for the last step to end, the processes to exit and the profile to be assembled."""
 GRACE_S = 60.0
 """How long past the budget the processes may run before they are stopped and the calibration fails."""
+BUSY_FLOOR = 0.85
+"""The least share of the cores the processes keep busy after the longest work between calls on an idle host: the
+2-core host's idle calibrations measured 94-96% with 4 processes, one beside a test run 71% (and priced the example
+Llama's layouts at 1.26-2.07x their steps)."""
 
 
 def to_stderr(line: str) -> None:
@@ -93,7 +98,24 @@ def calibrate(world_sizes: Sequence[int] | None = None, shapes: Sequence[tuple[i
             progress(f"calibrating: this host is busy (load average {busy:.1f} on {os.cpu_count()} cores): what"
                      " it measures is slower than the host alone; measure it again when it is idle")
         results = _run(plan_path, processes, budget_s + GRACE_S, progress)
-    return _profile(results, backend, processes, time.perf_counter() - start)
+    profile = _profile(results, backend, processes, time.perf_counter() - start)
+    if (warning := busy_warning(profile)) is not None:
+        progress(f"calibrating: {warning}")
+    return profile
+
+
+def busy_warning(profile: HostProfile) -> str | None:
+    """What to say when the ranks kept the cores less busy than an idle host does after the longest work between
+    calls (`HostProfile.busy_share`): another process took cores from them, and every price is too high."""
+    if not profile.oversubscribed or not profile.utilization:
+        return None
+    work, share = profile.utilization[-1]
+    if share >= BUSY_FLOOR:
+        return None
+    return (f"the {profile.processes} processes kept only {share:.0%} of the {profile.cores} cores busy after"
+            f" {work * 1e3:.1f} ms of work between calls (an idle host: {BUSY_FLOOR:.0%} or more): another process"
+            " probably ran beside the calibration, and every layout is priced too slow. Measure again when the host"
+            f" is idle: `{RECALIBRATE} --refresh-profile`")
 
 
 def host_profile(*, refresh: bool = False, processes: int | None = None, dtypes: Sequence[str] | None = None,

@@ -12,6 +12,8 @@ timed.
   beyond the same layers unsplit (torch's `ColwiseParallel`, `RowwiseParallel`: DTensor wrapping, the row-wise
   output's all-reduce and the column-wise input gradient's, the ranks drifting as in a step); ``pp_microbatch_s``,
   one microbatch more through a 1F1B pipeline of that many stages (the schedule's actions and exchanges);
+  ``fsdp_tp_unit_s``, one FSDP2 unit over parameters tensor parallel over 2 more ranks (DTensors on a 2-D mesh, as
+  FSDP shards a tp layout's), beyond the same sequence-parallel blocks without FSDP: where the world holds it;
 - ``adam_tensor_s``: AdamW's update of one plain parameter.
 """
 
@@ -152,6 +154,22 @@ def _sequence_parallel_blocks(mesh: Any) -> nn.Module:
     return blocks
 
 
+def _two_d_blocks(size: int, world: int) -> tuple[nn.Module, nn.Module, Any]:
+    """The sequence-parallel blocks over a tp group of 2, FSDP-sharded over ``size`` ranks (each block a unit, under
+    a root unit) and not, on a mesh (the rest, ``size``, 2), with their input sharded along the sequence: FSDP's
+    all-gathers and reduce-scatters of DTensor shards, and the tp ranks waiting on the FSDP ranks' as in a step."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (world // (2 * size), size, 2), mesh_dim_names=("across", "shard", "tp"))
+    sharded, tp_only = _sequence_parallel_blocks(mesh["tp"]), _sequence_parallel_blocks(mesh["tp"])
+    for block in sharded:
+        fully_shard(block, mesh=mesh["shard"])
+    fully_shard(sharded, mesh=mesh["shard"])
+    return sharded, tp_only, DTensor.from_local(torch.randn(2, 4, 8), mesh["tp"], [Shard(1)])
+
+
 def _pairs() -> nn.Sequential:
     return nn.Sequential(*(nn.Linear(8, 16) if i % 2 == 0 else nn.Linear(16, 8) for i in range(UNITS)))
 
@@ -183,6 +201,7 @@ class _GroupBench:
         self.rows = torch.randn(2, 4, 8)  # this rank's part of the sequence
         self.sequence = DTensor.from_local(self.rows, mesh, [Shard(1)])
         self.pipeline = _pipeline(mesh) if size > 1 else []
+        self.two_d = _two_d_blocks(size, world) if 1 < size and world % (2 * size) == 0 else None
 
     def measure(self, timed: Timer, local: Timer, share: float) -> list[float]:
         """`FrameworkPoint`'s fields, in order: ``timed`` times calls with collectives (every rank as many),
@@ -196,9 +215,15 @@ class _GroupBench:
         sp_s = timed(lambda: self.blocks(self.sequence).to_local().sum().backward(), share)
         whole_s = local(lambda: self.whole(self.rows).sum().backward(), share / 4)
         microbatch_s = _pipeline_microbatch_s(self.mesh, self.pipeline) if self.pipeline else 0.0
+        two_d_s = 0.0
+        if self.two_d is not None:
+            sharded, tp_only, sequence = self.two_d
+            both_s = timed(lambda: sharded(sequence).to_local().sum().backward(), share)
+            alone_s = timed(lambda: tp_only(sequence).to_local().sum().backward(), share)
+            two_d_s = max(both_s - alone_s, 1e-9) / (UNITS // 2 + 1)
         return [self.size, max(sharded_s - plain_s, 1e-9) / (UNITS + 1), chain_s / (4 * CHAIN), adam_s,
                 max(split_s - unsplit_s, 1e-9) / (len(self.pairs) // 2), max(sp_s - whole_s, 1e-9) / (UNITS // 2),
-                microbatch_s]
+                microbatch_s, two_d_s]
 
 
 class FrameworkBench:
@@ -215,7 +240,7 @@ class FrameworkBench:
 
     def measure(self, timed: Timer, local: Timer, seconds: float) -> dict[str, Any]:
         """One round: ``{"framework": [[group size, *overheads], ...], "adam_tensor_s": ...}``."""
-        share = seconds / (5 * len(self.groups) + 1)
+        share = seconds / (sum(5 + 2 * (group.two_d is not None) for group in self.groups) + 1)
         return {"framework": [group.measure(timed, local, share) for group in self.groups],
                 "adam_tensor_s": local(self.optimizer.step, share) / (2 * UNITS)}
 

@@ -16,8 +16,10 @@ import torch.distributed as dist
 
 Operation = Callable[[str, list[int], int, Any], tuple[Callable[[], Any], int]]
 """``micro_benchmarks._operation``: a collective's call over a group's members at about a number of bytes."""
-IN_STEP_CALLS = 8
-"""Calls of each collective timed as inside a step (`_time_in_step`)."""
+IN_STEP_CALLS = 20
+"""Calls of each collective timed as inside a step (`_time_in_step`): the wait a call adds swings with the scheduler
+(on the 2-core host, 4 ranks, a pair's all-reduce after 11.6 ms of work: 2.2-5.4 ms a call over twelve runs of 8
+calls), so a mean over 8 moved the calibration's step prices by a quarter between calibrations minutes apart."""
 IN_STEP_WORKING_S = 0.2
 """Processor seconds the work alone is timed for, every rank at once: long enough that the ranks share the cores as
 through a step (a shorter stretch may run before the other ranks are scheduled, at a core's full speed)."""

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from lightning_nd.cost.framework_benchmarks import FrameworkBench, attention_points, median_overheads, training_op_s
 from lightning_nd.cost.in_step_benchmarks import in_step_steps
 
-SHARES = {"overhead": 0.04, "memory": 0.06, "matmul": 0.25, "attention": 0.05, "framework": 0.15}
+SHARES = {"overhead": 0.04, "memory": 0.06, "matmul": 0.18, "attention": 0.05, "framework": 0.15}
 """Of the time left once the processes have started, what each compute step may spend (the matmuls twice as much
 without collectives; the overheads over all their rounds); the collectives take the rest."""
 ROUNDS = 3

@@ -26,7 +26,7 @@ import torch
 
 from lightning_nd.cost.collective_fit import CollectiveFit, piecewise_linear
 
-SCHEMA = 4
+SCHEMA = 5
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
 RECALIBRATE = "python -m lightning_nd.plan --calibrate"
 
@@ -79,6 +79,10 @@ class FrameworkPoint:
     pp_microbatch_s: float = 0.0
     """One microbatch more through a 1F1B pipeline of ``group_size`` stages of tiny layers: the schedule's actions
     and each stage's exchanges of the activation and its gradient, as the ranks drift in a step."""
+    fsdp_tp_unit_s: float = 0.0
+    """One FSDP2 unit over ``group_size`` ranks whose parameters are tensor parallel over 2 more (DTensors on a 2-D
+    mesh) beyond the same blocks without FSDP: the DTensor shards' gathers and the tp ranks waiting on the FSDP
+    ranks'; 0 where the calibration's world could not hold the mesh."""
 
 
 @dataclass(frozen=True)

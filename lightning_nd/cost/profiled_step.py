@@ -17,7 +17,8 @@ peak, this prices what a small or medium model's eager step on that host is made
   they could not be counted), x the profile's time per operation, with the operations ring attention adds under cp
   (`RING_OPS_PER_BLOCK`).
 - **Frameworks** (where the profile measured them, on CPU): each FSDP unit's hooks and collectives per forward and
-  backward pass (under ep also each block's experts, a unit over the ranks holding the same experts); each
+  backward pass (a unit over tp's DTensors as measured on a 2-D mesh, about twice a plain one's on the 2-core host;
+  under ep also each block's experts, a unit over the ranks holding the same experts); each
   tensor-parallel column-wise / row-wise pair as measured (a sequence-parallel block's, with its norm and residual
   add, under sequence parallelism), and the DTensor operations of the column-wise layers beyond one per pair (a
   transpose, matmul and bias add each, with their backward); AdamW's update per parameter tensor (a DTensor one
@@ -120,7 +121,8 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     if tp_framework is not None:
         overhead += microbatches * _tp_overhead_s(holding.params, tp_framework, options.sequence_parallel)
     if fsdp and framework is not None:
-        overhead += (blocks + 1) * microbatches * framework.fsdp_unit_s
+        unit = framework.fsdp_tp_unit_s if tp > 1 and framework.fsdp_tp_unit_s else framework.fsdp_unit_s
+        overhead += (blocks + 1) * microbatches * unit
     if expert_point is not None:
         overhead += moe_blocks_held(shape, held) * microbatches * expert_point.fsdp_unit_s
     batch_ranks = dims["dp_replicate"] * dims["dp_shard"] * cp

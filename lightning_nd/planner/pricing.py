@@ -115,11 +115,12 @@ def profile_markdown(profile: HostProfile, path: Path) -> str:
     if profile.framework:
         lines += ["", "| ranks | FSDP unit, forward + backward | tp linear pair, forward + backward | the same, sequence"
                   " parallel, with a norm and a residual add | DTensor op + its backward | AdamW, one DTensor parameter"
-                  " | pipeline, one microbatch more |", "|---|---|---|---|---|---|---|"]
+                  " | pipeline, one microbatch more | FSDP unit over tp=2 parameters |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {p.group_size} | {p.fsdp_unit_s * 1e3:.2f} ms | {p.tp_pair_s * 1e3:.2f} ms |"
                   f" {p.tp_sp_pair_s * 1e3:.2f} ms |"
                   f" {p.dtensor_op_s * 1e6:.0f} us | {p.dtensor_adam_s * 1e6:.0f} us |"
-                  f" {f'{p.pp_microbatch_s * 1e3:.2f} ms' if p.group_size > 1 else '-'} |" for p in profile.framework]
+                  f" {f'{p.pp_microbatch_s * 1e3:.2f} ms' if p.group_size > 1 else '-'} |"
+                  f" {f'{p.fsdp_tp_unit_s * 1e3:.2f} ms' if p.fsdp_tp_unit_s else '-'} |" for p in profile.framework]
     if profile.collectives:
         works = sorted({round(w * 1e3, 1) for c in profile.collectives for w, _ in c.in_step})
         lines += ["", "| collective | ranks | latency | bandwidth | sizes measured |"

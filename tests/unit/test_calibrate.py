@@ -41,6 +41,7 @@ def test_a_real_calibration_measures_everything_within_its_budget(tmp_path):
     assert (profile.backend, profile.processes) == ("gloo", 2) and profile.calibration_s > 0
     record = profile.to_dict()
     assert record["framework"][0].pop("pp_microbatch_s") == 0.0  # one rank is no pipeline
+    assert [row.pop("fsdp_tp_unit_s") for row in record["framework"]] == [0.0, 0.0]  # 2 ranks hold no 2 x 2 mesh
     assert all(math.isfinite(n) and n > 0 for n in _numbers(record)), record
     assert {(c.kind, c.group_size) for c in profile.collectives} == {(kind, 2) for kind in COLLECTIVES}
     assert all(len(c.samples) >= 3 for c in profile.collectives)
@@ -74,6 +75,28 @@ def test_the_busy_share_is_the_ranks_processor_time_over_the_cores_wall_time_per
     assert calibrate_module._utilization(ranks, 2) == (pytest.approx((1.05e-3, 1.0 / 2 / 0.5)), (10e-3, 1.0))
     assert calibrate_module._utilization(ranks, 4) == (pytest.approx((1.05e-3, 0.5)), pytest.approx((10e-3, 1.0)))
     assert calibrate_module._utilization([*ranks[:3], {}], 2) == ()  # a rank that measured none: none
+
+
+@pytest.mark.parametrize(("changes", "warned"), [
+    ({"processes": 4, "cores": 2, "utilization": ((1e-3, 0.65), (12e-3, 0.71))}, True),  # beside a test run
+    ({"processes": 4, "cores": 2, "utilization": ((1e-3, 0.82), (12e-3, 0.95))}, False),  # idle
+    ({"processes": 4, "cores": 4, "utilization": ((1e-3, 0.5), (12e-3, 0.6))}, False),  # a core each: not used
+    ({"processes": 4, "cores": 2, "utilization": ()}, False),  # not measured
+])
+def test_a_calibration_whose_cores_stayed_idle_says_another_process_ran_beside_it(monkeypatch, changes, warned):
+    profile = synthetic_profile(**changes)
+    monkeypatch.setattr(calibrate_module, "_run", lambda *_: [])
+    monkeypatch.setattr(calibrate_module, "_profile", lambda *_: profile)
+    lines: list[str] = []
+    assert calibrate((2,), processes=4, progress=lines.append) is profile
+    warnings = [line for line in lines if "busy after" in line]
+    assert len(warnings) == warned
+    if warned:
+        assert warnings[0] == (
+            "calibrating: the 4 processes kept only 71% of the 2 cores busy after 12.0 ms of work between calls (an"
+            " idle host: 85% or more): another process probably ran beside the calibration, and every layout is"
+            " priced too slow. Measure again when the host is idle: `python -m lightning_nd.plan --calibrate"
+            " --refresh-profile`")
 
 
 @pytest.mark.parametrize(("arguments", "match"), [

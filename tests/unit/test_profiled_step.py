@@ -207,3 +207,17 @@ def test_sequence_parallelism_prices_each_pair_as_the_measured_sequence_parallel
     assert sequence.overhead_s - plain.overhead_s == pytest.approx(pairs * 5e-3)
     _, unmeasured = _step({"tp": 2}, MEASURED, ops, {"sequence_parallel": True})
     assert unmeasured.overhead_s == pytest.approx(plain.overhead_s)  # the plain pair's price where not measured
+
+
+def test_fsdp_over_tensor_parallel_parameters_pays_the_measured_two_d_unit_where_there_is_one():
+    """dp_shard=2 x tp=2: each of the 5 FSDP units (4 blocks and the root) at the 2-D unit's price; without tp, or
+    where the calibration's world held no 2-D mesh (0), the plain unit's."""
+    ops = count_model_ops(DENSE)
+    points = tuple(dataclasses.replace(p, fsdp_tp_unit_s=p.fsdp_unit_s + 4e-3) for p in MEASURED.framework)
+    profile = dataclasses.replace(MEASURED, framework=points)
+    layout = dry_run(DENSE, 4, {"dp_shard": 2, "tp": 2}, {})
+    plain, two_d = (profiled_step_time(layout, model_shape(DENSE.model), WORKLOAD, p, ops) for p in (MEASURED, profile))
+    assert two_d.overhead_s - plain.overhead_s == pytest.approx(5 * 4e-3)
+    _, alone = _step({"dp_shard": 2}, MEASURED, ops)
+    _, alone_two_d = _step({"dp_shard": 2}, profile, ops)
+    assert alone_two_d.overhead_s == pytest.approx(alone.overhead_s)
