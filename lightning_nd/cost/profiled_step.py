@@ -18,7 +18,8 @@ peak, this prices what a small or medium model's eager step on that host is made
   (`RING_OPS_PER_BLOCK`).
 - **Frameworks** (where the profile measured them, on CPU): each FSDP unit's hooks and collectives per forward and
   backward pass (a unit over tp's DTensors as measured on a 2-D mesh, about twice a plain one's on the 2-core host;
-  under ep also each block's experts, a unit over the ranks holding the same experts); each
+  under ep also each block's experts, a unit over the ranks holding the same experts, priced as such a 2-D unit
+  since the experts are DTensors over ep); each
   tensor-parallel column-wise / row-wise pair as measured (a sequence-parallel block's, with its norm and residual
   add, under sequence parallelism), and the DTensor operations of the column-wise layers beyond one per pair (a
   transpose, matmul and bias add each, with their backward); AdamW's update per parameter tensor (a DTensor one
@@ -123,8 +124,9 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     if fsdp and framework is not None:
         unit = framework.fsdp_tp_unit_s if tp > 1 and framework.fsdp_tp_unit_s else framework.fsdp_unit_s
         overhead += (blocks + 1) * microbatches * unit
-    if expert_point is not None:
-        overhead += moe_blocks_held(shape, held) * microbatches * expert_point.fsdp_unit_s
+    if expert_point is not None:  # the experts are DTensors over ep (`expert_parallel/dispatch.py`): a 2-D unit
+        overhead += moe_blocks_held(shape, held) * microbatches * (expert_point.fsdp_tp_unit_s
+                                                                   or expert_point.fsdp_unit_s)
     batch_ranks = dims["dp_replicate"] * dims["dp_shard"] * cp
     calls = sum(c.count for t in traffic.values() for c in t.calls) + (batch_ranks > 1)
     gap = (matmul + memory + overhead) * micro_steps / max(calls, 1)  # the rank's work between two calls

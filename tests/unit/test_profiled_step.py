@@ -68,15 +68,19 @@ def test_under_ep_each_blocks_experts_are_an_fsdp_unit_over_the_ranks_holding_th
     rank holds its experts whole, no such unit. The difference is those units and the 100 operations per block ep=4
     runs fewer (a quarter of the 400 inside the experts against a half)."""
     ops = OpCount(per_block=(700,) * 4, outside=30, expert_ops=(400,) * 4)
-    steps = {}
-    for ep in (2, 4):
-        layout = dry_run(MOE, 4, {"dp_shard": 4, "ep": ep}, {})
-        steps[ep] = profiled_step_time(layout, model_shape(MOE.model), WORKLOAD, MEASURED, ops)
-        assert ("expert_dp" in comm_per_step(layout, model_shape(MOE.model), WORKLOAD)) == (ep == 2)
+    two_d = dataclasses.replace(MEASURED, framework=tuple(
+        dataclasses.replace(p, fsdp_tp_unit_s=p.fsdp_unit_s + 3e-3) for p in MEASURED.framework))
     unit = MEASURED.framework_at(2)
     assert unit is not None
-    assert steps[2].overhead_s - steps[4].overhead_s == pytest.approx(
-        4 * unit.fsdp_unit_s + 100 * 4 * MEASURED.op_overhead_s)
+    for profile, expert_unit in ((MEASURED, unit.fsdp_unit_s), (two_d, unit.fsdp_unit_s + 3e-3)):
+        steps = {}
+        for ep in (2, 4):
+            layout = dry_run(MOE, 4, {"dp_shard": 4, "ep": ep}, {})
+            steps[ep] = profiled_step_time(layout, model_shape(MOE.model), WORKLOAD, profile, ops)
+            assert ("expert_dp" in comm_per_step(layout, model_shape(MOE.model), WORKLOAD)) == (ep == 2)
+        # the experts are DTensors over ep: their unit is the measured 2-D one where there is one
+        assert steps[2].overhead_s - steps[4].overhead_s == pytest.approx(
+            4 * expert_unit + 100 * 4 * MEASURED.op_overhead_s)
 
 
 def test_the_frameworks_measured_overheads_are_priced_per_fsdp_unit_tp_layer_and_parameter_tensor():
