@@ -30,14 +30,15 @@ peak, this prices what a small or medium model's eager step on that host is made
   pp's latency is in the unit's, the pair's or the microbatch's measured time: their calls add their bytes and how
   much longer a call waits after that work than after none. Nothing overlaps: the profile does not measure how much
   a collective hides behind compute on this host.
-- **Pipeline**: the stage's work over all microbatches / (1 - bubble), as `step_time.py`.
+- **Pipeline**: the stage's work over all microbatches / (1 - bubble), as `step_time.py` (on a host whose ranks
+  outnumber its cores, below, only the idle share of its fill and drain).
 - **A host whose ranks outnumber its cores** (the profile's ``processes`` over its ``cores``: 4 ranks on 2 CPU
   cores): every time above is one rank's while all of them run, so the sum is the rank's share of the cores' work.
   The step is that work over the share of the cores the ranks keep busy (`HostProfile.busy_share` at the rank's
   work between two collective calls: a rank waiting for one gives its core up, and while the others wait too the
-  core idles), and a pipeline's bubble costs nothing beyond it: a stage waiting for its neighbours lends its core
-  to the stages that work. Only where the stage's work at a whole core each (``cores / processes`` of its time above)
-  over 1 - bubble is longer (few microbatches, many stages) is that the step.
+  core idles), and a pipeline's bubble costs only what the cores idle while it fills and drains
+  (`shared_core_fill`): a stage waiting for its neighbours lends its core to the stages that work, where there are
+  enough of them.
 """
 
 from __future__ import annotations
@@ -145,11 +146,29 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     total = (compute + staged) / (1 - bubble) + once
     busy = profile.busy_share(gap)
     if profile.oversubscribed:  # the cores are the bottleneck: a rank idle in the bubble lends its core to the others
-        total = max((compute + staged + once) / busy, total * profile.cores / profile.processes)
+        chunks = round((pp - 1) / bubble) - (pp - 1) if bubble else 0
+        fill = shared_core_fill(pp, chunks, profile.processes, profile.cores) if bubble else 1.0
+        total = ((compute + staged) * fill + once) / busy
+    else:
+        fill = 1.0
     flops = flops_per_token(shape, workload.seq_len) * batch * workload.seq_len * micro_steps * recompute / (tp * cp * pp)
     return StepTime(compute_s=compute + optimizer, comm_s=comm, link=dict.fromkeys(comm, "measured"),
                     exposed_comm_s=sum(comm.values()), bubble_fraction=bubble, total_s=total, flops_per_step=flops,
-                    overhead_s=overhead * micro_steps, priced_by=profile_label(profile), busy_share=busy)
+                    overhead_s=overhead * micro_steps, priced_by=profile_label(profile), busy_share=busy,
+                    idle_fill=fill)
+
+
+def shared_core_fill(stages: int, chunks: int, processes: int, cores: int) -> float:
+    """How much longer than its work a pipeline stage takes where ``processes`` ranks share ``cores``: through the
+    ``chunks + stages - 1`` slots of a schedule's chunks (microbatches x stages per rank, as its bubble counts them),
+    1, 2, .. ``stages`` stages have work while it fills and as many fewer while it drains, in each of the
+    ``processes / stages`` pipelines; a slot with k ranks working lasts max(cores, k) / processes of a chunk's time at
+    the profile's speed (every rank running), so a stage waiting lends its core only where another has work. 1 where
+    every slot keeps the cores busy (2 stages beside a batch dimension of 2 on 2 cores of 4 ranks), 1.125 for 4 stages
+    of 4 microbatches on 2 cores."""
+    replicas = max(1, processes // stages)
+    working = [min(t + 1, stages, chunks, chunks + stages - 1 - t) for t in range(chunks + stages - 1)]
+    return max(1.0, sum(max(cores, replicas * k) for k in working) / (processes * chunks))
 
 
 def profile_label(profile: HostProfile) -> str:

@@ -54,6 +54,9 @@ class StepTime:
     busy_share: float = 1.0
     """The share of the cores the ranks keep busy through the step, where a measured profile's ranks outnumber its
     cores (`HostProfile.busy_share`); 1 elsewhere."""
+    idle_fill: float = 1.0
+    """There, how much longer the stage's work takes while the pipeline fills and drains with fewer stages working
+    than cores (`profiled_step.shared_core_fill`); 1 elsewhere."""
 
 
 def flops_per_token(shape: ModelShape, seq_len: int) -> int:

@@ -181,7 +181,9 @@ def cost_markdown(layout: Layout, layout_cost: LayoutCost, params: int) -> str:
             lines += ["", (f"{head}: compute {time['compute_s']:.3f} s + communication {time['exposed_comm_s']:.3f} s"
                            f" per rank over the {time['busy_share']:.0%} of the cores the ranks keep busy (they outnumber"
                            f" the cores: a pipeline bubble of {time['bubble_fraction']:.1%} is filled by the other ranks'"
-                           " work).")]
+                           " work" + (f", but while it fills and drains too few stages work to keep the cores busy: the"
+                                     f" stage's work x {time['idle_fill']:.3f}" if time.get("idle_fill", 1.0) > 1 else "")
+                           + ").")]
         else:
             lines += ["", (f"{head} = compute {time['compute_s']:.3f} s + exposed communication"
                            f" {time['exposed_comm_s']:.3f} s, over (1 - bubble {time['bubble_fraction']:.1%}).")]

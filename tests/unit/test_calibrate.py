@@ -204,6 +204,9 @@ def test_a_dry_run_priced_by_a_profile_whose_ranks_outnumbered_its_cores_says_so
             "--micro-batch", "4"]
     assert main([*argv, "--profile", str(shared)]) == 0
     out = capsys.readouterr().out
-    assert "per rank over the 75% of the cores the ranks keep busy" in out and "is filled by the other ranks' work" in out
+    assert "per rank over the 75% of the cores the ranks keep busy" in out and "is filled by the other ranks' work)" in out
+    deep = [*argv[:5], "pp=4", "--seq-len", "16", "--micro-batch", "8"]  # 4 stages of 8 microbatches on 2 cores
+    assert main([*deep, "--profile", str(shared)]) == 0
+    assert "too few stages work to keep the cores busy: the stage's work x 1.062)." in capsys.readouterr().out
     assert main([*argv, "--profile", str(synthetic_profile().save(tmp_path / "alone.json"))]) == 0
     assert "over (1 - bubble" in capsys.readouterr().out

@@ -11,7 +11,7 @@ from lightning_nd.cost.comm import comm_per_step
 from lightning_nd.cost.layout_cost import cost_layout
 from lightning_nd.cost.op_count import OpCount, count_model_ops
 from lightning_nd.cost.profile import AttentionPoint
-from lightning_nd.cost.profiled_step import profiled_step_time
+from lightning_nd.cost.profiled_step import profiled_step_time, shared_core_fill
 from lightning_nd.cost.shape import model_shape
 from lightning_nd.planner.dry_run import dry_run
 from tests.unit.host_profiles import BYTES_PER_S, synthetic_profile
@@ -113,24 +113,36 @@ def test_a_pipeline_divides_its_stage_by_one_minus_the_bubble():
     assert step.total_s > step.compute_s and step.priced_by.startswith("profile of ")
 
 
-@pytest.mark.parametrize(("sizes", "options", "cores"), [
-    ({"dp_shard": 2}, {}, 2), ({"tp": 2}, {}, 2), ({"pp": 2, "dp_shard": 4}, {"pp_microbatches": 8}, 2),
-    ({"pp": 4, "dp_shard": 2}, {"pp_microbatches": 4}, 6)])
-def test_where_the_ranks_outnumber_the_cores_the_step_is_their_work_over_the_busy_share_and_no_bubble(sizes, options,
-                                                                                                     cores):
+@pytest.mark.parametrize(("sizes", "options", "cores", "fill"), [
+    ({"dp_shard": 2}, {}, 2, 1.0), ({"tp": 2}, {}, 2, 1.0), ({"pp": 2, "dp_shard": 4}, {"pp_microbatches": 8}, 2, 1.0),
+    ({"pp": 4, "dp_shard": 2}, {"pp_microbatches": 4}, 6, 44 / 32)])
+def test_where_the_ranks_outnumber_the_cores_the_step_is_their_work_over_the_busy_share_and_the_idle_fill(
+        sizes, options, cores, fill):
+    """The stage's work x how long the pipeline's fill and drain keep cores idle, plus the once-per-step work, over
+    the busy share. 2 stages beside 4 batch ranks keep 2 cores busy in every slot: no bubble left. 4 stages of 4
+    microbatches beside 2 batch ranks on 6 cores: 2, 4, 6, 8, 6, 4, 2 ranks work in the 7 slots, each at least 6
+    cores' time: 44 / (8 ranks x 4 microbatches)."""
     alone = dataclasses.replace(MEASURED, processes=8, cores=8, utilization=((1e-3, 0.8),))
     shared = dataclasses.replace(alone, cores=cores)
     layout, step = _step(sizes, alone, options=options)
     _, busy = _step(sizes, shared, options=options)
     assert step.busy_share == 1.0 and busy.busy_share == 0.8
-    work = step.compute_s + sum(step.comm_s.values())
-    assert busy.total_s == pytest.approx(max(work / 0.8, step.total_s * cores / 8))
+    once = sum(step.comm_s.get(dim, 0.0) for dim in ("pp", "loss"))  # the exchanges and the loss: once per step
+    work, bubble = step.compute_s + sum(step.comm_s.values()) - once, step.bubble_fraction  # stage work + optimizer
+    # alone, total = (work - optimizer) / (1 - bubble) + once + optimizer: the optimizer, which is outside the stage
+    optimizer = (work / (1 - bubble) + once - step.total_s) * (1 - bubble) / bubble if bubble else 0.0
+    assert busy.total_s == pytest.approx(((work - optimizer) * fill + once + optimizer) / 0.8)
     if layout.dims["pp"] == 1:
         assert busy.total_s == pytest.approx(step.total_s / 0.8)
-    elif options["pp_microbatches"] == 8:  # the bubble is filled by the other stages' work: nothing of it is left
-        assert busy.total_s == pytest.approx(work / 0.8) and step.total_s > work
-    else:  # 4 microbatches through 4 stages on 6 cores of 8 ranks: a stage at a whole core over 1 - bubble is longer
-        assert busy.total_s == pytest.approx(step.total_s * 6 / 8) and busy.total_s > work / 0.8
+    else:
+        assert step.bubble_fraction > 0 and busy.total_s < step.total_s / 0.8  # less than the whole bubble
+
+
+def test_the_idle_fill_counts_the_ranks_with_work_in_each_slot():
+    assert shared_core_fill(4, 4, 4, 2) == pytest.approx(18 / 16)  # 1, 2, 3, 4, 3, 2, 1 stages working
+    assert shared_core_fill(4, 8, 4, 2) == pytest.approx(34 / 32)
+    assert shared_core_fill(2, 2, 4, 2) == 1.0  # 2, 4, 2 ranks: the 2 cores busy throughout
+    assert shared_core_fill(4, 4, 4, 4) == pytest.approx(28 / 16)  # a core each: the whole bubble, 1 / (1 - 3/7)
 
 
 def test_cost_layout_prices_with_the_profile_when_one_is_given():
