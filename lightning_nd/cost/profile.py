@@ -84,6 +84,11 @@ class FrameworkPoint:
     mesh) beyond the same blocks without FSDP: the DTensor shards' gathers and the tp ranks waiting on the FSDP
     ranks'; 0 where the calibration's world could not hold the mesh."""
 
+    def fsdp_unit(self, over_dtensors: bool) -> float:
+        """One FSDP unit's price: the 2-D unit's where its parameters are DTensors (tp's, or ep's experts) and it was
+        measured, else the plain unit's."""
+        return self.fsdp_tp_unit_s if over_dtensors and self.fsdp_tp_unit_s else self.fsdp_unit_s
+
 
 @dataclass(frozen=True)
 class HostProfile:

@@ -49,7 +49,7 @@ from lightning_nd.cost.profile import FrameworkPoint, HostProfile
 from lightning_nd.cost.shape import ModelShape, Workload
 from lightning_nd.cost.step_time import RECOMPUTE_FACTOR, StepTime, flops_per_token
 from lightning_nd.layout.record import Layout
-from lightning_nd.pipeline_parallel.schedules import theoretical_bubble
+from lightning_nd.pipeline_parallel.schedules import chunks_per_rank, theoretical_bubble
 
 OPS_PER_BLOCK = 250
 """Forward and backward operations of a block whose count could not be read (a data-dependent MoE dispatch in a
@@ -123,11 +123,9 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     if tp_framework is not None:
         overhead += microbatches * _tp_overhead_s(holding.params, tp_framework, options.sequence_parallel)
     if fsdp and framework is not None:
-        unit = framework.fsdp_tp_unit_s if tp > 1 and framework.fsdp_tp_unit_s else framework.fsdp_unit_s
-        overhead += (blocks + 1) * microbatches * unit
+        overhead += (blocks + 1) * microbatches * framework.fsdp_unit(over_dtensors=tp > 1)
     if expert_point is not None:  # the experts are DTensors over ep (`expert_parallel/dispatch.py`): a 2-D unit
-        overhead += moe_blocks_held(shape, held) * microbatches * (expert_point.fsdp_tp_unit_s
-                                                                   or expert_point.fsdp_unit_s)
+        overhead += moe_blocks_held(shape, held) * microbatches * expert_point.fsdp_unit(over_dtensors=True)
     batch_ranks = dims["dp_replicate"] * dims["dp_shard"] * cp
     calls = sum(c.count for t in traffic.values() for c in t.calls) + (batch_ranks > 1)
     gap = (matmul + memory + overhead) * micro_steps / max(calls, 1)  # the rank's work between two calls
@@ -145,12 +143,12 @@ def profiled_step_time(layout: Layout, shape: ModelShape, workload: Workload, pr
     once = sum(comm.get(dim, 0.0) for dim in ONCE_PER_STEP) + optimizer
     total = (compute + staged) / (1 - bubble) + once
     busy = profile.busy_share(gap)
+    fill = 1.0
     if profile.oversubscribed:  # the cores are the bottleneck: a rank idle in the bubble lends its core to the others
-        chunks = round((pp - 1) / bubble) - (pp - 1) if bubble else 0
-        fill = shared_core_fill(pp, chunks, profile.processes, profile.cores) if bubble else 1.0
+        if pp > 1:
+            chunks = chunks_per_rank(options.pp_schedule, options.pp_microbatches, options.pp_stages_per_rank)
+            fill = shared_core_fill(pp, chunks, profile.processes, profile.cores)
         total = ((compute + staged) * fill + once) / busy
-    else:
-        fill = 1.0
     flops = flops_per_token(shape, workload.seq_len) * batch * workload.seq_len * micro_steps * recompute / (tp * cp * pp)
     return StepTime(compute_s=compute + optimizer, comm_s=comm, link=dict.fromkeys(comm, "measured"),
                     exposed_comm_s=sum(comm.values()), bubble_fraction=bubble, total_s=total, flops_per_step=flops,

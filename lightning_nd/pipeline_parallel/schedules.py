@@ -62,7 +62,11 @@ def check_microbatches(inputs: Mapping[str, Any], microbatches: int) -> None:
             )
 
 
+def chunks_per_rank(schedule: str, microbatches: int, stages_per_rank: int = 1) -> int:
+    """What a rank's stages run through in a step: m microbatches, x v stages per rank where the schedule runs them."""
+    return microbatches * (1 if schedule in SINGLE_STAGE else stages_per_rank)
+
+
 def theoretical_bubble(schedule: str, pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
     """Idle fraction of a step: (p-1)/(m+p-1); with v stages per rank (p-1)/(v*m+p-1)."""
-    v = 1 if schedule in SINGLE_STAGE else stages_per_rank
-    return (pp - 1) / (v * microbatches + pp - 1)
+    return (pp - 1) / (chunks_per_rank(schedule, microbatches, stages_per_rank) + pp - 1)
