@@ -132,23 +132,36 @@ def raise_problems(path: Path, found: list[str]) -> None:
 
 def is_complete(path: Path) -> bool:
     """Whole as far as a quick look tells: a manifest, and every file it lists present at its size."""
+    return _complete_manifest(path) is not None
+
+
+def _complete_manifest(path: Path) -> dict[str, Any] | None:
+    """``path``'s manifest where it is complete (`is_complete`), read once; else None."""
     try:
-        return not problems(path, read_manifest(path), checksum=False)
+        manifest = read_manifest(path)
     except CheckpointError:
-        return False
+        return None
+    return None if problems(path, manifest, checksum=False) else manifest
 
 
-def complete_checkpoints(*folders: str | os.PathLike) -> list[Path]:
-    """The complete lightning-nd checkpoints in ``folders``, newest (by save time) first. Links (``last.ckpt``) are
-    skipped: what they name is found anyway. A folder that does not exist holds none."""
-    found: dict[Path, tuple[float, Path]] = {}  # by real path: two folders given may be one
+def complete_manifests(*folders: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
+    """The complete lightning-nd checkpoints in ``folders`` with their manifests, newest (by save time) first. Links
+    (``last.ckpt``) are skipped: what they name is found anyway. A folder that does not exist holds none."""
+    found: dict[Path, tuple[Path, dict[str, Any]]] = {}  # by real path: two folders given may be one
     for folder in map(Path, folders):
         if not folder.is_dir():
             continue
         for path in _entries(folder):
-            if not path.name.startswith(".") and not path.is_symlink() and path.is_dir() and is_complete(path):
-                found[path.resolve()] = (read_manifest(path)["saved_at"], path)
-    return [path for _, path in sorted(found.values(), key=lambda item: (item[0], str(item[1])), reverse=True)]
+            if not path.name.startswith(".") and not path.is_symlink() and path.is_dir():
+                manifest = _complete_manifest(path)
+                if manifest is not None:
+                    found[path.resolve()] = (path, manifest)
+    return sorted(found.values(), key=lambda item: (item[1]["saved_at"], str(item[0])), reverse=True)
+
+
+def complete_checkpoints(*folders: str | os.PathLike) -> list[Path]:
+    """The complete lightning-nd checkpoints in ``folders``, newest (by save time) first (`complete_manifests`)."""
+    return [path for path, _ in complete_manifests(*folders)]
 
 
 def _entries(folder: Path) -> list[Path]:

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-from lightning_nd.checkpoint.files import CheckpointError, CheckpointMismatch, complete_checkpoints, read_manifest
+from lightning_nd.checkpoint.files import CheckpointError, CheckpointMismatch, complete_manifests
 
 AUTO = "auto"
 log = logging.getLogger("lightning_nd")
@@ -53,11 +52,13 @@ class AutoResume:
             if checkpoint_path != AUTO:
                 return resume_start(connector, checkpoint_path, weights_only)
             folders = search_folders(trainer)
-            candidates = self._broadcast([str(p) for p in complete_checkpoints(*folders)] if self._is_global_zero()
-                                         else None)
-            for index, path in enumerate(candidates):
+            # Rank 0 reads the manifests, once each; every rank gets the paths and their steps.
+            found = self._broadcast([(str(p), m.get("global_step")) for p, m in complete_manifests(*folders)]
+                                    if self._is_global_zero() else None)
+            candidates = [path for path, _ in found]
+            for index, (path, step) in enumerate(found):
                 try:
-                    self._say(_resuming(path, folders, skipped=index))
+                    self._say(_resuming(path, step, folders, skipped=index))
                     return resume_start(connector, path, weights_only)
                 except CheckpointMismatch:
                     raise
@@ -75,8 +76,7 @@ class AutoResume:
             (log.warning if warn else log.info)(message)
 
 
-def _resuming(path: str, folders: list[str], skipped: int) -> str:
-    manifest = read_manifest(Path(path))
+def _resuming(path: str, step: int | None, folders: list[str], skipped: int) -> str:
     older = f" ({skipped} newer could not be loaded)" if skipped else ""
-    return (f"lightning-nd: `ckpt_path='auto'` resumes from `{path}` (step {manifest.get('global_step')}), the newest"
+    return (f"lightning-nd: `ckpt_path='auto'` resumes from `{path}` (step {step}), the newest"
             f" complete checkpoint{older} in {', '.join(folders)}.")
