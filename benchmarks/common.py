@@ -12,7 +12,6 @@ from lightning.pytorch import Callback, LightningModule
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
-
 MODEL_CONFIG = dict(vocab_size=1024, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                     num_attention_heads=8, num_key_value_heads=4)
 

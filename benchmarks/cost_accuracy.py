@@ -53,18 +53,18 @@ def plan(models: list[str], count: int, profile_path: Path) -> list[dict]:
     """Each model's first ``count`` layouts as the profile ranks them, as the ranks need them."""
     import torch
 
+    from examples.schema import compose
     from examples.train import model_factory
     from lightning_nd.cost.op_count import count_model_ops
     from lightning_nd.cost.profile import HostProfile
     from lightning_nd.planner.search import describe_sizes
     from lightning_nd.planner.shortlist import per_rank_batch, shortlist
     from lightning_nd.planner.source import Holder
-    from tests.unit.test_shortlist import _compose
 
     profile = HostProfile.load(profile_path)
     rows = []
     for name in models:
-        cfg = _compose([*MODELS[name], f"trainer.devices={DEVICES}"])
+        cfg = compose([*MODELS[name], f"trainer.devices={DEVICES}"])
         with torch.device("meta"):
             module = Holder(model_factory(cfg.model)())
         global_batch = cfg.data.batch_size * DEVICES
@@ -87,11 +87,11 @@ def train(row: dict, steps: int, callbacks: list) -> None:
 
     from examples.data import TokenDataModule
     from examples.lit import CausalLM
+    from examples.schema import compose
     from examples.train import model_factory
     from lightning_nd import NDParallel
-    from tests.unit.test_shortlist import _compose
 
-    cfg = _compose([*row["overrides"], f"trainer.devices={DEVICES}"])
+    cfg = compose([*row["overrides"], f"trainer.devices={DEVICES}"])
     seed_everything(0, verbose=False)
     data = {**OmegaConf.to_container(cfg.data, resolve=True), "batch_size": row["batch"]}
     data["num_samples"] = row["batch"] * DEVICES * (steps + 1)

@@ -49,9 +49,8 @@ def batches(dp_rank: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]
 def parallelize_by_hand(model, dp_mesh, tp_mesh) -> None:
     """What a user writes without lightning-nd: TP plan per layer, then FSDP per layer and the root."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
     from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     if tp_mesh.size() > 1:

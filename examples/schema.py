@@ -18,13 +18,18 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from lightning_nd.runtime.job import run_key
 
+CONF = Path(__file__).resolve().parents[1] / "conf"
+"""The main job's config folder."""
 SIMPLE = (int, float, bool, str)
 SET_BY_THE_JOB = ("strategy", "logger", "callbacks")
 """Trainer arguments `examples/train.py` builds itself (from ``parallel``, ``log_dir``, ``checkpoint``, the
@@ -151,3 +156,11 @@ def register() -> None:
         ("search", SearchSchema, dataclasses.field(default_factory=SearchSchema))]))
     for name in ("llama_schema", "gpt_schema"):
         store.store(group="model", name=name, node=found[name])
+
+
+def compose(overrides: list[str], conf: Path = CONF) -> DictConfig:
+    """The main job's config with ``overrides``, typed by the schemas (registered here), as ``examples/train.py``
+    gets it but without running anything: for the tests, the planner's benchmarks and a notebook."""
+    register()
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)

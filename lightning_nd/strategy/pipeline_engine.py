@@ -30,12 +30,12 @@ from lightning_nd.layout.record import Layout
 from lightning_nd.layout.validate import check_router_logits_under_pp
 from lightning_nd.mesh.build import NDMesh
 from lightning_nd.parallel.compose import ParallelizeReport
+from lightning_nd.pipeline_parallel import own_steps
 from lightning_nd.pipeline_parallel.aux_losses import attach
 from lightning_nd.pipeline_parallel.runner import PipelineRunner, full_value
 from lightning_nd.pipeline_parallel.stage import pack_inputs
 from lightning_nd.pipeline_parallel.tied import TiedWeights
 from lightning_nd.runtime.clip import align_grads_to_params
-from lightning_nd.pipeline_parallel import own_steps
 
 
 def split_batch(module: LightningModule, batch: Any, need_target: bool = True) -> tuple[Any, Any]:

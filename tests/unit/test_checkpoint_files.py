@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_nd.checkpoint import CheckpointError, export, is_complete, latest_checkpoint, read_sharded
-from lightning_nd.checkpoint import files
+from lightning_nd.checkpoint import CheckpointError, export, files, is_complete, latest_checkpoint, read_sharded
 from lightning_nd.checkpoint.__main__ import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -7,17 +7,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import shutil
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from examples.schema import SET_BY_THE_JOB, plain_type, register, schemas
+from examples.schema import CONF, SET_BY_THE_JOB, compose, plain_type, schemas
 from lightning_nd import NDParallel
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
 GROUPS = {group.name: sorted(p.stem for p in group.glob("*.yaml")) for group in CONF.iterdir() if group.is_dir()}
 
 
@@ -26,15 +23,9 @@ def _said(raised) -> str:
     return f"{raised.value}\n{raised.value.__cause__}"
 
 
-def _compose(overrides: list[str], conf: Path = CONF):
-    register()
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
 @pytest.mark.parametrize("group, option", [(g, o) for g, options in GROUPS.items() for o in options])
 def test_every_option_of_every_group_composes_and_builds(group, option):
-    cfg = _compose([f"{group}={option}"])
+    cfg = compose([f"{group}={option}"])
     if group == "parallel":
         NDParallel.from_config(OmegaConf.to_container(cfg.parallel, resolve=True))
     if group == "diagnostics":
@@ -50,13 +41,13 @@ def test_every_option_of_every_group_composes_and_builds(group, option):
 ])
 def test_a_typo_or_a_wrong_type_fails_at_composition_naming_the_key(override, key, message):
     if key is None:
-        assert _compose([override]).model.hidden_size == 3
+        assert compose([override]).model.hidden_size == 3
         with pytest.raises(ConfigCompositionException) as raised:
-            _compose(["model=gpt", override])
+            compose(["model=gpt", override])
         assert "Key 'hidden_size' not in 'GPTSchema'" in _said(raised)
         return
     with pytest.raises(ConfigCompositionException) as raised:
-        _compose([override])
+        compose([override])
     assert message in _said(raised) and f"full_key: {key}" in _said(raised)
 
 
@@ -65,7 +56,7 @@ def test_a_typo_in_a_group_file_of_ones_own_fails_naming_it(tmp_path):
     shutil.copytree(CONF, conf)
     (conf / "parallel" / "mine.yaml").write_text("dp_shard: -1\ntp: 2\nsequence_paralel: true\n")
     with pytest.raises(ConfigCompositionException) as raised:
-        _compose(["parallel=mine"], conf)
+        compose(["parallel=mine"], conf)
     assert "Key 'sequence_paralel' not in 'ParallelSchema'" in _said(raised)
     assert "In 'parallel/mine'" in _said(raised)  # the file it came from
 
@@ -109,7 +100,7 @@ def test_the_many_dim_layouts_plan_for_the_world_they_name(option, model, world)
     from lightning_nd.planner.dry_run import dry_run
     from lightning_nd.planner.source import Holder
 
-    cfg = _compose([f"parallel={option}", f"model={model}", f"trainer.devices={world}"])
+    cfg = compose([f"parallel={option}", f"model={model}", f"trainer.devices={world}"])
     with torch.device("meta"):
         built = model_factory(cfg.model)()
     options = OmegaConf.to_container(cfg.parallel, resolve=True)
@@ -121,12 +112,15 @@ def test_the_many_dim_layouts_plan_for_the_world_they_name(option, model, world)
 def test_the_slurm_launcher_submits_one_task_per_device():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
                         reason='the SLURM launcher is an optional extra: pip install "lightning-nd[slurm]"')
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
     from examples.schema import register
 
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["hydra/launcher=slurm", "trainer.devices=8",
-                                                       "trainer.num_nodes=2"], return_hydra_config=True)
+        cfg = hydra_compose(config_name="config", overrides=["hydra/launcher=slurm", "trainer.devices=8",
+                                                             "trainer.num_nodes=2"], return_hydra_config=True)
     launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     assert launcher["_target_"].endswith("SlurmLauncher")
     assert (launcher["nodes"], launcher["tasks_per_node"], launcher["gpus_per_node"]) == (2, 8, 8)

@@ -158,14 +158,14 @@ TRAINING = [c for c in COMMANDS if kind(c[1]) in ("examples/train.py", "torchrun
 
 @pytest.mark.parametrize("file, argv", TRAINING, ids=_ids(TRAINING))
 def test_training_commands_compose_and_plan_as_written(file, argv, tmp_path):
+    from examples.schema import compose
     from examples.train import model_factory
     from lightning_nd.planner.dry_run import dry_run
     from lightning_nd.planner.source import Holder
-    from tests.unit.test_conf_schema import _compose
 
     given = argv[argv.index("examples/train.py") + 1:]  # under torchrun, its own arguments come first
     for overrides in _jobs([word.replace("<date>/<time>", "2026-12-05/07-14-42") for word in given]):
-        cfg = _compose(overrides)
+        cfg = compose(overrides)
         world = cfg.trainer.devices * cfg.trainer.num_nodes
         if cfg.search.enabled:
             from examples.search import plan_candidates

@@ -5,8 +5,6 @@ rank, tests/launcher.py); the update's own arithmetic is in tests/unit/test_moe.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from tests.launcher import launch
@@ -17,21 +15,17 @@ RATE = 0.1
 def fit_with_knobs() -> dict[str, object]:
     """One rank: a 3-step fit of the example's MoE Llama configured as the test's overrides say."""
     from lightning.pytorch import Trainer
-    from hydra import compose, initialize_config_dir
 
     from examples.data import TokenDataModule
     from examples.lit import CausalLM
+    from examples.schema import compose
     from examples.train import model_factory
     from lightning_nd import NDParallel
     from lightning_nd.nn.moe import moe_layers
 
-    from examples.schema import register
-
-    register()
     knobs = {"moe_aux_loss_coef": 0.03, "moe_capacity_factor": 1.5, "moe_random_routing_steps": 1,
              "moe_bias_update_rate": RATE, "num_hidden_layers": 1}
-    with initialize_config_dir(config_dir=str(Path("conf").resolve()), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["model=moe", *(f"model.{k}={v}" for k, v in knobs.items())]).model
+    cfg = compose(["model=moe", *(f"model.{k}={v}" for k, v in knobs.items())]).model
     module = CausalLM(model_factory=model_factory(cfg), lr=1e-3)
     trainer = Trainer(strategy=NDParallel(), accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False, max_steps=3, limit_val_batches=0)

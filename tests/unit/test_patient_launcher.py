@@ -5,7 +5,6 @@ reference) SIGKILLs them at once. Real processes stand in for the ranks; the obs
 from __future__ import annotations
 
 import os
-
 import subprocess
 import sys
 from pathlib import Path

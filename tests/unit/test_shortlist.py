@@ -5,29 +5,17 @@ compose through Hydra into the very layout the planner costed."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from examples.schema import compose
 from lightning_nd.cost.hardware import parse_hardware
 from lightning_nd.mesh.dims import DIM_NAMES
 from lightning_nd.planner.dry_run import dry_run
 from lightning_nd.planner.search import describe_sizes
 from lightning_nd.planner.shortlist import per_rank_batch, shortlist
 from lightning_nd.planner.source import Holder
-
-CONF = Path(__file__).resolve().parents[2] / "conf"
-
-
-def _compose(overrides: list[str]):
-    from examples.schema import register
-
-    register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
 
 
 def _model(cfg):
@@ -39,7 +27,7 @@ def _model(cfg):
 
 @pytest.fixture(scope="module")
 def planned():
-    cfg = _compose(["parallel=search", "trainer.devices=4"])
+    cfg = compose(["parallel=search", "trainer.devices=4"])
     return cfg, shortlist(_model(cfg), 4, 4, 6 * 10**9, cfg.data.seq_len, 32, hardware=parse_hardware("cpu"))
 
 
@@ -78,7 +66,7 @@ def test_each_candidates_overrides_compose_into_the_layout_the_planner_costed(pl
     cfg, found = planned
     for candidate in found.ordered:
         overrides = layout_overrides(candidate)
-        run = _compose([*overrides, "trainer.devices=4"])
+        run = compose([*overrides, "trainer.devices=4"])
         assert run.data.batch_size == per_rank_batch(candidate)
         options = OmegaConf.to_container(run.parallel, resolve=True)
         sizes = {d: options.pop(d) for d in DIM_NAMES}
@@ -95,6 +83,6 @@ def test_the_budget_flag_is_hydras_override():
 
     assert budget_flag(["train.py", "-m", "--budget", "3", "x=1"]) == ["train.py", "-m", "search.budget=3", "x=1"]
     assert budget_flag(["train.py", "--budget=2"]) == ["train.py", "search.budget=2"]
-    assert _compose(["parallel=search", "search.budget=3"]).search.budget == 3
+    assert compose(["parallel=search", "search.budget=3"]).search.budget == 3
     with pytest.raises(Exception, match="search.budgte"):
-        _compose(["parallel=search", "search.budgte=3"])
+        compose(["parallel=search", "search.budgte=3"])
