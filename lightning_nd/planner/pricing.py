@@ -32,9 +32,10 @@ class Pricing:
 
 
 def priced_by(priced: Pricing) -> str:
-    """What prices the tables, as their headers say it: the preset's name, or the profile's host, file and age."""
+    """What prices the tables, as their headers say it: the datasheet preset by name, or the profile's host, file and
+    age."""
     if priced.profile is None:
-        return priced.hardware.name
+        return f"the {priced.hardware.name} datasheet preset"
     return f"the profile of {priced.profile.host} ({priced.profile_path}, measured {priced.profile.created})"
 
 

@@ -87,7 +87,7 @@ def run_planner(args: argparse.Namespace, module: Any, options: dict[str, Any], 
     else:
         print(f"# Planner: {params / 1e9:.2f}B parameters on {args.devices} GPUs ({gpus_per_node} per node,"
               f" {human_bytes(memory_bytes)} each), sequence {args.seq_len}, global batch {args.global_batch},"
-              f" {precision}, {args.optimizer}, {priced_by(priced)}\n")
+              f" {precision}, {args.optimizer}, priced by {priced_by(priced)}\n")
         print(storage_line(module, precision, getattr(module, "config_dtype", None)) + "\n")
         print(planner_markdown(result, memory_bytes, params=params, top=args.top))
         if args.explain:
