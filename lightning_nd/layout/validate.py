@@ -183,8 +183,17 @@ def _check_experts(module: nn.Module, ep: int) -> None:
                              f" HINT: choose ep from {divisors(count)}.")
 
 
+ATTENTION_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+"""Hugging Face config fields of attention-weight dropout (Llama and most decoders, GPT-2 and GPT-J, BERT)."""
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 def _check_context_parallel(module: nn.Module, cp: int) -> None:
-    """Hugging Face attention settings ring attention cannot honour: another kernel, windowed attention."""
+    """Hugging Face attention settings ring attention cannot honour: another kernel, windowed attention, attention
+    dropout (`context_parallel/region.py` refuses it at the first step; here it is refused before any)."""
     for name, submodule in module.named_modules():
         config = getattr(submodule, "config", None)
         implementation = getattr(config, "_attn_implementation", None)
@@ -196,6 +205,13 @@ def _check_context_parallel(module: nn.Module, cp: int) -> None:
             raise ValueError(
                 f"`NDParallel(cp={cp})` routes scaled-dot-product attention to ring attention, and"
                 f" `{name or 'model'}` uses attn_implementation={implementation!r}. HINT: {fix}."
+            )
+        dropout = next((attr for attr in ATTENTION_DROPOUT if _positive(getattr(config, attr, None))), None)
+        if dropout:
+            raise ValueError(
+                f"`NDParallel(cp={cp})`: `{name or 'model'}` drops attention weights in training"
+                f" ({dropout}={getattr(config, dropout)}), which ring attention does not implement. HINT: build its"
+                f" config with `{dropout}=0.0`, or use cp=1."
             )
         attr = next((attr for attr in ("sliding_window", "attention_chunk_size") if getattr(config, attr, None)), None)
         if attr:

@@ -44,6 +44,8 @@ CASES = [
     case("cp_with_compile", {"cp": 2, "compile": True}, ValueError, ["compile", "cp=2"]),
     case("cp_with_eager_attention", {"cp": 2, "dp_shard": 1}, ValueError, ["cp=2", "'eager'", "sdpa"], 2, "eager_llama"),
     case("cp_with_sliding_window", {"cp": 2, "dp_shard": 1}, ValueError, ["cp=2", "window of 8"], 2, "windowed_llama"),
+    case("cp_with_attention_dropout", {"cp": 2, "dp_shard": 1}, ValueError, ["cp=2", "attention_dropout=0.1", "cp=1"], 2,
+         "attention_dropout_llama"),
     case("cp_positions_from_the_local_length", {"cp": 2, "dp_shard": 1}, ValueError,
          ["cp=2", "`LearnedPositions.forward` takes no `position_ids`", "`pos_emb`", "cp_positions='model'"], 2,
          "learned_positions"),
