@@ -51,22 +51,19 @@ MODELS = {"llama": ["model=llama"], "gpt": ["model=gpt"], "moe": ["model=moe"],
 
 def plan(models: list[str], count: int, profile_path: Path) -> list[dict]:
     """Each model's first ``count`` layouts as the profile ranks them, as the ranks need them."""
-    import torch
-
     from examples.schema import compose
+    from examples.search import meta_model
     from examples.train import model_factory
     from lightning_nd.cost.op_count import count_model_ops
     from lightning_nd.cost.profile import HostProfile
     from lightning_nd.planner.search import describe_sizes
     from lightning_nd.planner.shortlist import per_rank_batch, shortlist
-    from lightning_nd.planner.source import Holder
 
     profile = HostProfile.load(profile_path)
     rows = []
     for name in models:
         cfg = compose([*MODELS[name], f"trainer.devices={DEVICES}"])
-        with torch.device("meta"):
-            module = Holder(model_factory(cfg.model)())
+        module = meta_model(model_factory(cfg.model))
         global_batch = cfg.data.batch_size * DEVICES
         found = shortlist(module, DEVICES, DEVICES, 6 * 10**9, cfg.data.seq_len, global_batch, profile=profile,
                           ops=count_model_ops(module))

@@ -22,18 +22,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from examples.schema import compose  # noqa: E402
-from examples.search import layout_overrides  # noqa: E402
+from examples.search import layout_overrides, meta_model  # noqa: E402
 from examples.train import model_factory  # noqa: E402
 from lightning_nd.cost.hardware import parse_hardware  # noqa: E402
 from lightning_nd.planner.search import describe_sizes  # noqa: E402
 from lightning_nd.planner.shortlist import shortlist  # noqa: E402
-from lightning_nd.planner.source import Holder  # noqa: E402
 
 GRID_MAX = 12
 
@@ -71,9 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     cfg = compose(["parallel=search", f"trainer.devices={args.devices}"])
     global_batch = cfg.data.batch_size * args.devices
-    with torch.device("meta"):
-        model = Holder(model_factory(cfg.model)())
-    found = shortlist(model, args.devices, args.devices, 6 * 10**9, cfg.data.seq_len, global_batch,
+    found = shortlist(meta_model(model_factory(cfg.model)), args.devices, args.devices, 6 * 10**9, cfg.data.seq_len, global_batch,
                       hardware=parse_hardware("cpu"))
     grid = list(found.firsts[:GRID_MAX])
     print(f"{len(grid)} layouts (the planner's order), {args.rounds} interleaved rounds of {args.steps} steps,"

@@ -158,9 +158,10 @@ def register() -> None:
         store.store(group="model", name=name, node=found[name])
 
 
-def compose(overrides: list[str], conf: Path = CONF) -> DictConfig:
+def compose(overrides: list[str], conf: Path = CONF, return_hydra_config: bool = False) -> DictConfig:
     """The main job's config with ``overrides``, typed by the schemas (registered here), as ``examples/train.py``
-    gets it but without running anything: for the tests, the planner's benchmarks and a notebook."""
+    gets it but without running anything: for the tests, the planner's benchmarks and a notebook
+    (``return_hydra_config``: with Hydra's own node, its launcher's settings among them)."""
     register()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
+        return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)

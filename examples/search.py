@@ -16,10 +16,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from torch import nn
 
 from diagnostics.analysis.compare import compare
 from diagnostics.records import RUN_FILE, RunRecord, find_runs, to_json, write_atomic
@@ -66,6 +68,12 @@ def _memory(cfg: DictConfig, ranks: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // ranks
 
 
+def meta_model(factory: Callable[[], nn.Module]) -> Holder:
+    """The model ``factory`` builds, on the meta device (no memory, no init), held as the planner reads it."""
+    with torch.device("meta"):
+        return Holder(factory())
+
+
 def plan_candidates(cfg: DictConfig, model_factory) -> tuple[Shortlist, int, Pricing]:
     devices, nodes = cfg.trainer.devices, int(cfg.trainer.num_nodes)
     if devices in (-1, "auto") and cfg.trainer.accelerator in ("gpu", "cuda", "auto") and torch.cuda.is_available():
@@ -76,8 +84,7 @@ def plan_candidates(cfg: DictConfig, model_factory) -> tuple[Shortlist, int, Pri
     ranks = devices * nodes
     priced = choose_pricing(cfg.search.profile, devices, knob="search.profile=")
     global_batch = cfg.search.global_batch or cfg.data.batch_size * ranks
-    with torch.device("meta"):
-        model = Holder(model_factory(cfg.model)())
+    model = meta_model(model_factory(cfg.model))
     found = shortlist(model, ranks, devices, _memory(cfg, ranks), cfg.data.seq_len, global_batch,
                       precision=str(cfg.trainer.precision), hardware=priced.hardware, profile=priced.profile,
                       ops=count_model_ops(model) if priced.profile is not None else None)

@@ -55,7 +55,6 @@ class AutoResume:
             # Rank 0 reads the manifests, once each; every rank gets the paths and their steps.
             found = self._broadcast([(str(p), m.get("global_step")) for p, m in complete_manifests(*folders)]
                                     if self._is_global_zero() else None)
-            candidates = [path for path, _ in found]
             for index, (path, step) in enumerate(found):
                 try:
                     self._say(_resuming(path, step, folders, skipped=index))
@@ -63,10 +62,10 @@ class AutoResume:
                 except CheckpointMismatch:
                     raise
                 except CheckpointError as error:
-                    older = f"; trying `{candidates[index + 1]}`" if index + 1 < len(candidates) else ""
+                    older = f"; trying `{found[index + 1][0]}`" if index + 1 < len(found) else ""
                     self._say(f"lightning-nd: `ckpt_path='auto'` could not load `{path}` ({error}){older}.", warn=True)
             self._say(f"lightning-nd: `ckpt_path='auto'` found no complete checkpoint in {', '.join(folders)}"
-                      + (" that loads" if candidates else "") + ": starting from the first step.", warn=bool(candidates))
+                      + (" that loads" if found else "") + ": starting from the first step.", warn=bool(found))
             return resume_start(connector, None, weights_only)
 
         connector.resume_start = resume  # type: ignore[method-assign]

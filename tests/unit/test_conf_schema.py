@@ -112,15 +112,7 @@ def test_the_many_dim_layouts_plan_for_the_world_they_name(option, model, world)
 def test_the_slurm_launcher_submits_one_task_per_device():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
                         reason='the SLURM launcher is an optional extra: pip install "lightning-nd[slurm]"')
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from examples.schema import register
-
-    register()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = hydra_compose(config_name="config", overrides=["hydra/launcher=slurm", "trainer.devices=8",
-                                                             "trainer.num_nodes=2"], return_hydra_config=True)
+    cfg = compose(["hydra/launcher=slurm", "trainer.devices=8", "trainer.num_nodes=2"], return_hydra_config=True)
     launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     assert launcher["_target_"].endswith("SlurmLauncher")
     assert (launcher["nodes"], launcher["tasks_per_node"], launcher["gpus_per_node"]) == (2, 8, 8)

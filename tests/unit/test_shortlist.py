@@ -6,7 +6,6 @@ compose through Hydra into the very layout the planner costed."""
 from __future__ import annotations
 
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from examples.schema import compose
@@ -15,14 +14,13 @@ from lightning_nd.mesh.dims import DIM_NAMES
 from lightning_nd.planner.dry_run import dry_run
 from lightning_nd.planner.search import describe_sizes
 from lightning_nd.planner.shortlist import per_rank_batch, shortlist
-from lightning_nd.planner.source import Holder
 
 
 def _model(cfg):
+    from examples.search import meta_model
     from examples.train import model_factory
 
-    with torch.device("meta"):
-        return Holder(model_factory(cfg.model)())
+    return meta_model(model_factory(cfg.model))
 
 
 @pytest.fixture(scope="module")
