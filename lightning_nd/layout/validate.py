@@ -211,7 +211,7 @@ def _check_context_parallel(module: nn.Module, cp: int) -> None:
             raise ValueError(
                 f"`NDParallel(cp={cp})`: `{name or 'model'}` drops attention weights in training"
                 f" ({dropout}={getattr(config, dropout)}), which ring attention does not implement. HINT: build its"
-                f" config with `{dropout}=0.0`, or use cp=1."
+                f" config with `{dropout}=0.0` (evaluation drops nothing either way), or use cp=1."
             )
         attr = next((attr for attr in ("sliding_window", "attention_chunk_size") if getattr(config, attr, None)), None)
         if attr:
