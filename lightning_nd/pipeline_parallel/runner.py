@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
@@ -180,6 +181,18 @@ class PipelineRunner:
         parts = torch.tensor_split(target, chunks) if target is not None else [None] * chunks
         forward_only(self.modules, self.owners, kwargs, chunks, self.device,
                      lambda output, index: finish(output, parts[index]), self._report)
+        self._reshard()
+
+    def _reshard(self) -> None:
+        """Leave the FSDP units sharded, as training leaves them. A forward without backward keeps gathered the units
+        that do not reshard after forward (each stage's root unit; every block at zero_stage 2), and while a unit is
+        gathered its modules' ``parameters()`` are the gathered copies: the next training step would set aside and
+        hand back the gradients of those copies (None) instead of the sharded parameters' (a validation under pp x FSDP
+        cost the next optimizer step its gradients)."""
+        for stage in self.modules.values():
+            for module in stage.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
     def eval_step(self, inputs: Any, target: Any, loss: Callable) -> torch.Tensor:
         """The per-sample mean loss of the batch (microbatch losses weighted by size), on every rank."""

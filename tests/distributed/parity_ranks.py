@@ -72,8 +72,8 @@ class ShardBytes(Callback):
         """The model state after the last step (its gradients still there), local shards, against the cost model."""
         from lightning_nd.cost.model_state import model_state
 
-        local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-        size = lambda tensors: sum(local(t).numel() * t.element_size() for t in tensors if t is not None)  # noqa: E731
+        local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+        size = lambda tensors: sum(local(t).numel() * t.element_size() for t in tensors if t is not None)
         optimizer = trainer.optimizers[0]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self.state_measured = {"params": size(params), "grads": size(p.grad for p in params),
@@ -112,11 +112,14 @@ def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None,
                     batch: int, validate: bool) -> dict[str, Any]:
     model = build(model_name)
     recorder, shard_bytes = LossRecorder(), ShardBytes()
+    # Under pp Lightning's sanity check validates before the first step (and never again in these 5 steps): an
+    # evaluation once left FSDP's units gathered and cost the next step its gradients.
+    sanity = int(layout.get("pp", 1) > 1)
     trainer = Trainer(
         strategy=NDParallel(**layout), accelerator="cpu", devices=world, max_steps=STEPS, precision="32-true",
         gradient_clip_val=clip, accumulate_grad_batches=accumulate, callbacks=[recorder, shard_bytes], logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=sanity, num_sanity_val_steps=sanity, check_val_every_n_epoch=STEPS,
     )
     dp = trainer.strategy.dims.batch_size_multiplier
     data = TokenDataModule(vocab_size=VOCAB, seq_len=SEQ_LEN, num_samples=batch * dp * accumulate * STEPS,
@@ -133,7 +136,7 @@ def _train_parallel(model_name: str, layout: dict[str, Any], clip: float | None,
                            "state_planned": shard_bytes.state_planned}}
     if validate:
         val = DataLoader(SyntheticTokens(VOCAB, SEQ_LEN, VAL_BATCHES * batch * dp * accumulate, seed=1), batch_size=batch)
-        trainer.limit_val_batches = 1.0  # off while fitting (no validation inside the 5 steps)
+        trainer.limit_val_batches = 1.0  # the fit validated one batch at most (the sanity check, under pp)
         result["val_loss"] = trainer.validate(module, dataloaders=val, verbose=False)[0]["val_loss"]
         if layout.get("pp", 1) > 1:  # predict: the last stage's logits, handed to every rank
             result["predictions"] = torch.cat(trainer.predict(module, dataloaders=val))
