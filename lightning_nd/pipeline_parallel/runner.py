@@ -201,20 +201,6 @@ class PipelineRunner:
             full_value(loss(output, part)).detach().float() * part.shape[0]))
         return self._share(torch.stack(weighted).sum() / target.shape[0] if weighted else None)
 
-    def predict_step(self, inputs: Any) -> torch.Tensor:
-        """The model's output for the whole batch, on every rank of the pipeline."""
-        outputs: list[torch.Tensor] = []
-        self.forward_chunks(inputs, None, lambda output, part: outputs.append(full_value(output)))
-        result = torch.cat(outputs) if self.has_last else None
-        holder = [(tuple(result.shape), str(result.dtype)) if result is not None else None]
-        dist.broadcast_object_list(holder, src=self.last_stage_rank, group=self.group)
-        assert holder[0] is not None, "the last stage sends its output's shape"
-        shape, dtype = holder[0]
-        if result is None:
-            result = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=self.device)
-        dist.broadcast(result, src=self.last_stage_rank, group=self.group)
-        return result
-
     def _share(self, value: torch.Tensor | None) -> torch.Tensor:
         result = value.float().to(self.device) if value is not None else torch.zeros((), device=self.device)
         dist.broadcast(result, src=self.last_stage_rank, group=self.group)

@@ -32,6 +32,8 @@ from lightning_nd.mesh.build import NDMesh
 from lightning_nd.parallel.compose import ParallelizeReport
 from lightning_nd.pipeline_parallel import own_steps
 from lightning_nd.pipeline_parallel.aux_losses import attach
+from lightning_nd.pipeline_parallel.batch_join import NotJoinable, join_microbatches, map_tensors
+from lightning_nd.pipeline_parallel.metric_calls import MetricCalls
 from lightning_nd.pipeline_parallel.runner import PipelineRunner, full_value
 from lightning_nd.pipeline_parallel.stage import pack_inputs
 from lightning_nd.pipeline_parallel.tied import TiedWeights
@@ -58,7 +60,7 @@ def split_batch(module: LightningModule, batch: Any, need_target: bool = True) -
 
 def _pipeline_loss(module: LightningModule) -> Callable[[Any, Any], Tensor]:
     """The module's ``pipeline_loss(output, target)`` hook."""
-    return cast(Callable[[Any, Any], Tensor], getattr(module, "pipeline_loss"))
+    return cast(Callable[[Any, Any], Tensor], module.pipeline_loss)
 
 
 class PipelineEngine:
@@ -80,6 +82,7 @@ class PipelineEngine:
         self.attribute, self.device = layout.pipeline.attribute, device
         self._outputs: dict[int, Any] = {}  # the last stage's model output per microbatch, by its handed-on tensor
         self._keeping = False
+        self._metrics = MetricCalls()
         for stage in report.stages:
             if stage.is_last:
                 stage.on_output = self._keep_output
@@ -136,15 +139,34 @@ class PipelineEngine:
         module.log(f"{stage}_loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
-    def predict(self, module: LightningModule, args: tuple) -> Tensor:
-        """The model's output for the whole batch, on every rank; its inputs as the module's ``predict_step``
-        (or ``pipeline_inputs``) calls it."""
+    def predict(self, module: LightningModule, args: tuple) -> Any:
+        """What ``predict_step`` returns in one process, on every rank of the pipeline: on the last stage it runs once,
+        its model call answered by the model's outputs of every microbatch joined into the batch's."""
         with self.precision.predict_step_context():
             inputs = self._inputs(module, module.predict_step, args)
             if inputs is None:
                 raise ValueError(f"`{type(module).__name__}.predict_step` did not call the model. HINT: call it, or"
                                  " define `pipeline_inputs(batch)`.")
-            return self.runner.predict_step(inputs)
+            run = own_steps.StepRun(module, self.attribute, module.predict_step, self._metrics)
+            outputs: list[Any] = []
+            with self._keeping_outputs():
+                self.runner.forward_chunks(inputs, None, lambda output, part: outputs.append(self._model_output(output)))
+            if self.runner.has_last:
+                run.value = run.guarded(lambda: self._predicted(run, args, outputs), lambda: None)
+            return run.shared(self.runner.has_last, self.runner.last_stage_rank, self.runner.group, self.device)
+
+    @staticmethod
+    def _predicted(run: own_steps.StepRun, args: tuple, outputs: list[Any]) -> Any:
+        try:
+            output = join_microbatches(outputs, "the model's output")
+        except NotJoinable as error:
+            raise ValueError(
+                f"`{run.name}`: the model's outputs of the {len(outputs)} microbatches do not join into the batch's:"
+                f" {error}. Under pipeline parallelism `predict_step` runs once on the last stage with the model's"
+                " output for the whole batch, joined from its microbatches. HINT: call the model so that it returns"
+                " per-sample values only (e.g. without `labels`, whose loss is one number per microbatch)."
+            ) from None
+        return run.score(args, output)[0]
 
     @staticmethod
     def _scored_by_strategy(module: LightningModule) -> bool:
@@ -154,10 +176,14 @@ class PipelineEngine:
         hook = getattr(module, "pipeline_inputs", None)
         if callable(hook):
             return pack_inputs(hook(args[0])[0])
-        inputs = own_steps.capture(module, self.attribute, step, args)
+        inputs = own_steps.capture(module, self.attribute, step, args, self._metrics)
         if inputs is not None and inputs.get("output_router_logits"):
             check_router_logits_under_pp(module, self.pp, asked=True)
         return inputs
+
+    def _model_output(self, main: Tensor) -> Any:
+        """What the model returned on the last stage for the microbatch that handed on ``main``, whole."""
+        return map_tensors(self._outputs.pop(id(main), (main,))[0], full_value)
 
     def _keep_output(self, main: Tensor, output: Any, aux: Tensor | None) -> None:
         if self._keeping:
@@ -203,27 +229,28 @@ class PipelineEngine:
         if inputs is None:
             return None
         count, size = self.runner.microbatches, own_steps.batch_size(inputs)
-        logged = own_steps.Logged()
+        run = own_steps.StepRun(module, self.attribute, module.training_step, self._metrics)
 
-        def loss(output: Tensor, index: Tensor) -> Tensor:
+        def score(output: Tensor, index: Tensor) -> Tensor:
             piece = (own_steps.microbatch(args[0], int(index), count, size), *args[1:])
             returned, aux = self._outputs.pop(id(output), (output, None))
-            result, asked = own_steps.score(module, self.attribute, module.training_step, piece, returned, logged)
-            value = own_steps.step_loss(result, module, "training_step")
+            result, asked = run.score(piece, returned)
+            value = own_steps.step_loss(result, run.name)
             if not asked and self._aux_weighted:
                 raise ValueError(
-                    f"`{type(module).__name__}.training_step` does not add the MoE auxiliary losses"
-                    " (`moe_aux_loss(self.model)`), but under pipeline parallelism every stage adds its layers' losses"
-                    " to its backward. HINT: add `moe_aux_loss(self.model)` to the loss as with one process, or set"
-                    " the layers' `aux_loss_coef=0` and `z_loss_coef=0`."
+                    f"`{run.name}` does not add the MoE auxiliary losses (`moe_aux_loss(self.model)`), but under"
+                    " pipeline parallelism every stage adds its layers' losses to its backward. HINT: add"
+                    " `moe_aux_loss(self.model)` to the loss as with one process, or set the layers' `aux_loss_coef=0`"
+                    " and `z_loss_coef=0`."
                 )
             return own_steps.plus(value, aux)
 
+        def loss(output: Tensor, index: Tensor) -> Tensor:  # a failed microbatch backpropagates zeros, then raises
+            return run.guarded(lambda: score(output, index), lambda: output.sum() * 0.0)
+
         with self._keeping_outputs(), self._adding_aux_losses(1.0 / (count * accumulate)):
             value = self.runner.train_step(inputs, torch.arange(count, device=self.device), loss, accumulate=accumulate)
-        shared = own_steps.share(logged.combined() if self.runner.has_last else None, self.runner.last_stage_rank,
-                                 self.runner.group)
-        own_steps.replay(module, shared, self.device)
+        run.shared(self.runner.has_last, self.runner.last_stage_rank, self.runner.group, self.device)
         return value
 
     def _own_evaluate(self, module: LightningModule, args: tuple, name: str) -> Tensor | None:
@@ -234,23 +261,22 @@ class PipelineEngine:
         size = own_steps.batch_size(inputs)
         count = min(self.runner.microbatches, size)
         rows = [len(part) for part in torch.tensor_split(torch.arange(size), count)]
-        logged, returned = own_steps.Logged(), []
+        run, losses = own_steps.StepRun(module, self.attribute, step, self._metrics), []
 
-        def finish(output: Tensor, index: Tensor) -> None:
+        def score(output: Tensor, index: Tensor) -> None:
             i = int(index)
-            logged.weight = float(rows[i])
-            piece = (own_steps.microbatch(args[0], i, count, size), *args[1:])
-            result, _ = own_steps.score(module, self.attribute, step, piece, self._outputs.pop(id(output), (output,))[0],
-                                        logged)
+            run.logged.weight = float(rows[i])
+            result, _ = run.score((own_steps.microbatch(args[0], i, count, size), *args[1:]),
+                                  self._outputs.pop(id(output), (output,))[0])
             loss = result.get("loss") if isinstance(result, Mapping) else result
             if isinstance(loss, Tensor):
-                returned.append(float(full_value(loss).detach().float()) * rows[i])
+                losses.append(float(full_value(loss).detach().float()) * rows[i])
 
         with self._keeping_outputs():
-            self.runner.forward_chunks(inputs, torch.arange(count, device=self.device), finish)
-        mine = (logged.combined(), sum(returned) / size if returned else None) if self.runner.has_last else None
-        shared, value = own_steps.share(mine, self.runner.last_stage_rank, self.runner.group)
-        own_steps.replay(module, shared, self.device)
+            self.runner.forward_chunks(inputs, torch.arange(count, device=self.device),
+                                       lambda output, index: run.guarded(lambda: score(output, index), lambda: None))
+        run.value = sum(losses) / size if losses else None
+        value = run.shared(self.runner.has_last, self.runner.last_stage_rank, self.runner.group, self.device)
         return None if value is None else torch.tensor(value, device=self.device)
 
     def backward(self, module: LightningModule, loss: Tensor) -> Tensor:

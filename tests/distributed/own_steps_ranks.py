@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader
+from torchmetrics import MeanMetric
 
 from examples.data import SyntheticTokens
 from lightning_nd import NDParallel
@@ -139,10 +140,44 @@ def _reference(model_name: str, mode: str) -> dict[str, Any]:
             "grads": {n: p.grad.clone() for n, p in module.model.named_parameters()}}
 
 
-def run(cases: dict[str, tuple[str, str, dict[str, Any]]]) -> dict[str, Any]:
-    """Every rank trains each case; rank 0 adds the one-process reference."""
+class Refused(OwnStepLM):
+    """A step only the last stage can find wrong: its error must reach every rank of the pipeline, not leave the
+    first stage waiting."""
+
+    def __init__(self, fault: str) -> None:
+        super().__init__(build("llama"), "logits")
+        self.fault, self.mean_loss = fault, MeanMetric()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        loss = self.cross_entropy(batch)
+        if self.fault == "mean_of_losses":
+            self.mean_loss(loss)  # one number per microbatch: no batch value
+        return None if self.fault == "returns_none" else loss
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(batch["tokens"]) + self.model(batch["tokens"])  # twice: refused
+
+
+def _refused(fault: str, world: int) -> str:
+    trainer = Trainer(strategy=NDParallel(pp=2, dp_shard=1, timeout=60), accelerator="cpu", devices=world,
+                      max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0)
+    try:
+        if fault == "predict_twice":
+            trainer.predict(Refused(fault), dataloaders=_data(1, BATCH))
+        else:
+            trainer.fit(Refused(fault), train_dataloaders=_data(0, BATCH))
+    except ValueError as error:
+        return str(error)
+    return "not refused"
+
+
+def run(cases: dict[str, tuple[str, str, dict[str, Any]]], faults: list[str]) -> dict[str, Any]:
+    """Every rank trains each case and meets each fault; rank 0 adds the one-process reference."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    results = {key: {"parallel": _parallel(name, mode, layout, world)} for key, (name, mode, layout) in cases.items()}
+    results: dict[str, Any] = {key: {"parallel": _parallel(name, mode, layout, world)}
+                               for key, (name, mode, layout) in cases.items()}
+    results["refused"] = {fault: _refused(fault, world) for fault in faults}
     dist.barrier()
     if rank == 0:
         for key, (name, mode, _) in cases.items():

@@ -4,6 +4,8 @@ auxiliary losses are added on the stages that own them (both layers of ``moe_lla
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -18,10 +20,25 @@ CASES = {
 }
 
 
+# What only the last stage finds wrong, and the words every rank of the pipeline raises it with.
+FAULTS = {
+    "predict_twice": r"Refused.predict_step` called the model 2 times in one step.*HINT: call the model once",
+    "returns_none": r"Refused.training_step` returned NoneType for a microbatch.*HINT: return the loss tensor",
+    "mean_of_losses": r"called `mean_loss.forward` with a value the microbatches cannot join, its argument 1: a Tensor"
+                      r" that differs between microbatches.*HINT: pass the metric per-sample values",
+}
+
+
 @pytest.fixture(scope="module")
 def per_rank(tmp_path_factory):
     return launch("tests.distributed.own_steps_ranks:run", 2, tmp_path_factory.mktemp("own_steps"), timeout=600,
-                  cases=CASES)
+                  cases=CASES, faults=list(FAULTS))
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_fault_only_the_last_stage_sees_is_raised_on_every_rank_with_its_fix(per_rank, fault):
+    for result in per_rank:
+        assert re.search(FAULTS[fault], result["refused"][fault], re.DOTALL), result["refused"][fault]
 
 
 @pytest.mark.parametrize("case", CASES)

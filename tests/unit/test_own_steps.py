@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_nd.pipeline_parallel import own_steps
+from lightning_nd.pipeline_parallel.metric_calls import MetricCalls, MetricRef
 
 
 class Stepper(nn.Module):
@@ -32,9 +33,15 @@ class Stepper(nn.Module):
 
 
 class _Metric:
+    """Looks like a metric, but is not the module's: no other stage could log it."""
+
     def update(self) -> None: ...
 
     def compute(self) -> None: ...
+
+
+def _run(module: nn.Module) -> own_steps.StepRun:
+    return own_steps.StepRun(module, "model", module.training_step, MetricCalls())
 
 
 def test_capture_records_the_model_call_and_stops_there():
@@ -63,32 +70,45 @@ def test_microbatches_split_every_batch_tensor_as_the_schedule_does():
 
 
 def test_scoring_answers_the_model_call_with_the_stage_output_and_combines_logs():
-    module, logged = Stepper(), own_steps.Logged()
+    module = Stepper()
+    run = _run(module)
     batch = {"x": torch.randn(4, 3), "y": torch.zeros(4, 2)}
     losses = []
     for i in range(2):
         piece = own_steps.microbatch(batch, i, 2, 4)
         output = torch.full((2, 2), float(i + 1), requires_grad=True)
-        logged.weight = 2.0
-        result, asked = own_steps.score(module, "model", module.training_step, (piece, 0), output, logged)
+        run.logged.weight = 2.0
+        result, asked = run.score((piece, 0), output)
         assert not asked
-        losses.append(own_steps.step_loss(result, module, "training_step"))
+        losses.append(own_steps.step_loss(result, run.name))
     assert [loss.item() for loss in losses] == [1.0, 4.0]
-    assert dict((name, value) for name, value, _ in logged.combined()) == {"seen": 4.0, "loss": 2.5}
+    assert dict((name, value) for name, value, _ in run.logged.combined()) == {"seen": 4.0, "loss": 2.5}
 
 
 def test_a_step_calling_the_model_twice_is_refused_with_both_fixes():
     module = Stepper(calls=2)
-    with pytest.raises(ValueError, match=r"called the model 2 times.*HINT.*pipeline_inputs.*pipeline_loss"):
-        own_steps.score(module, "model", module.training_step, ({"x": torch.randn(2, 3), "y": torch.zeros(2, 2)}, 0),
-                        torch.zeros(2, 2), own_steps.Logged())
+    with pytest.raises(ValueError, match=r"Stepper.training_step` called the model 2 times.*HINT.*pipeline_inputs"):
+        _run(module).score(({"x": torch.randn(2, 3), "y": torch.zeros(2, 2)}, 0), torch.zeros(2, 2))
 
 
-def test_a_logged_metric_object_is_refused():
+def test_a_logged_metric_of_the_module_is_kept_by_name_and_one_elsewhere_is_refused():
+    from torchmetrics import SumMetric
+
+    module = Stepper()
+    module.total = SumMetric()
+    logged = own_steps.Logged({id(module.total): "total"})
+    logged("total", module.total, on_epoch=True)
+    assert logged.combined() == [("total", MetricRef("total"), {"on_epoch": True})]
     module = Stepper(log_metric=True)
-    with pytest.raises(ValueError, match=r"metric object.*HINT: log a tensor"):
-        own_steps.score(module, "model", module.training_step, ({"x": torch.randn(2, 3), "y": torch.zeros(2, 2)}, 0),
-                        torch.zeros(2, 2), own_steps.Logged())
+    with pytest.raises(ValueError, match=r"not an attribute of the LightningModule.*HINT: assign it"):
+        _run(module).score(({"x": torch.randn(2, 3), "y": torch.zeros(2, 2)}, 0), torch.zeros(2, 2))
+
+
+def test_an_error_on_the_last_stage_is_kept_for_every_rank_and_the_schedule_goes_on():
+    run = _run(Stepper())
+    assert run.guarded(lambda: own_steps.step_loss(None, run.name), lambda: "instead") == "instead"
+    assert run.guarded(lambda: "later work", lambda: "instead") == "instead"  # one error is enough
+    assert isinstance(run.error, ValueError) and "Stepper.training_step` returned NoneType" in str(run.error)
 
 
 def test_reductions_and_a_step_without_loss():
@@ -103,4 +123,4 @@ def test_reductions_and_a_step_without_loss():
     with pytest.raises(ValueError, match="'mean', 'sum', 'max' or 'min'"):
         logged.combined()
     with pytest.raises(ValueError, match="returned NoneType.*cannot be skipped"):
-        own_steps.step_loss(None, Stepper(), "training_step")
+        own_steps.step_loss(None, "Stepper.training_step")
