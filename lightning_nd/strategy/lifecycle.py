@@ -23,6 +23,7 @@ from lightning_nd.strategy.events import (
     OutOfMemory,
     ProcessGroupsCreated,
 )
+from lightning_nd.strategy.quiet import first_time
 
 log = logging.getLogger("lightning_nd")
 
@@ -37,7 +38,7 @@ def before_processes(bus: EventBus, trainer: Trainer, rank: int, world_size: int
 
 
 def processes_started(bus: EventBus, mesh: NDMesh, dims: ParallelDims, rank: int) -> None:
-    """Rank 0 logs (one copy of each "Applied ..." line, not one per rank) and shows the mesh; the listeners hear of
+    """Rank 0 logs (one copy of each "Applied ..." line, not one per rank) and shows the mesh, once per process; the listeners hear of
     every mesh role's process group (name, desc, global ranks), and the world's."""
     import torch.distributed as dist
 
@@ -46,7 +47,9 @@ def processes_started(bus: EventBus, mesh: NDMesh, dims: ParallelDims, rank: int
     elif not log.hasHandlers():
         log.addHandler(logging.StreamHandler())
         log.setLevel(logging.INFO)
-    rank_zero_info(f"lightning-nd mesh {dims.as_dict()}\n{dims.rank_table()}")
+    table = f"lightning-nd mesh {dims.as_dict()}\n{dims.rank_table()}"
+    if first_time(table):  # not again at each `validate`, `test` or `predict` of the same mesh
+        rank_zero_info(table)
     if not bus.wants(ProcessGroupsCreated):
         return
     world = dist.group.WORLD

@@ -32,6 +32,7 @@ from lightning_nd.layout.record import Layout
 from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.model.batch import token_shape
 from lightning_nd.strategy.events import EventBus, MemoryPlanned
+from lightning_nd.strategy.quiet import first_time
 
 log = logging.getLogger("lightning_nd")
 
@@ -61,7 +62,8 @@ class Preflight:
             if self.bus.wants(MemoryPlanned) or (torch.cuda.is_available() and rank == 0):
                 self._plan_alternatives(model, layout, config, local_world_size)
         except Exception as error:  # noqa: BLE001 - a model the cost model cannot read still trains
-            log.warning("lightning-nd pre-flight skipped: %s", error)
+            skipped = f"lightning-nd pre-flight skipped: {error}"
+            (log.warning if rank == 0 and first_time(skipped) else log.debug)(skipped)
 
     def _plan_alternatives(self, model: nn.Module, layout: Layout, given: ParallelConfig,
                            local_world_size: int) -> None:

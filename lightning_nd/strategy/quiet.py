@@ -1,5 +1,6 @@
 """Warnings of Lightning's own internals that a run under `NDParallel` cannot act on, each silenced by its exact
-message and the module that raises it, with why. Anything else Lightning or torch says still prints."""
+message and the module that raises it, with why. Anything else Lightning or torch says still prints. And our own lines
+that every Trainer entry (fit, validate, test, predict) would repeat, said once per process (`first_time`)."""
 
 from __future__ import annotations
 
@@ -22,3 +23,14 @@ SILENCED = (
 def silence_internal_warnings() -> None:
     for message, category, module in SILENCED:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
+_SAID: set[str] = set()
+
+
+def first_time(line: str) -> bool:
+    """Whether this process says ``line`` for the first time (and from now on, has said it)."""
+    if line in _SAID:
+        return False
+    _SAID.add(line)
+    return True
