@@ -61,6 +61,13 @@ class MetricCalls:
     def __init__(self) -> None:
         self._copies: dict[int, tuple[Any, Any]] = {}  # a metric by id -> (it, its copy for a microbatch's value)
         self._microbatches: list[list[MetricCall]] = []
+        self._found: tuple[nn.Module | None, dict[str, Any]] = (None, {})
+
+    def of(self, module: nn.Module) -> dict[str, Any]:
+        """The module's metrics by name, looked up once per module (every microbatch of every step asks)."""
+        if self._found[0] is not module:
+            self._found = (module, metrics_of(module))
+        return self._found[1]
 
     def start(self) -> None:
         self._microbatches = []
@@ -114,7 +121,7 @@ class MetricCalls:
     @contextmanager
     def _patched(self, module: nn.Module, keep: Callable[[MetricCall], None]) -> Iterator[None]:
         with ExitStack() as stack:
-            for name, metric in metrics_of(module).items():
+            for name, metric in self.of(module).items():
                 scratch = self._scratch(metric)
                 for method in METHODS:
                     stack.enter_context(_replaced(metric, method, _recorder(name, method, keep, scratch)))
@@ -174,9 +181,8 @@ def _names(calls: list[MetricCall]) -> str:
     return ", ".join(f"{call.metric}.{call.method}" for call in calls) or "no call"
 
 
-def replay_calls(module: nn.Module, calls: list[MetricCall], device: torch.device) -> None:
-    """Run the batch's metric calls on this rank, in order."""
-    metrics = metrics_of(module)
+def replay_calls(metrics: dict[str, Any], calls: list[MetricCall], device: torch.device) -> None:
+    """Run the batch's calls of ``metrics`` (a module's, by name) on this rank, in order."""
     for call in calls:
         metric = metrics[call.metric]
         args, kwargs = map_tensors((call.args, call.kwargs), lambda tensor: tensor.to(device))

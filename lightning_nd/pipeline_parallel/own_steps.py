@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_nd.nn.moe import aux_losses_added_by_pipeline
 from lightning_nd.pipeline_parallel.batch_join import map_tensors
-from lightning_nd.pipeline_parallel.metric_calls import MetricCalls, MetricRef, metrics_of, replay_calls
+from lightning_nd.pipeline_parallel.metric_calls import MetricCalls, MetricRef, replay_calls
 from lightning_nd.pipeline_parallel.runner import full_value
 from lightning_nd.pipeline_parallel.stage import pack_inputs
 
@@ -124,7 +124,7 @@ class StepRun:
     def __init__(self, module: nn.Module, attribute: str, step: Callable[..., Any], metrics: MetricCalls) -> None:
         self.module, self.attribute, self.step, self.metrics = module, attribute, step, metrics
         self.name = f"{type(module).__name__}.{step.__name__}"
-        self.logged = Logged({id(metric): name for name, metric in metrics_of(module).items()})
+        self.logged = Logged({id(metric): name for name, metric in metrics.of(module).items()})
         self.value: Any = None  # what the step hands back on every rank (evaluation's loss, prediction's result)
         self.error: Exception | None = None
         metrics.start()
@@ -173,8 +173,8 @@ class StepRun:
         if holder[0][0] == "failed":
             raise self.error if self.error is not None else holder[0][1]
         _, logged, calls, value = holder[0]
-        replay_calls(self.module, calls, device)
-        metrics = metrics_of(self.module)
+        metrics = self.metrics.of(self.module)
+        replay_calls(metrics, calls, device)
         for name, number, options in logged:
             shown = metrics[number.metric] if isinstance(number, MetricRef) else torch.tensor(number, device=device)
             self.module.log(name, shown, **options)  # type: ignore[operator]

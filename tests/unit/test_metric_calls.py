@@ -40,7 +40,7 @@ def test_recorded_microbatches_replayed_equal_one_call_with_the_batch():
     assert module.acc.update_count == 0 and "forward" not in vars(module.acc)
     calls = recorder.joined("Module.training_step")
     assert [(call.metric, call.method) for call in calls] == [("acc", "forward"), ("scores", "update")]
-    replay_calls(module, calls, torch.device("cpu"))
+    replay_calls(recorder.of(module), calls, torch.device("cpu"))
     value = one.acc(preds, target)
     one.scores.update(preds, target)
     assert torch.equal(module.acc._forward_cache, value)  # what Lightning logs on_step for a logged metric
