@@ -73,9 +73,13 @@ def _whole_inputs(mesh: DeviceMesh, *values: torch.Tensor) -> list[torch.Tensor]
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """A boolean mask (True: not attended) as the additive one torch's attention would build."""
-    if mask is None or mask.is_floating_point():
-        return mask
+    """A boolean mask (True: not attended) as the additive one torch's attention would build; an additive one in the
+    queries' dtype (torch 2.13's CPU ``scaled_dot_product_attention`` given a float32 mask beside float64 queries
+    returns wrong values on an AVX2 host, 2.2 off, silently; `nn.MultiheadAttention` whole gives the right ones)."""
+    if mask is None:
+        return None
+    if mask.is_floating_point():
+        return mask.to(dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
 
 
