@@ -11,8 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from lightning_nd.checkpoint.files import CheckpointError, latest_checkpoint, problems, read_manifest
+from lightning_nd.checkpoint.files import CheckpointError, problems, read_manifest
 from lightning_nd.checkpoint.full import export
+from lightning_nd.checkpoint.listing import latest_checkpoint
 
 
 def _progress(message: str) -> None:

@@ -25,12 +25,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from lightning_nd.checkpoint import files
 from lightning_nd.checkpoint.files import CheckpointError
 from lightning_nd.checkpoint.sharded import begin_save, finish_save
+from lightning_nd.checkpoint.state_files import write_rng
 from lightning_nd.checkpoint.strided import contiguous, restore
 
 log = logging.getLogger("lightning_nd")
@@ -41,8 +40,8 @@ class SaveInFlight:
     """One asynchronous save: written by DCP's thread, committed by ours. ``committed`` holds the
     ``time.perf_counter()`` at which the checkpoint was whole, or why it never will be."""
 
-    def __init__(self, path: Path, step: int | None, started: float) -> None:
-        self.path, self.step, self.started = path, step, started
+    def __init__(self, path: Path, staging: Path, step: int | None, started: float) -> None:
+        self.path, self.staging, self.step, self.started = path, staging, step, started
         self.committed: Future[float] = Future()
         self._lock = threading.Lock()
         self._waiting: list[Callable[[], None]] | None = []  # None once the save has ended
@@ -62,7 +61,7 @@ class SaveInFlight:
     def _write_and_commit(self, written: Future[Any], info: dict[str, Any], group: dist.ProcessGroup) -> None:
         try:
             written.result()  # DCP's write, on every rank (its collectives ran on ``group`` too)
-            finish_save(self.path, info, group)
+            finish_save(self.path, self.staging, info, group)
         except BaseException as error:  # noqa: BLE001 - any failure is the save's, raised on the main thread by `wait`
             with self._lock:
                 self._waiting = None
@@ -107,8 +106,8 @@ class AsyncSaver:
         finally:
             restore(swaps, loaded=False)
         assert isinstance(written, Future), "a blocking stager (FileSystemWriter) gives one future, not two"
-        torch.save(rng, staging / files.rng_file(dist.get_rank()))
-        self.in_flight = save = SaveInFlight(path, step, started)
+        write_rng(staging, dist.get_rank(), rng)
+        self.in_flight = save = SaveInFlight(path, staging, step, started)
         threading.Thread(target=save._write_and_commit, args=(written, info, self._group), name=COMMIT_THREAD,
                          daemon=True).start()
         return save

@@ -22,27 +22,29 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_nd.checkpoint import files, trusted
+from lightning_nd.checkpoint.checked_reader import CheckedReader, read_index
 from lightning_nd.checkpoint.files import CheckpointError, CheckpointMismatch
 from lightning_nd.checkpoint.names import Names, get_local_names, group_names, set_optimizer_state
 from lightning_nd.checkpoint.sharded import check_shapes, gather
+from lightning_nd.checkpoint.state_files import read_meta
 
 log = logging.getLogger("lightning_nd")
 
 
 def read_sharded(path: Path, progress: Callable[[str], None] = log.info) -> dict[str, Any]:
     """The whole state of a sharded checkpoint in this one process (no process group), checked first."""
-    from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+    from torch.distributed.checkpoint import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     manifest = files.read_manifest(path)
     progress(f"Checking {len(manifest['files'])} files of `{path}` (sizes and checksums)")
     files.raise_problems(path, files.problems(path, manifest))
-    trusted.check_dcp_metadata(path)
-    meta = trusted.load_meta(path / files.META)
+    read_index(path)
+    meta = read_meta(path, manifest)
     progress(f"Reading the shards of {manifest.get('world_size', '?')} ranks (layout {manifest.get('layout')})")
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=FileSystemReader(path), planner=trusted.load_planner(path, whole=True),
+        _load_state_dict(state, storage_reader=CheckedReader(path), planner=trusted.load_planner(path, whole=True),
                          no_dist=True)
     except CheckpointException as error:  # DCP wraps the failure: a value refused is said as it is
         if (refused := trusted.refusal_in(error)) is not None:

@@ -2,7 +2,8 @@
 own shards, and DCP reshards between layouts (each DTensor knows its place in the whole tensor).
 
 The folder holds ``model`` and ``optimizer_<i>`` (whole-model names, `names.py`), one RNG file per rank,
-Lightning's remaining state (loops, schedulers, hyperparameters) in ``meta.pt``, and the manifest.
+Lightning's remaining state (loops, schedulers, hyperparameters) in ``meta.json`` (`state_files.py`), and the manifest.
+Every DCP read goes through `CheckedReader`; a checkpoint refused on one rank, for whatever reason, is refused on all.
 """
 
 from __future__ import annotations
@@ -13,17 +14,23 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_nd.checkpoint import files, trusted
+from lightning_nd.checkpoint.checked_reader import CheckedReader, read_index
+from lightning_nd.checkpoint.commit import commit
 from lightning_nd.checkpoint.files import CheckpointError, CheckpointMismatch
 from lightning_nd.checkpoint.names import Names, model_state, optimizer_state, set_model_state, set_optimizer_state
+from lightning_nd.checkpoint.state_files import read_meta, read_rng, write_meta, write_rng
 from lightning_nd.checkpoint.strided import contiguous, restore
+from lightning_nd.runtime.job import run_key
 
 SHOWN = 5
+STALE_STAGING_S = 3600.0
+"""Another run's staging folder of a name, untouched this long, is a save that died: the next save of that name removes
+it. Younger, it may be a save in progress of a job sharing the folder, and stays."""
 log = logging.getLogger("lightning_nd")
 
 
@@ -33,18 +40,19 @@ def gather(value: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     return gathered
 
 
-def on_rank0(action: Callable[[], Any], group: dist.ProcessGroup | None = None) -> None:
-    """Run ``action`` on rank 0 only; if it fails, every rank raises its error (none is left waiting).
-    ``group``: one over every rank (rank 0 in it is global rank 0)."""
-    error: list[str | None] = [None]
+def on_rank0(action: Callable[[], Any], group: dist.ProcessGroup | None = None) -> Any:
+    """Run ``action`` on rank 0 only and return its result on every rank; if it fails, every rank raises its error
+    (none is left waiting). ``group``: one over every rank (rank 0 in it is global rank 0)."""
+    outcome: list[Any] = [None, None]
     if dist.get_rank() == 0:
         try:
-            action()
-        except Exception as failure:
-            error[0] = f"{type(failure).__name__}: {failure}"
-    dist.broadcast_object_list(error, src=0, group=group)
-    if error[0] is not None:
-        raise CheckpointError(f"Saving the checkpoint failed on rank 0: {error[0]}")
+            outcome[0] = action()
+        except Exception as failure:  # noqa: BLE001 - raised on every rank below
+            outcome[1] = str(failure) if isinstance(failure, CheckpointError) else f"{type(failure).__name__}: {failure}"
+    dist.broadcast_object_list(outcome, src=0, group=group)
+    if outcome[1] is not None:
+        raise CheckpointError(f"Saving the checkpoint failed on rank 0: {outcome[1]}")
+    return outcome[0]
 
 
 def save_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any], rng: dict[str, Any], info: dict[str, Any]) -> None:
@@ -57,51 +65,59 @@ def save_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any], rng: d
         dcp.save(state, storage_writer=dcp.FileSystemWriter(staging, sync_files=True))
     finally:
         restore(swaps, loaded=False)
-    torch.save(rng, staging / files.rng_file(dist.get_rank()))
-    finish_save(path, info)
+    write_rng(staging, dist.get_rank(), rng)
+    finish_save(path, staging, info)
 
 
 def begin_save(path: Path, meta: dict[str, Any]) -> Path:
-    """Every rank: the hidden staging folder of ``path``, made empty by rank 0 with Lightning's ``meta`` in it."""
-    staging = files.staging_path(path)
+    """Every rank: this run's hidden staging folder of ``path`` (rank 0's choice), made empty by rank 0 with Lightning's
+    ``meta`` in it."""
 
-    def prepare() -> None:
+    def prepare() -> Path:
         files.check_target(path)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was cut short
+        staging = files.staging_path(path, run_key())
+        for cut_short in [staging, *files.stale_stagings(path, STALE_STAGING_S)]:  # another run's only when idle
+            shutil.rmtree(cut_short, ignore_errors=True)
         staging.mkdir(parents=True)
-        torch.save(meta, staging / files.META)
+        write_meta(staging, meta)
+        return staging
 
-    on_rank0(prepare)
-    return staging
+    return Path(on_rank0(prepare))
 
 
-def finish_save(path: Path, info: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
-    """Every rank, once its files are written: what each rank wrote is gathered and rank 0 commits (`files.commit`).
+def finish_save(path: Path, staging: Path, info: dict[str, Any], group: dist.ProcessGroup | None = None) -> None:
+    """Every rank, once its files are written: what each rank wrote is gathered and rank 0 commits (`commit.py`).
     ``group``: where these collectives run (the checkpoint's own group when a background thread calls this)."""
-    staging = files.staging_path(path)
     written = gather(files.own_files(staging, dist.get_rank()), group)
-    on_rank0(lambda: files.commit(staging, path, {name: entry for part in written for name, entry in part.items()}, info),
+    on_rank0(lambda: commit(staging, path, {name: entry for part in written for name, entry in part.items()}, info),
              group)
 
 
-def verify(path: Path) -> None:
-    """Every rank: each rank checks its share of the files the manifest lists (sizes and checksums); all raise."""
-    manifest = files.read_manifest(path)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    share = sorted(manifest["files"])[rank::world]
-    found = [problem for part in gather(files.problems(path, manifest, share)) for problem in part]
-    files.raise_problems(path, found)
+def verify(path: Path) -> dict[str, Any]:
+    """Every rank: each rank checks its share of the files the manifest lists (sizes and checksums); all raise, the
+    same error (a manifest one rank cannot read included). Returns the manifest."""
+    manifest: dict[str, Any] = {}
+    found: list[str] = []
+    try:
+        manifest = files.read_manifest(path)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        found = files.problems(path, manifest, sorted(manifest["files"])[rank::world])
+    except Exception as error:  # noqa: BLE001 - said on every rank below
+        found = [str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"]
+    everywhere = [problem for part in gather(found) for problem in part]
+    if everywhere and not manifest:
+        raise CheckpointError(everywhere[0])
+    files.raise_problems(path, everywhere)
+    return manifest
 
 
 def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], names: Names,
                  strict: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Load model and optimizers in place; returns Lightning's remaining state and this rank's RNG states
     (None when the checkpoint has none for this rank)."""
-    import torch.distributed.checkpoint as dcp
 
-    verify(path)
-    meta, rng = _read_states(path)
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta, rng, index = _read_states(path, verify(path))
+    metadata = index.state_dict_metadata
     saved = set(metadata)
     model_target = model_state(model, names)
     missing = _check_model_keys(path, saved, set(model_target), strict)
@@ -123,20 +139,20 @@ def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
     return meta, rng
 
 
-def _read_states(path: Path) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """Every rank, before any weights: DCP's index checked, then ``meta.pt`` and its RNG file read, each through
-    `trusted`'s allow-list; a file refused on one rank is raised on all (none is left waiting in DCP's collectives)."""
-    meta, rng, error = {}, None, None
+def _read_states(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, Any]:
+    """Every rank, before any weights: DCP's index (`checked_reader`), Lightning's state and this rank's random states
+    (`state_files`); whatever fails on one rank (a refused file, a malformed one, one asking for too much memory) is
+    raised on all, so none is left waiting in DCP's collectives."""
+    meta, rng, index, error = {}, None, None, None
     try:
-        trusted.check_dcp_metadata(path)
-        meta = trusted.load_meta(path / files.META)
-        rank_rng = path / files.rng_file(dist.get_rank())
-        rng = trusted.load_rng(rank_rng) if rank_rng.exists() else None
-    except CheckpointError as refused:
-        error = str(refused)
+        index = read_index(path)
+        meta = read_meta(path, manifest)
+        rng = read_rng(path, manifest, dist.get_rank())
+    except Exception as failure:  # noqa: BLE001 - said on every rank below
+        error = str(failure) if isinstance(failure, CheckpointError) else f"`{path}`: {type(failure).__name__}: {failure}"
     if errors := [message for message in gather(error) if message is not None]:
         raise CheckpointError(errors[0])
-    return meta, rng
+    return meta, rng, index
 
 
 def _check_optimizers(path: Path, saved: set[str], optimizers: Sequence[Optimizer]) -> None:
@@ -165,7 +181,7 @@ def _load(path: Path, state: dict[str, Any]) -> None:
 
     swaps = contiguous(state)
     try:
-        dcp.load(state, checkpoint_id=path, planner=trusted.load_planner(path))
+        dcp.load(state, storage_reader=CheckedReader(path), planner=trusted.load_planner(path))
     except (Exception, dcp.CheckpointException) as error:  # DCP's wrapper of every rank's failure is no `Exception`
         restore(swaps, loaded=False)
         failed = CheckpointError(f"Loading `{', '.join(state)}` from `{path}` failed: {error}")

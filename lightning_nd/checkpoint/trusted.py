@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from lightning_nd.checkpoint import files
 from lightning_nd.checkpoint.files import CheckpointError
 
 HINT = ("HINT: a checkpoint you did not write can run code through these; do not load it. If you wrote it yourself"
@@ -50,15 +49,24 @@ def tensor_globals() -> dict[str, Any]:
     return named(torch._utils._rebuild_tensor_v2, OrderedDict)
 
 
+def latin1_encode(text: str, encoding: str = "latin1", errors: str = "strict") -> bytes:
+    """``_codecs.encode`` as pickle protocol 2 uses it (bytes written as latin-1 text), and only so: any other
+    encoding can grow its input, and a few nested calls in a 2 KB file asked for 16 GB."""
+    if encoding not in ("latin1", "latin-1", "iso-8859-1") or not isinstance(text, str):
+        raise Refused(f"_codecs.encode of a {type(text).__name__} to {str(encoding)[:20]!r}")
+    return text.encode("latin1", errors)
+
+
+LATIN1 = {"_codecs.encode": latin1_encode}
+
+
 @functools.cache
 def rng_globals() -> dict[str, Any]:
     """Lightning's ``_collect_rng_states``: torch's generator states, numpy's ``get_state()`` (an ndarray), Python's."""
-    import _codecs
-
     import numpy
 
     reconstruct = numpy.empty(0).__reduce__()[0]  # the function that rebuilds an ndarray, under this numpy's name
-    return tensor_globals() | named(numpy.ndarray, numpy.dtype, reconstruct, _codecs.encode) | {
+    return tensor_globals() | named(numpy.ndarray, numpy.dtype, reconstruct) | LATIN1 | {
         "numpy.core.multiarray._reconstruct": reconstruct}  # its name before numpy 2
 
 
@@ -67,7 +75,6 @@ def meta_globals() -> dict[str, Any]:
     """Lightning's checkpoint dict without the weights: loops', callbacks' and schedulers' state (plain values and
     tensors), and hyper-parameters, which may hold paths and Hydra's configs (omegaconf containers with their nodes
     and metadata, and the types those record: ``typing.Any``, ``int``, ``dict``...)."""
-    import _codecs
     import collections
     import pathlib
     import typing
@@ -79,7 +86,7 @@ def meta_globals() -> dict[str, Any]:
     paths = (pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath)
     return (tensor_globals() | named(*omegaconf, *paths, collections.defaultdict, typing.Any)
             | {"typing.Dict": typing.Dict, "typing.List": typing.List}  # noqa: UP006 (the names omegaconf records)
-            | builtin_types(dict, list, int, float, str, bool, bytes) | named(_codecs.encode))
+            | builtin_types(dict, list, int, float, str, bool, bytes) | LATIN1)
 
 
 @functools.cache
@@ -133,8 +140,14 @@ def _torch_load(file: Path, table: dict[str, Any], hint: str = "", **options: An
     try:  # weights_only=False only because `module` is the check (see the module's docstring)
         return torch.load(file, weights_only=False, pickle_module=module, **options)
     except Refused as refused:  # every name the file holds outside the table, not only the first one met
-        others = set(torch.serialization.get_unsafe_globals_in_checkpoint(file)) - set(allowed)
+        try:
+            others = set(torch.serialization.get_unsafe_globals_in_checkpoint(file)) - set(allowed)
+        except Exception:  # noqa: BLE001 - a file torch cannot list: the one name met is enough
+            others = set()
         raise _refusal(file, {str(refused), *others}, hint) from None
+    except Exception as error:  # noqa: BLE001 - truncated, garbled, or asking for more memory than there is
+        raise CheckpointError(f"`{file}` cannot be read ({type(error).__name__}: {str(error)[:200]}). HINT: resume"
+                              " from another checkpoint.") from None
 
 
 def load_meta(file: Path) -> dict[str, Any]:
@@ -155,14 +168,17 @@ def load_rng(file: Path) -> dict[str, Any]:
     return _torch_load(file, rng_globals())
 
 
-def check_dcp_metadata(folder: Path) -> None:
-    """Before DCP reads ``.metadata`` with a plain ``pickle.load``: the same bytes through the allow-list."""
-    file, allowed = folder / files.DCP_METADATA, dcp_metadata_globals() | user_trusted()
+def load_dcp_metadata(file: Path) -> Any:
+    """DCP's index (``.metadata``, which DCP itself reads with a plain ``pickle.load``) through the allow-list."""
+    allowed = dcp_metadata_globals() | user_trusted()
     with open(file, "rb") as handle:
         try:
-            _unpickler(allowed)(handle).load()
+            return _unpickler(allowed)(handle).load()
         except Refused as refused:
             raise _refusal(file, {str(refused)}) from None
+        except Exception as error:  # noqa: BLE001 - a truncated or garbled pickle: one line, not a traceback
+            raise CheckpointError(f"`{file}` is corrupt ({type(error).__name__}: {str(error)[:200]}). HINT: resume"
+                                  " from another checkpoint.") from None
 
 
 def check_value(value: io.BytesIO, key: str, folder: Path) -> None:

@@ -2,9 +2,9 @@
 
 Lightning passes a ``ckpt_path`` it does not know through to its checkpoint connector's ``resume_start``, which asks the
 strategy to load it. That is the first point where the processes exist, so `NDParallel` translates ``"auto"`` there:
-rank 0 lists the complete checkpoints (`checkpoint.files.complete_checkpoints`: a manifest, every file at its size) in
+rank 0 lists the complete checkpoints (`checkpoint.listing.complete_manifests`: a manifest, every file at its size) in
 every `ModelCheckpoint`'s folder and in ``default_root_dir`` (where Lightning's SLURM requeue writes ``hpc_ckpt_<N>``),
-newest saved first, and every rank gets that list. The newest that loads wins, whichever callback wrote it (an
+this run's own first, newest saved first, and every rank gets that list (one written by another run says whose). The newest that loads wins, whichever callback wrote it (an
 ``hpc_ckpt`` written at a requeue is newer than the periodic save before it); one that fails to load (truncated,
 corrupt, unreadable) is skipped with a warning and the one before it tried. A checkpoint of another model is refused
 (an older one would not fit either). None: a fresh start, said once.
@@ -23,7 +23,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-from lightning_nd.checkpoint.files import CheckpointError, CheckpointMismatch, complete_manifests
+from lightning_nd.checkpoint.files import CheckpointError, CheckpointMismatch
+from lightning_nd.checkpoint.listing import complete_manifests, whose
 
 AUTO = "auto"
 log = logging.getLogger("lightning_nd")
@@ -52,12 +53,13 @@ class AutoResume:
             if checkpoint_path != AUTO:
                 return resume_start(connector, checkpoint_path, weights_only)
             folders = search_folders(trainer)
-            # Rank 0 reads the manifests, once each; every rank gets the paths and their steps.
-            found = self._broadcast([(str(p), m.get("global_step")) for p, m in complete_manifests(*folders)]
-                                    if self._is_global_zero() else None)
-            for index, (path, step) in enumerate(found):
+            # Rank 0 reads the manifests, once each; every rank gets the paths, their steps and who wrote them.
+            found = self._broadcast(_listed(folders) if self._is_global_zero() else None)
+            if isinstance(found, str):
+                raise CheckpointError(found)
+            for index, (path, step, writer) in enumerate(found):
                 try:
-                    self._say(_resuming(path, step, folders, skipped=index))
+                    self._say(_resuming(path, step, folders, skipped=index, writer=writer))
                     return resume_start(connector, path, weights_only)
                 except CheckpointMismatch:
                     raise
@@ -75,7 +77,16 @@ class AutoResume:
             (log.warning if warn else log.info)(message)
 
 
-def _resuming(path: str, step: int | None, folders: list[str], skipped: int) -> str:
+def _listed(folders: list[str]) -> list[tuple[str, int | None, str]] | str:
+    """The candidates (`complete_manifests`), or why they cannot be listed (said on every rank, none left waiting)."""
+    try:
+        return [(str(path), manifest.get("global_step"), whose(manifest)) for path, manifest in complete_manifests(*folders)]
+    except Exception as error:  # noqa: BLE001 - raised on every rank by the caller
+        return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+
+
+def _resuming(path: str, step: int | None, folders: list[str], skipped: int, writer: str) -> str:
     older = f" ({skipped} newer could not be loaded)" if skipped else ""
-    return (f"lightning-nd: `ckpt_path='auto'` resumes from `{path}` (step {step}), the newest"
+    theirs = f", {writer}: this run has none of its own" if writer else ""
+    return (f"lightning-nd: `ckpt_path='auto'` resumes from `{path}` (step {step}{theirs}), the newest"
             f" complete checkpoint{older} in {', '.join(folders)}.")

@@ -33,6 +33,7 @@ from lightning_nd.checkpoint.files import CheckpointError
 from lightning_nd.checkpoint.full import load_full
 from lightning_nd.checkpoint.names import Names, group_names, model_state, optimizer_state
 from lightning_nd.checkpoint.sharded import gather, load_sharded, save_sharded
+from lightning_nd.checkpoint.state_files import check_keepable
 from lightning_nd.layout.record import Layout
 from lightning_nd.mesh.dims import ParallelDims
 from lightning_nd.strategy.data_position import DataPosition, resume_loader
@@ -78,6 +79,17 @@ class Checkpointer:
     def resume_hint(self) -> str:
         last = self.last_checkpoint
         return f" HINT: resume with `Trainer.fit(..., ckpt_path={str(last)!r})`." if last else ""
+
+    def check_keepable(self, trainer: Trainer) -> None:
+        """Before a fit trains: what its checkpoints will hold besides tensors (hyper-parameters, callbacks' state) has a
+        code-free form (`state_files.check_keepable`), so a save hours in is not the first to refuse it."""
+        module, datamodule = trainer.lightning_module, getattr(trainer, "datamodule", None)
+        check_keepable(dict(module.hparams), f"`{type(module).__name__}`'s hyper-parameter")
+        if datamodule is not None and hasattr(datamodule, "hparams"):
+            check_keepable(dict(datamodule.hparams), f"`{type(datamodule).__name__}`'s hyper-parameter")
+        callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, undeclared
+        for callback in callbacks:
+            check_keepable(callback.state_dict(), f"`{type(callback).__name__}`'s state")
 
     def model_state(self) -> dict[str, Any]:
         run = self._run()

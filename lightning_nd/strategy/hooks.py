@@ -148,6 +148,7 @@ class LightningHooks(ModelParallelStrategy):
         lifecycle.sync_metrics_over_batch_ranks(self._module(), self.device_mesh.group("batch"))
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
+            self.checkpointer.check_keepable(trainer)
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:

@@ -120,7 +120,7 @@ class DieWhileCommitting(Callback):
         own_files = files.own_files
 
         def dying(folder: Path, writer: int) -> dict[str, dict[str, int]]:
-            if folder.name == f".step={self.step}.ckpt.partial":
+            if folder.name.startswith(f".step={self.step}.ckpt.") and folder.name.endswith(".partial"):
                 Path(self.stamp).write_text(str(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             return own_files(folder, writer)

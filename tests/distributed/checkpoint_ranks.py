@@ -162,7 +162,7 @@ def die_mid_save(ckpt_dir: str, stamp: str, rank: int, step: int) -> dict[str, A
     own_files = files.own_files
 
     def dying(folder: Path, writer: int) -> dict[str, dict[str, int]]:
-        if writer == rank and folder.name == f".step={step}.ckpt.partial":
+        if writer == rank and folder.name.startswith(f".step={step}.ckpt.") and folder.name.endswith(".partial"):
             Path(stamp).write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         return own_files(folder, writer)

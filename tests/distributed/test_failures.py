@@ -63,7 +63,7 @@ def test_sigkill_mid_save_leaves_no_newest_half_checkpoint(mid_save):
     root, ended = mid_save
     _assert_all_stopped_naming(root, ended, victim=1)
     folder = root / "ckpt"
-    partial = folder / ".step=4.ckpt.partial"
+    [partial] = folder.glob(".step=4.ckpt.*.partial")
     assert partial.is_dir() and any(partial.glob("__1_*.distcp"))  # rank 1 had written its shards
     assert not is_complete(partial) and not (folder / "step=4.ckpt").exists()
     assert latest_checkpoint(folder).name == "step=3.ckpt"
@@ -76,4 +76,6 @@ def test_resume_from_last_after_the_crash_matches_an_uninterrupted_run(mid_save,
                      ckpt_dir=str(root / "ckpt"), fresh_dir=str(tmp_path / "fresh"))
     resumed, uninterrupted = results[0]["resumed"], results[0]["uninterrupted"]
     assert resumed["losses"] == uninterrupted["losses"][3:] and resumed["step"] == STEPS
-    assert not (root / "ckpt" / ".step=4.ckpt.partial").exists()  # the next save at step 4 replaced it
+    # The resumed run saved step 4 whole; the dead run's staging folder (another run's, minutes old) is left alone.
+    assert is_complete(root / "ckpt" / "step=4.ckpt")
+    assert [p for p in (root / "ckpt").glob(".step=4.ckpt.*.partial") if is_complete(p)] == []

@@ -11,34 +11,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_nd.checkpoint import CheckpointError, export, files, is_complete, latest_checkpoint, read_sharded
+from lightning_nd.checkpoint import CheckpointError, export, files, is_complete, latest_checkpoint, listing, read_sharded
 from lightning_nd.checkpoint.__main__ import main
+from tests.unit.checkpoint_folders import RUN, one_rank_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def write_checkpoint(path: Path, step: int = 1, optimizer_state: bool = True) -> dict[str, torch.Tensor]:
     """A one-rank checkpoint written the way `save_sharded` writes it (DCP, RNG, meta, manifest, commit)."""
-    import torch.distributed.checkpoint as dcp
-
     weights = {"model.w": torch.randn(4, 3), "model.b": torch.randn(3)}
     optimizer = {"state": {name: {"step": torch.tensor(2.0), "exp_avg": torch.ones_like(w)} for name, w in weights.items()},
                  "param_groups": [{"lr": 0.1}]}
-    staging = files.staging_path(path)
-    staging.mkdir(parents=True)
     state = {"model": dict(weights), **({"optimizer_0": optimizer} if optimizer_state else {})}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), no_dist=True)
-    torch.save({"torch": torch.get_rng_state()}, staging / files.rng_file(0))
     meta = {"global_step": step, "lightning_nd": {"layout": {"dp_shard": 1}, "world_size": 1,
                                                    "param_names": [[["model.w", "model.b"]]]}}
-    torch.save(meta, staging / files.META)
-    files.commit(staging, path, files.own_files(staging, 0), {"world_size": 1, "global_step": step})
+    one_rank_checkpoint(path, state, meta, info={"global_step": step})
     return weights
 
 
 def test_complete_checkpoint_reads_whole_and_exports(tmp_path):
     weights = write_checkpoint(tmp_path / "step=1.ckpt")
-    assert is_complete(tmp_path / "step=1.ckpt") and not files.staging_path(tmp_path / "step=1.ckpt").exists()
+    assert is_complete(tmp_path / "step=1.ckpt") and not files.staging_path(tmp_path / "step=1.ckpt", RUN).exists()
     whole = read_sharded(tmp_path / "step=1.ckpt", progress=lambda _: None)
     for name, value in weights.items():
         assert torch.equal(whole["state_dict"][name], value)
@@ -57,7 +51,7 @@ def test_complete_checkpoint_reads_whole_and_exports(tmp_path):
     ("missing", "`__0_0.distcp` (written by rank 0) is missing"),
     ("truncated", "`__0_0.distcp` (written by rank 0) has 10 bytes"),
     ("corrupt", "`__0_0.distcp` (written by rank 0) does not match its checksum (corrupt)"),
-    ("meta", "`meta.pt` (written by rank 0) is missing"),
+    ("meta", "`meta.json` (written by rank 0) is missing"),
 ])
 def test_damaged_checkpoint_is_refused_naming_the_piece(tmp_path, capsys, damage, message):
     path = tmp_path / "step=1.ckpt"
@@ -87,7 +81,7 @@ def test_latest_skips_half_written_and_damaged_folders(tmp_path, capsys):
     write_checkpoint(tmp_path / "step=2.ckpt", step=2)
     write_checkpoint(tmp_path / "step=9.ckpt", step=9)
     (tmp_path / "step=9.ckpt" / "__0_0.distcp").write_bytes(b"cut")  # truncated: not complete
-    partial = files.staging_path(tmp_path / "step=10.ckpt")
+    partial = files.staging_path(tmp_path / "step=10.ckpt", RUN)
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"half")
     (tmp_path / "notes.txt").write_text("not a checkpoint")
@@ -162,17 +156,17 @@ def test_complete_checkpoints_of_several_folders_newest_first_and_resume_path(tm
     write_checkpoint(tmp_path / "a" / "cut.ckpt")
     (tmp_path / "a" / "cut.ckpt" / files.MANIFEST).unlink()  # a save cut short: never a candidate
     (tmp_path / "a" / "last.ckpt").symlink_to(tmp_path / "a" / "step=3.ckpt")
-    found = files.complete_checkpoints(tmp_path / "a", tmp_path / "b", tmp_path / "a", tmp_path / "missing")
+    found = listing.complete_checkpoints(tmp_path / "a", tmp_path / "b", tmp_path / "a", tmp_path / "missing")
     assert [p.name for p in found] == ["step=3.ckpt", "hpc_ckpt_1.ckpt", "step=1.ckpt"]
-    assert files.resume_path(tmp_path / "b", tmp_path / "a") == str(tmp_path / "a" / "step=3.ckpt")
-    assert files.resume_path(tmp_path / "missing") is None
+    assert listing.resume_path(tmp_path / "b", tmp_path / "a") == str(tmp_path / "a" / "step=3.ckpt")
+    assert listing.resume_path(tmp_path / "missing") is None
 
 
 def test_an_unreadable_checkpoint_is_named_with_the_fix(tmp_path):
     path = tmp_path / "step=1.ckpt"
     write_checkpoint(path)
     (path / files.MANIFEST).unlink()
-    (path / files.MANIFEST).mkdir()  # reading it fails in the operating system, as a permission or mount error does
-    with pytest.raises(CheckpointError, match=r"`.*step=1.ckpt/lightning_nd.json` cannot be read \(.*\)\. HINT: give"):
+    (path / files.MANIFEST).mkdir()  # only a regular file is read
+    with pytest.raises(CheckpointError, match=r"`.*step=1.ckpt/lightning_nd.json` is not a regular file .*HINT"):
         files.read_manifest(path)
-    assert not is_complete(path) and files.complete_checkpoints(tmp_path) == []
+    assert not is_complete(path) and listing.complete_checkpoints(tmp_path) == []

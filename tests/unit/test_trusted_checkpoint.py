@@ -22,6 +22,8 @@ import torch.distributed as dist
 from lightning_nd.checkpoint import CheckpointError, files, load_sharded, read_sharded, trusted
 from lightning_nd.checkpoint.__main__ import main
 from lightning_nd.checkpoint.names import Names
+from lightning_nd.checkpoint.state_files import read_meta
+from tests.unit.checkpoint_folders import one_rank_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -41,18 +43,12 @@ class Color(enum.Enum):
 
 
 def write(path: Path, meta: Any = None, rng: Any = None, lr: Any = 0.1) -> None:
-    """A one-rank checkpoint written the way `save_sharded` writes it (DCP, RNG, meta, manifest, commit)."""
-    import torch.distributed.checkpoint as dcp
-
-    staging = files.staging_path(path)
-    staging.mkdir(parents=True)
+    """A one-rank checkpoint of format 1 (its state pickled), as lightning-nd wrote them up to db1c3e6."""
     weight = torch.randn(4, 3)
     group = {k: v for k, v in torch.optim.SGD([weight]).param_groups[0].items() if k != "params"} | {"lr": lr}
     state = {"model": {"w": weight}, "optimizer_0": {"state": {}, "param_groups": [group]}}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), no_dist=True)
-    torch.save(rng if rng is not None else {"torch": torch.get_rng_state()}, staging / files.rng_file(0))
-    torch.save(meta if meta is not None else {"lightning_nd": {"param_names": [[["w"]]]}}, staging / files.META)
-    files.commit(staging, path, files.own_files(staging, 0), {"world_size": 1})
+    one_rank_checkpoint(path, state, meta if meta is not None else {"lightning_nd": {"param_names": [[["w"]]]}}, rng,
+                        legacy=True)
 
 
 def replace(path: Path, name: str, data: bytes) -> None:
@@ -71,10 +67,10 @@ def crafted(path: Path, which: str, marker: Path) -> None:
 
     if which == "meta.pt":
         write(path, meta={"global_step": 1, "hyper_parameters": {"lr": Touches(marker)}})
-        torch.load(path / files.META, weights_only=False)
+        torch.load(path / files.LEGACY_META, weights_only=False)
     elif which == "rng-0.pt":
         write(path, rng={"torch": torch.get_rng_state(), "python": Touches(marker)})
-        torch.load(path / files.rng_file(0), weights_only=False)
+        torch.load(path / files.rng_file(0, legacy=True), weights_only=False)
     elif which == ".metadata":
         write(path)
         metadata = pickle.loads((path / files.DCP_METADATA).read_bytes())  # written just now: ours
@@ -130,7 +126,7 @@ def test_load_sharded_refuses_a_crafted_file(tmp_path, one_rank_group, which):
 
 
 def test_the_users_own_types_are_named_and_can_be_trusted_explicitly(tmp_path):
-    file = tmp_path / files.META
+    file = tmp_path / files.LEGACY_META
     torch.save({"hyper_parameters": {"color": Color.RED, "out": Path("/runs/a")}}, file)
     with pytest.raises(CheckpointError) as error:
         trusted.load_meta(file)
@@ -196,16 +192,25 @@ def test_a_lightning_runs_checkpoint_with_hydra_hyperparameters_reads_back_and_r
 
     trainer(1).fit(WithConfig(cfg, tmp_path / "out"))
     path = tmp_path / "ckpt" / "step=1.ckpt"
-    meta, rng = path / files.META, path / files.rng_file(0)
-    held = set(torch.serialization.get_unsafe_globals_in_checkpoint(meta))
-    assert {"omegaconf.dictconfig.DictConfig", "collections.defaultdict", "pathlib.PosixPath"} <= held, held
-    assert "numpy.ndarray" in set(torch.serialization.get_unsafe_globals_in_checkpoint(rng))
-    assert same(trusted.load_meta(meta), torch.load(meta, weights_only=False))
-    assert same(trusted.load_rng(rng), torch.load(rng, weights_only=False))
-    assert trusted.load_meta(meta)["hyper_parameters"]["cfg"].model.name == "64x"
+    meta = read_meta(path, files.read_manifest(path))  # format 2: JSON, the config as resolved YAML
+    assert meta["hyper_parameters"]["cfg"] == cfg and meta["hyper_parameters"]["cfg"].model.name == "64x"
+    assert meta["hyper_parameters"]["out"] == tmp_path / "out"
     resumed = trainer(2)
     resumed.fit(WithConfig(cfg, tmp_path / "out"), ckpt_path=str(path))  # load_sharded: every check on the way
     assert resumed.global_step == 2
+    # Format 1 pickled the same state (its config keeps Hydra's `now` cache in a defaultdict): read through the
+    # allow-list, equal to what a plain `torch.load` gives.
+    legacy, rng = tmp_path / files.LEGACY_META, tmp_path / files.rng_file(0, legacy=True)
+    torch.save({"hyper_parameters": {"cfg": cfg, "out": tmp_path / "out"}}, legacy)
+    from lightning.fabric.utilities.seed import _collect_rng_states
+
+    torch.save(_collect_rng_states(), rng)
+    held = set(torch.serialization.get_unsafe_globals_in_checkpoint(legacy))
+    assert {"omegaconf.dictconfig.DictConfig", "collections.defaultdict", "pathlib.PosixPath"} <= held, held
+    assert "numpy.ndarray" in set(torch.serialization.get_unsafe_globals_in_checkpoint(rng))
+    assert same(trusted.load_meta(legacy), torch.load(legacy, weights_only=False))
+    assert same(trusted.load_rng(rng), torch.load(rng, weights_only=False))
+    assert trusted.load_meta(legacy)["hyper_parameters"]["cfg"].model.name == "64x"
 
 
 def test_a_one_file_checkpoint_is_read_as_data_unless_the_caller_trusts_it(tmp_path):
