@@ -4,8 +4,9 @@
 ``Trainer(ckpt_path=...)``); ``python -m lightning_nd.checkpoint`` inspects, verifies and exports.
 """
 
+from lightning_nd.checkpoint.export import export, read_sharded
 from lightning_nd.checkpoint.files import CheckpointError, CheckpointMismatch, is_complete
-from lightning_nd.checkpoint.full import export, load_full, read_sharded
+from lightning_nd.checkpoint.full import load_full
 from lightning_nd.checkpoint.listing import complete_checkpoints, latest_checkpoint, resume_path
 from lightning_nd.checkpoint.sharded import load_sharded, save_sharded
 

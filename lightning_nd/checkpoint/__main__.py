@@ -3,6 +3,9 @@
     python -m lightning_nd.checkpoint export CKPT OUT [--format torch|safetensors] [--module model]
     python -m lightning_nd.checkpoint verify CKPT
     python -m lightning_nd.checkpoint latest DIR
+
+A checkpoint that cannot be read (incomplete, damaged, crafted, another model's) ends in one line naming the file and
+what is wrong, exit code 2.
 """
 
 from __future__ import annotations
@@ -11,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from lightning_nd.checkpoint.export import export
 from lightning_nd.checkpoint.files import CheckpointError, problems, read_manifest
-from lightning_nd.checkpoint.full import export
 from lightning_nd.checkpoint.listing import latest_checkpoint
 
 
@@ -26,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     to_file = commands.add_parser("export", help="a sharded checkpoint folder -> one file of whole tensors")
     to_file.add_argument("ckpt", type=Path, help="checkpoint folder written by NDParallel")
     to_file.add_argument("out", type=Path, help="file to write")
-    to_file.add_argument("--format", choices=("torch", "safetensors"), default=None,
-                         help="default: safetensors for a .safetensors OUT, else torch (a Lightning checkpoint)")
+    to_file.add_argument("--format", choices=("safetensors", "torch"), default=None,
+                         help="default: torch for a .ckpt or .pt OUT (a Lightning checkpoint, a pickle), else"
+                              " safetensors (cannot carry code; NDParallel resumes from it under any layout)")
     to_file.add_argument("--module", default=None,
                          help="keep only this attribute's weights, without its prefix (e.g. `model` for Hugging Face)")
     check = commands.add_parser("verify", help="every file present, at its size and checksum")
@@ -37,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "export":
-            fmt = args.format or ("safetensors" if args.out.suffix == ".safetensors" else "torch")
-            print(export(args.ckpt, args.out, fmt, module=args.module, progress=_progress))
+            print(export(args.ckpt, args.out, args.format, module=args.module, progress=_progress))
         elif args.command == "verify":
             manifest = read_manifest(args.ckpt)
             if found := problems(args.ckpt, manifest):
@@ -52,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             print(found)
     except (CheckpointError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
-        return 1
+        return 2
+    except Exception as error:  # noqa: BLE001 - a file from anywhere: one line, never a traceback
+        print(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

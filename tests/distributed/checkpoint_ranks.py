@@ -93,7 +93,8 @@ def fit(layout: dict[str, Any], max_steps: int, ckpt_dir: str | None = None, ckp
 def resume_and_reshard(ckpt_dir: str, base: dict[str, Any], layouts: dict[str, dict[str, Any]], export_to: str,
                        model: str = "llama") -> dict[str, Any]:
     """Train 8 steps on ``base`` saving at 3 and 6; resume on the same layout from each to step 8, and from
-    step 3 on each of ``layouts`` (from the folder, and ``full_*`` from a one-file export) for one step."""
+    step 3 on each of ``layouts`` (from the folder, and ``full_*`` from a one-file safetensors export) for one step;
+    ``export_to`` also gets the torch export."""
     from lightning_nd.checkpoint import export
 
     results = {"uninterrupted": fit(base, STEPS, ckpt_dir=ckpt_dir, model=model)}
@@ -101,11 +102,13 @@ def resume_and_reshard(ckpt_dir: str, base: dict[str, Any], layouts: dict[str, d
     results["same_layout"] = fit(base, STEPS, ckpt_path=step3, seed=1, model=model)
     step6 = str(Path(ckpt_dir) / f"step={2 * SAVE_EVERY}.ckpt")
     results["same_layout_epoch1"] = fit(base, STEPS, ckpt_path=step6, seed=1, model=model)
+    code_free = str(Path(export_to).with_suffix(".safetensors"))  # the same state, without a pickle
     if dist.get_rank() == 0:
         export(Path(step3), Path(export_to))
+        export(Path(step3), Path(code_free))
     dist.barrier()
     for name, layout in layouts.items():
-        source = export_to if name.startswith("full_") else step3
+        source = code_free if name.startswith("full_") else step3
         save_to = str(Path(ckpt_dir) / f"{name}.ckpt") if name.startswith("pp") else None  # a pipeline's own save
         results[name] = fit(layout, SAVE_EVERY + 1, ckpt_path=source, seed=1, model=model, save_to=save_to)
     return results

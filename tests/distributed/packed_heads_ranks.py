@@ -109,7 +109,7 @@ def _compare(model: nn.Module, inputs: torch.Tensor, mesh, explicit: dict | None
               "output": (output - expected).abs().max().item(),
               "grads": max((full(p.grad) - grads[n].grad).abs().max().item() for n, p in model.named_parameters())}
     if folder is not None:  # written where the whole tensors have it: the model's own order
-        from lightning_nd.checkpoint.full import read_sharded
+        from lightning_nd.checkpoint import read_sharded
         from lightning_nd.checkpoint.sharded import save_sharded
 
         save_sharded(folder, {"model": dict(model.state_dict())}, meta={}, rng={}, info={})

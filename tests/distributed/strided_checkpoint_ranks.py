@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_nd.checkpoint.full import read_sharded
+from lightning_nd.checkpoint import read_sharded
 from lightning_nd.checkpoint.sharded import _load, save_sharded
 
 WHOLE = torch.arange(3 * 8 * 2, dtype=torch.float32).view(3, 8, 2)  # [experts, gate; up, hidden]

@@ -13,6 +13,7 @@ import torch
 
 from lightning_nd.checkpoint import CheckpointError, export, files, is_complete, latest_checkpoint, listing, read_sharded
 from lightning_nd.checkpoint.__main__ import main
+from lightning_nd.checkpoint.export import is_safetensors, read_export
 from tests.unit.checkpoint_folders import RUN, one_rank_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -44,6 +45,25 @@ def test_complete_checkpoint_reads_whole_and_exports(tmp_path):
     assert set(load_file(out)) == {"w", "b"}
     with pytest.raises(ValueError, match="HINT: choose one of model"):
         export(tmp_path / "step=1.ckpt", tmp_path / "x.safetensors", "safetensors", module="net", progress=lambda _: None)
+
+
+def same(got, want) -> bool:
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(same(got[k], want[k]) for k in want)
+    if isinstance(want, (list, tuple)):
+        return type(got) is type(want) and len(got) == len(want) and all(same(a, b) for a, b in zip(got, want))
+    return got == want
+
+
+def test_a_safetensors_export_holds_the_whole_state_and_reads_back_as_the_torch_one(tmp_path):
+    write_checkpoint(tmp_path / "step=1.ckpt")
+    code_free = export(tmp_path / "step=1.ckpt", tmp_path / "all.safetensors", progress=lambda _: None)
+    pickled = export(tmp_path / "step=1.ckpt", tmp_path / "all.ckpt", progress=lambda _: None)  # by its suffix
+    assert is_safetensors(code_free) and not is_safetensors(pickled)
+    got, want = read_export(code_free), torch.load(pickled, weights_only=False)
+    assert same(got, want), (got.keys(), want.keys())
 
 
 @pytest.mark.parametrize("damage,message", [

@@ -13,6 +13,7 @@ from examples.data import TokenDataModule
 from examples.lit import CausalLM
 from lightning_nd import NDParallel
 from lightning_nd.checkpoint import export, read_sharded
+from lightning_nd.checkpoint.export import read_export
 from tests.models import VOCAB, build
 
 SAVED = Path(__file__).resolve().parents[1] / "data" / "checkpoint_before_layout"
@@ -29,8 +30,9 @@ def test_read_whole_and_exported_into_a_plain_model(tmp_path):
     model.load_state_dict({name.removeprefix("model."): tensor for name, tensor in state.items()})
     with torch.no_grad():
         torch.testing.assert_close(model(expected["tokens"]), expected["logits"], rtol=1e-6, atol=1e-6)
-    exported = export(SAVED / "step=2.ckpt", tmp_path / "export.ckpt")
+    exported = export(SAVED / "step=2.ckpt", tmp_path / "export.ckpt")  # torch, by its suffix
     assert set(torch.load(exported, weights_only=False)["state_dict"]) == set(state)
+    assert set(read_export(export(SAVED / "step=2.ckpt", tmp_path / "export.safetensors"))["state_dict"]) == set(state)
 
 
 def test_loads_through_the_strategy_in_one_process():

@@ -99,7 +99,7 @@ def test_read_sharded_and_the_export_cli_refuse_a_crafted_file(tmp_path, capsys,
     message = str(error.value)
     assert NAMED[which] in message and ("getattr`" in message or "Path.touch`" in message), message
     assert "lightning-nd does not unpickle" in message and "HINT" in message and "add_safe_globals" in message
-    assert main(["export", str(path), str(tmp_path / "out.ckpt")]) == 1
+    assert main(["export", str(path), str(tmp_path / "out.ckpt")]) == 2
     assert NAMED[which] in capsys.readouterr().err
     assert not marker.exists() and not (tmp_path / "out.ckpt").exists()
 
