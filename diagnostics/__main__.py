@@ -9,6 +9,9 @@
 nccl.rank<R>.<host>.<pid>.log``): findings with their fix, then the ranks and communicators. Exit status:
 0 report printed, 1 the report has errors, 2 nothing to read (the message says what was looked for).
 
+Every subcommand reads files that may come from anywhere (`diagnostics.records.bounds`): one it cannot read ends in
+one line naming it, exit status 2, never a traceback.
+
 ``hang``: the captures every live rank wrote when the run failed (``<dir>/diagnostics/rank<R>/capture.json``), or
 flight-recorder dumps alone (``fr/fr_rank_<R>``, torch's own from an NCCL run too): the same verdict the run
 printed. Exit status: 0 no culprit found, 1 culprits named, 2 nothing to read.
@@ -36,6 +39,7 @@ from pathlib import Path
 from diagnostics.analysis.nccl_findings import nccl_findings, topology_table
 from diagnostics.analysis.nccl_log import parse_nccl_dir
 from diagnostics.records import NcclRankLog
+from diagnostics.records.bounds import read_json
 from diagnostics.report.nccl_card import nccl_text
 
 LAYOUT_FILE = "layout.json"
@@ -61,8 +65,8 @@ def _from_layout(layout: str | None, starts: list[Path], what: str, read):
     if path is None:
         return None
     try:
-        value = read(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        value = read(read_json(path))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise _Unusable(f"cannot read {what} from {path} ({type(error).__name__}: {error}); pass"
                         f" `--layout` the run's {LAYOUT_FILE} (written into the run's log dir)") from error
     print(f"{what} from {path}", file=sys.stderr)
@@ -146,7 +150,7 @@ def _hang(args: argparse.Namespace) -> int:
         raise _Unusable(f"no capture in {given} (looked for `rank<R>/capture.json` and `fr_rank_<R>` there, in"
                         " `diagnostics/` and `fr/`); pass the folder a `CollectiveMonitor` run wrote")
     world_size = max(max(c.world_size for c in captures.values()), max(captures) + 1)
-    dead = {int(m.group(1)) for c in captures.values() if (m := re.match(r"rank (\d+) died", c.reason))}
+    dead = {int(m.group(1)) for c in captures.values() if (m := re.match(r"rank (\d{1,7}) died", c.reason))}
     report = hang_report(captures, world_size, dead, reason=next(iter(captures.values())).reason)
     print(hang_text(report, str(folders[-1])))
     return 1 if report.culprits else 0
@@ -172,7 +176,7 @@ def _trace(args: argparse.Namespace) -> int:
         traces = {rank: [read_trace(path) for path in paths] for rank, paths in sorted(found.items())}
     except ValueError as error:
         raise _Unusable(str(error)) from error
-    layout = _from_layout(args.layout, folders, "layout", lambda values: values) or {}
+    layout = _from_layout(args.layout, folders, "layout", dict) or {}
     dims = layout.get("dims") or dims_from_trace(next(iter(traces.values()))[0])
     steps = {rank: [step for trace in per_rank for step in trace_steps(trace, dims)] for rank, per_rank in traces.items()}
     ranks = [rank_times(rank_steps, rank) for rank, rank_steps in steps.items() if rank_steps]
@@ -248,6 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.handler(args)
     except _Unusable as error:
         print(f"python -m diagnostics {args.command}: {error}", file=sys.stderr)
+        return 2
+    except (Exception, RecursionError) as error:  # noqa: BLE001 - files from anywhere: one line, never a traceback
+        where = next(getattr(args, name) for name in ("logdir", "dumpdir", "dir") if hasattr(args, name))
+        print(f"python -m diagnostics {args.command}: the files under {where} hold what this cannot read"
+              f" ({type(error).__name__}: {str(error)[:300]})", file=sys.stderr)
         return 2
 
 

@@ -142,13 +142,15 @@ def compare_groups(traces: list[GroupTrace], stage_of: dict[int, int] | None = N
     divergences = []
     for group in traces:
         front, context = group.front, _context(group, stage_of)
-        reference = {seq: _majority(group, seq, votes, context) for seq in range(1, front + 1)}
+        # The sequence numbers some member recorded (a ring of the last entries: a long run's start at millions).
+        recorded = sorted({seq for seqs in group.entries.values() for seq in seqs})
+        reference = {seq: _majority(group, seq, votes, context) for seq in recorded}
         example = {seq: examples.get(reference[seq]) for seq in reference}
         for rank, seqs in group.entries.items():
             if not seqs:
                 continue
-            last, first = max(seqs), min(seqs)
-            diverged = next((s for s in range(first, last + 1) if s in seqs and reference.get(s) is not None
+            last = max(seqs)
+            diverged = next((s for s in sorted(seqs) if reference.get(s) is not None
                              and signature(seqs[s]) != reference[s]), None)
             if diverged is None:
                 tie = _unsettled_tie(group, reference, rank)
@@ -185,8 +187,9 @@ def _shift(seqs: dict[int, CollectiveEntry], reference: dict[int, tuple | None],
            front: int) -> int:
     """The number of collectives a rank skipped: the smallest k for which its entries from ``diverged`` on are the
     majority's from ``diverged + k`` on (where the majority got that far; past it the rank went on alone)."""
-    for k in range(1, front - diverged + 1):
-        overlap = [s for s in range(diverged, last + 1) if s in seqs and s + k <= front and reference.get(s + k)]
+    mine = [s for s in sorted(seqs) if diverged <= s <= last]
+    for k in range(1, min(front - diverged, len(reference)) + 1):  # a ring's window: no shift past what it holds
+        overlap = [s for s in mine if s + k <= front and reference.get(s + k)]
         if overlap and all(signature(seqs[s]) == reference[s + k] for s in overlap):
             return k
     return 0

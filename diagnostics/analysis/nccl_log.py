@@ -15,26 +15,31 @@ from pathlib import Path
 
 from diagnostics.records.nccl import Connection, NcclComm, NcclRankLog
 
-# Anything before the host (a launcher's "[1,5]<stdout>:" or a timestamp) is skipped by `search`.
-_PREFIX = re.compile(r"(?P<host>[^\s:]*):(?P<pid>\d+):(?P<tid>\d+) \[(?P<dev>\d+)\](?: \S+)*?"
-                     r" NCCL (?P<level>INFO|WARN) ?")
-_VERSION = re.compile(r"NCCL version (\d+\.\d+\.\d+)\S*?(?:\+cuda(\d+\.\d+))?\s*$")
-_DRIVER = re.compile(r"(?:cudaDriverVersion|CUDA Driver version) (\d+)")
+# Anything before the host (a launcher's "[1,5]<stdout>:" or a timestamp) is skipped by `search`. Every pattern runs
+# in time linear in the line (a host starts only where a word does, no lazy group before an open-ended tail), and
+# numbers have at most 10 digits (ranks and sizes 6): a line crafted to be long or to name a huge world costs nothing.
+_PREFIX = re.compile(r"(?<![^\s:])(?P<host>[^\s:]*):(?P<pid>\d{1,10}):(?P<tid>\d{1,20}) \[(?P<dev>\d{1,10})\]"
+                     r"(?: \S+)*? NCCL (?P<level>INFO|WARN) ?")
+_VERSION = re.compile(r"NCCL version (\d{1,4}\.\d{1,4}\.\d{1,4})\S*?(?:\+cuda(\d{1,4}\.\d{1,4}))?\s*$")
+_DRIVER = re.compile(r"(?:cudaDriverVersion|CUDA Driver version) (\d{1,10})")
 # "[Rank 0] ncclCommInitRank comm 0x.. rank 0 nranks 8 cudaDev 0 nvmlDev 0 busId 18000 commId 0x.. - Init START"
-_INIT = re.compile(r"comm (0x[0-9a-fA-F]+) rank (\d+) nranks (\d+)(?P<rest>.*?)\s*-\s*Init (START|COMPLETE)")
-_INIT_FIELD = re.compile(r"\b(cudaDev|color|childCount) (-?\d+)\b|\b(busId|commId|parent) ((?:0x)?[0-9a-fA-F]+)\b")
-_COMM_SHAPE = re.compile(r"comm (0x[0-9a-fA-F]+) rank (\d+) nRanks (\d+) nNodes (\d+) localRanks (\d+)")
-_CHANNELS = re.compile(r"(\d+) coll channels, (?:\d+ collnet channels, )?(?:(\d+) nvls channels, )?"
-                       r"(\d+) p2p channels, (\d+) p2p channels per peer")
+_INIT = re.compile(r"comm (0x[0-9a-fA-F]{1,32}) rank (\d{1,6}) nranks (\d{1,6})(?P<rest>[^-]{0,512})-\s*Init (START|COMPLETE)")
+_INIT_FIELD = re.compile(r"\b(cudaDev|color|childCount) (-?\d{1,10})\b|\b(busId|commId|parent) ((?:0x)?[0-9a-fA-F]{1,32})\b")
+_COMM_SHAPE = re.compile(r"comm (0x[0-9a-fA-F]{1,32}) rank (\d{1,6}) nRanks (\d{1,6}) nNodes (\d{1,6}) localRanks"
+                         r" (\d{1,6})")
+_CHANNELS = re.compile(r"(\d{1,6}) coll channels, (?:\d{1,6} collnet channels, )?(?:(\d{1,6}) nvls channels, )?"
+                       r"(\d{1,6}) p2p channels, (\d{1,6}) p2p channels per peer")
 # "Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read", "Channel 01 : 2[c7000] -> 0[87000] [receive] via NET/IB/5/GDRDMA"
-_CONNECTION = re.compile(r"Channel (\d+)(?:/(\d+))? : (\d+)\[[^\]]*\] -> (\d+)\[[^\]]*\]"
+_CONNECTION = re.compile(r"Channel (\d{1,6})(?:/(\d{1,6}))? : (\d{1,6})\[[^\]]*\] -> (\d{1,6})\[[^\]]*\]"
                          r"(?: \[(send|receive)\])? via (\S+)")
-_RING = re.compile(r"Channel (\d+)/(\d+) :((?:\s+\d+)+)\s*$")
-_TREES = re.compile(r"^Trees((?: \[\d+\] \S+)+)")
+_RING = re.compile(r"Channel (\d{1,6})/(\d{1,6}) :((?:\s+\d{1,6})+)\s*$")
+_TREES = re.compile(r"^Trees((?: \[\d{1,6}\] \S+)+)")
 _NVLS_SUPPORT = re.compile(r"NVLS multicast support is (not )?available")
-_NVLS_COMM = re.compile(r"NVLS comm (0x[0-9a-fA-F]+)")
-_NETWORK = re.compile(r"^Using network (.+?)\s*$")
-_ENV = re.compile(r"^(NCCL_[A-Z0-9_]+) set (?:by environment )?to (.*?)\s*$")
+_NVLS_COMM = re.compile(r"NVLS comm (0x[0-9a-fA-F]{1,32})")
+_NETWORK = re.compile(r"^Using network (\S.*)$")
+_ENV = re.compile(r"^(NCCL_[A-Z0-9_]{1,64}) set (?:by environment )?to (.*)$")
+MAX_LINE = 1 << 16
+"""A longer line is cut there: no line NCCL writes comes near it."""
 _INTERFACES = re.compile(r"\[\d+\](\S+)")
 
 
@@ -85,7 +90,7 @@ class _Builder:
             self.log["warnings"].append(msg.strip())
             return
         if m := _INIT.search(msg):
-            fields = {a or b: x or y for a, x, b, y in _INIT_FIELD.findall(m["rest"])}
+            fields = {a or b: x or y for a, x, b, y in _INIT_FIELD.findall(m["rest"].strip())}
             comm = self.comm(m[1], tid)
             comm.update(rank=int(m[2]), n_ranks=int(m[3]))
             for name, key in (("cudaDev", "cuda_dev"), ("busId", "bus_id"), ("commId", "comm_id"),
@@ -114,15 +119,17 @@ class _Builder:
         elif m := _NVLS_SUPPORT.search(msg):
             self.fact(tid, "nvls_support", m[1] is None)
         elif m := _NETWORK.search(msg):
-            self.fact(tid, "network", m[1])
-            if m[1] not in self.log["networks"]:
-                self.log["networks"].append(m[1])
+            network = m[1].rstrip()
+            self.fact(tid, "network", network)
+            if network not in self.log["networks"]:
+                self.log["networks"].append(network)
         elif m := _VERSION.search(msg):
             self.log["nccl_version"], self.log["cuda_version"] = m[1], m[2]
         elif m := _DRIVER.search(msg):
             self.log["cuda_driver_version"] = _driver(m[1])
         elif m := _ENV.search(msg):
-            value = m[2][:-1] if re.fullmatch(r"-?\d+\.", m[2]) else m[2]  # misc/param.cc prints "%lld."
+            given = m[2].rstrip()
+            value = given[:-1] if re.fullmatch(r"-?\d+\.", given) else given  # misc/param.cc prints "%lld."
             self.log["env"][m[1]] = value
         elif msg.startswith("NET/IB : No device found"):
             self.log["ib_absent"] = True
@@ -160,6 +167,7 @@ def parse_nccl_log(text: str, global_rank: int | None = None, path: str | None =
     """Parse one process's NCCL log text; lines NCCL did not write, or that this does not know, are skipped."""
     builder = _Builder()
     for raw in text.splitlines():
+        raw = raw[:MAX_LINE]
         prefix = _PREFIX.search(raw)
         if prefix is None:
             # NCCL <= 2.21 prints a bare "NCCL version ..." to stdout, which some launchers merge in.

@@ -18,8 +18,8 @@ Pure: stdlib only, no Lightning, no process group; fast enough to run inside tra
 
 from __future__ import annotations
 
-import gzip
-import json
+import math
+import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +44,7 @@ from diagnostics.analysis.trace_timeline import (
     timeline,
 )
 from diagnostics.records import PHASES, RankTimes
+from diagnostics.records.bounds import loads, read_bytes
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 MESH_DIMS = DIMS[:5]
@@ -70,15 +71,31 @@ def read_trace(path: Path) -> dict:
     """A trace file, ``.json`` or ``.json.gz``; ValueError naming it when it is not a Kineto trace."""
     path = Path(path)
     try:
-        opened = gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else open(path, encoding="utf-8")
-        with opened as text:
-            trace = json.load(text)
-    except (ValueError, EOFError, gzip.BadGzipFile) as error:
+        trace = loads(read_bytes(path), path)  # bounded, also once decompressed
+    except (ValueError, EOFError, OSError, zlib.error) as error:  # gzip.BadGzipFile is an OSError
         raise ValueError(f"{path} is not a torch.profiler trace: it does not read as JSON ({error}). {_HINT}"
                          ) from error
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         raise ValueError(f"{path} is JSON but not a torch.profiler trace: it has no `traceEvents` list. {_HINT}")
+    wrong = next((index for index, event in enumerate(trace["traceEvents"]) if not _is_event(event)), None)
+    if wrong is not None:
+        raise ValueError(f"{path} is JSON but not a torch.profiler trace: event {wrong} is"
+                         f" {str(trace['traceEvents'][wrong])[:120]}. {_HINT}")
     return trace
+
+
+EVENT_FIELDS = {"name": str, "ph": str, "cat": str, "args": dict}
+NUMBER_FIELDS = ("ts", "dur")
+
+
+def _is_event(event: object) -> bool:
+    """A Kineto event as the analysis reads it: its fields, where present, of their types (numbers finite)."""
+    if not isinstance(event, dict):
+        return False
+    if any(key in event and not isinstance(event[key], kind) for key, kind in EVENT_FIELDS.items()):
+        return False
+    return all(isinstance(event[key], (int, float)) and not isinstance(event[key], bool) and math.isfinite(event[key])
+               for key in NUMBER_FIELDS if key in event)
 
 
 def trace_rank(trace: dict) -> int | None:

@@ -157,7 +157,7 @@ class CollectiveMonitor(Callback):
         for rank in range(self.world_size):
             value = self.exchange.read(f"host/{rank}")
             host, _, pid = (value or f"{socket.gethostname()}|{os.getpid()}").partition("|")
-            hosts[rank] = (host, int(pid))
+            hosts[rank] = (host[:200], int(pid) if pid.isdigit() and len(pid) <= 10 else -1)  # a peer's, unchecked
         address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         card = topology_markdown(self.backend, address, _store_host(), hosts, self.roles)
         nccl = self.folder / "nccl"

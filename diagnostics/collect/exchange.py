@@ -19,6 +19,20 @@ from diagnostics.records import (
     to_json,
     write_atomic,
 )
+from diagnostics.records.bounds import MAX_FILE_BYTES, loads
+
+
+def unpacked(payload: bytes) -> RankCapture | None:
+    """A peer's capture from the store, or None: decompressed to at most `MAX_FILE_BYTES` (a zlib stream can grow a
+    thousand times), read as a bounded JSON record."""
+    try:
+        inflate = zlib.decompressobj()
+        data = inflate.decompress(payload, MAX_FILE_BYTES)
+        if inflate.unconsumed_tail:
+            return None
+        return from_dict(RankCapture, loads(data, "a peer's capture"))
+    except (zlib.error, ValueError, KeyError, TypeError):
+        return None
 
 
 class CaptureExchange:
@@ -55,8 +69,9 @@ class CaptureExchange:
                 key = f"{self.prefix}capture/{rank}"
                 if self._store(lambda store: store.check([key])):
                     payload = self._store(lambda store: store.get(key))
-                    if payload is not None:
-                        found[rank] = from_dict(RankCapture, json.loads(zlib.decompress(payload)))
+                    capture = unpacked(payload) if payload is not None else None
+                    if capture is not None and capture.rank == rank:
+                        found[rank] = capture
             for rank, capture in read_captures(self.folder).items():
                 found.setdefault(rank, capture)
             waiting = [r for r in range(self.world_size) if r not in found and r not in skip]
@@ -68,7 +83,7 @@ class CaptureExchange:
         """A value the ranks put in the store under this fit's prefix (None when absent or the store is gone)."""
         name = f"{self.prefix}{key}"
         value = self._store(lambda store: store.get(name) if store.check([name]) else None)
-        return value.decode() if value is not None else None
+        return value[:4096].decode(errors="replace") if isinstance(value, bytes) else None
 
     def put(self, key: str, value: str) -> None:
         self._store(lambda store: store.set(f"{self.prefix}{key}", value))

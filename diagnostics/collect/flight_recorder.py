@@ -8,7 +8,6 @@ On gloo torch 2.13 leaves ``pg_config`` as ``{'': {'name': '', 'ranks': '[]'}}``
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 from collections.abc import Iterable
@@ -16,9 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from diagnostics.records import CollectiveEntry, Frame, GroupRecord, RankCapture
+from diagnostics.records.bounds import MAX_RANKS, loads, read_bytes
+from diagnostics.records.bounds import rank as a_rank
 
 DUMP_PREFIX = "fr_rank_"
 """Dump files are ``fr/fr_rank_<R>``: the analyzer infers the prefix from such a folder."""
+MAX_ENTRIES, MAX_FRAMES, MAX_TENSORS = 4096, 64, 64
+"""What is read of a dump: its last entries (the newest; torch keeps 2000 by default), each entry's first frames and
+tensors. A pickle can name one object many times at no cost in the file: its size says nothing of what it holds."""
+MAX_ALL_FRAMES = 1 << 18
 
 
 def read_dump() -> dict[str, Any] | None:
@@ -44,9 +49,9 @@ class _PlainData(pickle.Unpickler):
 
 def load_dump(path: Path) -> dict[str, Any]:
     """A dump file (torch's pickle, or its JSON form) as plain data; ValueError naming the file when it is not one."""
-    data = path.read_bytes()
+    data = read_bytes(path)
     try:  # a pickle never starts with `{`
-        dump = json.loads(data) if data.lstrip()[:1] == b"{" else _PlainData(io.BytesIO(data)).load()
+        dump = loads(data, path) if data.lstrip()[:1] == b"{" else _PlainData(io.BytesIO(data)).load()
     except Exception as error:  # noqa: BLE001 (garbage, a truncated or crafted file: each fails its own way)
         raise ValueError(f"{path} is not a flight-recorder dump ({type(error).__name__}: {error})") from None
     if isinstance(dump, dict):
@@ -55,21 +60,31 @@ def load_dump(path: Path) -> dict[str, Any]:
 
 
 def entries_of(dump: dict[str, Any]) -> tuple[CollectiveEntry, ...]:
-    entries = []
-    for entry in dump.get("entries", ()):
+    entries, frames_left = [], MAX_ALL_FRAMES
+    for entry in list(dump.get("entries", ()))[-MAX_ENTRIES:]:
         if entry.get("is_p2p"):
             continue
         group = entry.get("process_group") or ("", "")
-        name = entry.get("profiling_name") or ""
+        name = str(entry.get("profiling_name") or "")[:200]
+        frames = tuple(Frame(str(f.get("filename", "?"))[:500], _count(f.get("line", 0)), str(f.get("name", "?"))[:200])
+                       for f in list(entry.get("frames", ()))[:min(MAX_FRAMES, frames_left)])
+        frames_left -= len(frames)
         entries.append(CollectiveEntry(
-            group=str(group[0]), seq=int(entry.get("collective_seq_id", -1)), op=name.split(":", 1)[-1],
-            input_sizes=tuple(tuple(int(d) for d in size) for size in entry.get("input_sizes", ())),
-            input_dtypes=tuple(str(d) for d in entry.get("input_dtypes", ())),
+            group=str(group[0])[:200], seq=_count(entry.get("collective_seq_id", -1)), op=name.split(":", 1)[-1],
+            input_sizes=tuple(tuple(_count(d) for d in list(size)[:MAX_TENSORS])
+                              for size in list(entry.get("input_sizes", ()))[:MAX_TENSORS]),
+            input_dtypes=tuple(str(d)[:40] for d in list(entry.get("input_dtypes", ()))[:MAX_TENSORS]),
             retired=bool(entry.get("retired")) or entry.get("state") == "completed",
-            started_ns=entry.get("time_created_ns"),
-            frames=tuple(Frame(f.get("filename", "?"), int(f.get("line", 0)), f.get("name", "?"))
-                         for f in entry.get("frames", ()))))
+            started_ns=entry.get("time_created_ns") if isinstance(entry.get("time_created_ns"), int) else None,
+            frames=frames))
     return tuple(entries)
+
+
+def _count(value: object) -> int:
+    """A sequence number, a size or a line: an int that fits 64 bits (``int()`` of a 5000-digit string is refused)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not -1 <= value < 1 << 63:
+        raise ValueError(f"{str(value)[:40]!r} is not a count")
+    return value
 
 
 def with_groups(dump: dict[str, Any], groups: Iterable[GroupRecord], rank: int) -> dict[str, Any]:
@@ -97,7 +112,8 @@ def capture_of_dump(dump: dict[str, Any], rank: int, world_size: int, captured_a
     the world size is at least what its groups' ranks say, ``coordinates`` come from the run's ``layout.json``."""
     groups = []
     for name, config in (dump.get("pg_config") or {}).items():
-        ranks = tuple(int(r) for r in str(config.get("ranks", "[]")).strip("[]").split(",") if r.strip())
+        listed = str(config.get("ranks", "[]"))[:8 * MAX_RANKS].strip("[]").split(",")
+        ranks = tuple(a_rank(r, f"group {str(name)[:40]}'s member") for r in listed if r.strip())
         desc = str(config.get("desc", ""))
         role = "world" if desc == "default_pg" else desc.removeprefix("mesh_") or str(name)
         groups.append(GroupRecord(str(name), desc, role, ranks or (rank,)))

@@ -2,14 +2,16 @@
 `from_json` read them back as the same record, guided by its fields' types (nested records, tuples, ``int`` keys).
 
 Reading is lenient the way old files need: a key the record does not know is ignored, a missing one takes the
-field's default, or None where the field may be None; anything else missing raises ``KeyError``, a value of the
-wrong shape ``TypeError`` or ``ValueError``.
+field's default, or None where the field may be None; anything else missing raises ``KeyError``. It is strict about
+what is there (the files may come from anywhere): an ``int`` field takes an integer (a string of digits as a key), a
+``float`` a finite number, a ``str`` a string, a list a list; else ``TypeError``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 from collections.abc import Mapping
 from functools import cache
@@ -73,14 +75,45 @@ def _decode(hint: Any, value: Any) -> Any:
         return _decode(kinds[0], value)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return from_dict(hint, value)
-    if origin is tuple:
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_decode(args[0], item) for item in value)
+    if origin in (tuple, list):
+        if not isinstance(value, list):
+            raise TypeError(f"a list was expected, not {type(value).__name__}")
+        if origin is list or (len(args) == 2 and args[1] is Ellipsis):
+            decoded = [_decode(args[0], item) for item in value]
+            return decoded if origin is list else tuple(decoded)
         return tuple(_decode(kind, item) for kind, item in zip(args, value, strict=True))
-    if origin is list:
-        return [_decode(args[0], item) for item in value]
     if origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError(f"an object was expected, not {type(value).__name__}")
         return {_decode(args[0], key): _decode(args[1], item) for key, item in value.items()}
-    if hint is int:
-        return int(value)  # JSON keys are strings: ``{"3": "node-a"}`` is rank 3's host
-    return value  # str, float, bool, Any, Literal: as JSON holds them
+    if hint in SCALARS:
+        return SCALARS[hint](value)
+    return value  # Any, Literal: as JSON holds them
+
+
+def _int(value: Any) -> int:
+    """An int of at most 30 digits (a thread id is 20), or such a string (JSON keys are strings: ``{"3": "node-a"}`` is
+    rank 3's host)."""
+    if isinstance(value, str) and value.lstrip("-").isdigit() and len(value) <= 31:
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not -(10**30) < value < 10**30:
+        raise ValueError(f"an integer was expected, not {str(value)[:40]!r}")
+    return value
+
+
+def _float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"a finite number was expected, not {str(value)[:40]!r}")
+    return float(value)
+
+
+def _of(kind: type) -> Any:
+    def check(value: Any) -> Any:
+        if not isinstance(value, kind):
+            raise TypeError(f"a {kind.__name__} was expected, not {type(value).__name__}")
+        return value
+
+    return check
+
+
+SCALARS = {int: _int, float: _float, str: _of(str), bool: _of(bool)}

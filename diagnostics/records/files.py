@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from diagnostics.records.bottleneck import WindowRecord
+from diagnostics.records.bounds import loads, rank, read_json
 from diagnostics.records.codec import Record, from_dict
 from diagnostics.records.collectives import RankCapture
 from diagnostics.records.routing import RoutingInterval
@@ -32,11 +32,16 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def read_captures(folder: Path) -> dict[int, RankCapture]:
-    """Every ``rank<R>/capture.json`` under ``folder`` (a diagnostics dir), by rank; unreadable ones are skipped."""
+    """Every ``rank<R>/capture.json`` under ``folder`` (a diagnostics dir), by rank; unreadable ones are skipped: not
+    a bounded JSON record (`bounds`), or one whose rank, world size and groups are not those of a world."""
     captures = {}
     for path in sorted(Path(folder).glob(f"rank*/{CAPTURE_FILE}")):
         try:
-            capture = from_dict(RankCapture, json.loads(path.read_text()))
+            capture = from_dict(RankCapture, read_json(path))
+            world = capture.world_size
+            rank(world - 1, "a world size")
+            if rank(capture.rank) >= world or any(rank(member) >= world for g in capture.groups for member in g.ranks):
+                continue
         except (OSError, ValueError, KeyError, TypeError):
             continue
         captures[capture.rank] = capture
@@ -48,7 +53,7 @@ def read_lines(cls: type[Record], text: str) -> list[Record]:
     records = []
     for line in text.splitlines():
         try:
-            records.append(from_dict(cls, json.loads(line)))
+            records.append(from_dict(cls, loads(line)))
         except (ValueError, KeyError, TypeError):
             continue
     return records

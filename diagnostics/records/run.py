@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from diagnostics.records.bounds import read_json, read_text
 from diagnostics.records.codec import from_dict
 
 STATUSES = ("ok", "refused", "oom", "hang", "crash")
@@ -68,6 +69,7 @@ class RunRecord:
 RUN_FILE = "run.json"
 """The `RunRecord`, in ``<log_dir>/diagnostics/``."""
 HYDRA_DIR = ".hydra"
+MAX_OVERRIDES_BYTES = 1 << 20
 """What marks a Hydra job's output folder (``overrides.yaml`` inside it names the job)."""
 
 
@@ -111,13 +113,16 @@ def _read(run: Path, sweep: Path, paths: list[Path]) -> FoundRun:
     listed = run / HYDRA_DIR / "overrides.yaml"
     if listed.is_file():
         try:
-            overrides = tuple(str(line) for line in yaml.safe_load(listed.read_text()) or ())
-        except (OSError, yaml.YAMLError) as error:
-            return FoundRun(run, name, None, (), f"unreadable {listed}: {error}")
+            lines = yaml.safe_load(read_text(listed, MAX_OVERRIDES_BYTES)) or []
+            if not isinstance(lines, list) or not all(isinstance(line, str) for line in lines):
+                raise ValueError("not a list of `key=value` strings")  # nested lists: an alias bomb grows in str()
+            overrides = tuple(lines)
+        except (OSError, ValueError, RecursionError, yaml.YAMLError) as error:
+            return FoundRun(run, name, None, (), f"unreadable {listed}: {str(error)[:300]}")
     if not paths:
         return FoundRun(run, name, None, overrides)
     try:
-        record = from_dict(RunRecord, json.loads(paths[0].read_text()))
+        record = from_dict(RunRecord, read_json(paths[0]))
     except (OSError, ValueError, KeyError, TypeError) as error:
         return FoundRun(run, name, None, overrides, f"unreadable {paths[0]}: {type(error).__name__}: {error}")
     return FoundRun(run, name, record, record.overrides or overrides)
