@@ -29,6 +29,17 @@ from collections.abc import Callable
 from lightning_nd.runtime.job import store_prefix
 
 
+MAX_REASON = 2000
+
+
+def parse_verdict(value: bytes, world_size: int) -> tuple[int, str] | None:
+    """``b"<rank>|<reason>"`` as (rank, reason), or None when it is not a verdict of a world of ``world_size``."""
+    rank, bar, reason = value[:MAX_REASON].decode(errors="replace").partition("|")
+    if not bar or not reason or not rank.isdigit() or len(rank) > 7 or int(rank) >= world_size:
+        return None
+    return int(rank), reason
+
+
 def _store_gone(error: Exception) -> tuple[int, str]:
     return 0, f"died or is unreachable: the rendezvous store does not answer ({error})"
 
@@ -101,14 +112,24 @@ class RankWatchdog:
         self._post(self.rank, f"failed: {reason}")
 
     def verdict(self) -> tuple[int, str] | None:
+        """The verdict posted, if any; a value that is not one (another rank than this world's, not ``<rank>|<reason>``:
+        a peer's bug or a forgery) is none."""
         if not self.store.check(["verdict"]):
             return None
-        rank, _, reason = self.store.get("verdict").decode().partition("|")
-        return (int(rank), reason) if reason else None
+        return parse_verdict(self.store.get("verdict"), self.world_size)
+
+    def beat(self, rank: int) -> int:
+        """``rank``'s heartbeat count (0 before its first beat, or when its key holds no count: read, not added to, as
+        the store's server drops the connection of an ``add`` to a key that holds no number)."""
+        key = f"beat/{rank}"
+        if not self.store.check([key]):
+            return 0
+        value = self.store.get(key)
+        return int(value) if value.isdigit() and len(value) <= 18 else 0
 
     def heartbeats(self) -> dict[int, int]:
         """Every rank's heartbeat count now."""
-        return {rank: self.store.add(f"beat/{rank}", 0) for rank in range(self.world_size)}
+        return {rank: self.beat(rank) for rank in range(self.world_size)}
 
     def confirm_death(self) -> tuple[int, str] | None:
         """After a broken or timed-out collective: the verdict already posted, else a rank whose heartbeat does not
@@ -161,7 +182,11 @@ class RankWatchdog:
             return
 
     def _post(self, rank: int, reason: str) -> None:
-        self.store.compare_set("verdict", "", f"{rank}|{reason}")  # the first verdict stands
+        """The first verdict stands; a value there that is none (`verdict`) is replaced, not left blocking it."""
+        held = self.store.get("verdict") if self.store.check(["verdict"]) else b""
+        if held and parse_verdict(held, self.world_size) is not None:
+            return
+        self.store.compare_set("verdict", held, f"{rank}|{reason[:MAX_REASON]}")
 
     def _run(self) -> None:
         last_count, last_change, unreachable_since, failure_seen, found = -1, time.monotonic(), None, None, None
@@ -169,7 +194,7 @@ class RankWatchdog:
             now = time.monotonic()
             try:
                 self.store.add(f"beat/{self.rank}", 1)
-                count = self.store.add(f"beat/{self.peer}", 0)
+                count = self.beat(self.peer)
                 if count != last_count or count == 0:  # 0: the peer has not started its watchdog yet (see below)
                     last_count, last_change = count, now
                 elif now - last_change > self.dead_after and not self.store.check([f"done/{self.peer}"]):
