@@ -127,7 +127,7 @@ def is_safetensors(path: Path) -> bool:
 
 def read_export(path: Path) -> dict[str, Any]:
     """A safetensors export as ``torch.load`` gives the torch one (a weights-only one: its weights and layout)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as handle:
@@ -143,7 +143,8 @@ def read_export(path: Path) -> dict[str, Any]:
                     continue
                 index, number, field = key[len(OPTIMIZER):].split("/", 2)
                 optimizers[int(index)]["state"].setdefault(int(number), {})[field] = handle.get_tensor(key)
-    except (OSError, ValueError, KeyError, IndexError, TypeError, RecursionError, AttributeError) as error:
+    except (OSError, ValueError, KeyError, IndexError, TypeError, RecursionError, AttributeError,
+            SafetensorError) as error:
         raise CheckpointError(f"`{path}` is not a lightning-nd export ({type(error).__name__}: {str(error)[:200]})."
                               " HINT: export the checkpoint again.") from None
     if STATE not in metadata:  # weights only

@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 from lightning_nd.runtime.job import store_prefix
 
-
 MAX_REASON = 2000
 
 
