@@ -33,7 +33,8 @@ def run_key(environ: Mapping[str, str] = os.environ) -> str:
     """A folder name the same for every rank and every restart of one job: ``slurm-<job id>`` (a requeued job keeps
     its id), ``torchrun-<run id>`` (``--rdzv-id``; with the default id ``none``, the agent's process id on this host,
     which a restart keeps), else the time of day (a plain run: Lightning's own launcher hands its run folder to the
-    processes it starts)."""
+    processes it starts), taken once per process so that its own checkpoints stay its own."""
+    global _STARTED
     if environ.get("SLURM_JOB_ID"):
         return f"slurm-{environ['SLURM_JOB_ID']}"
     run_id = environ.get("TORCHELASTIC_RUN_ID")
@@ -41,4 +42,8 @@ def run_key(environ: Mapping[str, str] = os.environ) -> str:
         return f"torchrun-{run_id}"
     if run_id:
         return f"torchrun-agent{os.getppid()}"
-    return time.strftime("%Y-%m-%d/%H-%M-%S")
+    _STARTED = _STARTED or time.strftime("%Y-%m-%d/%H-%M-%S")
+    return _STARTED
+
+
+_STARTED = ""

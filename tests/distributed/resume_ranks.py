@@ -62,6 +62,28 @@ def _fit(root: Path, steps: int, model: Any, ckpt_path: str | None, save: bool) 
             "loaded": state.loaded, "step": trainer.global_step}
 
 
+def _out_of_memory_on_rank1(folder: Path) -> dict[str, Any]:
+    """Reading the newest checkpoint's random state runs out of memory on rank 1 alone: every rank is told, and the
+    one before is loaded (before, only a `CheckpointError` was shared and rank 0 waited in DCP's collectives)."""
+    from lightning_nd.checkpoint import state_files
+
+    if dist.get_rank() == 0:
+        shutil.copytree(folder / "run", folder / "memory")
+    dist.barrier()
+    real = state_files.read_json
+
+    def read_json(file: Path, limit: int) -> Any:
+        if dist.get_rank() == 1 and file.name == "rng-1.json" and file.parent.name == "step=6.ckpt":
+            raise MemoryError("cannot allocate 17179869184 bytes")
+        return real(file, limit)
+
+    state_files.read_json = read_json
+    try:
+        return _fit(folder / "memory", 8, build("llama", seed=1), "auto", save=True)
+    finally:
+        state_files.read_json = real
+
+
 def scenarios(root: str) -> dict[str, Any]:
     folder = Path(root)
     results = {"fresh": _fit(folder / "run", 6, build("llama"), "auto", save=True)}  # saves steps 3 and 6
@@ -76,6 +98,7 @@ def scenarios(root: str) -> dict[str, Any]:
     before = damaged.read_bytes()
     results["damaged"] = _fit(folder / "damaged", 8, build("llama", seed=1), "auto", save=True)
     results["damaged"]["kept"] = damaged.read_bytes() == before
+    results["one_rank_out_of_memory"] = _out_of_memory_on_rank1(folder)
     results["reference"] = _fit(folder / "reference", 8, build("llama", seed=1),
                                 str(folder / "run" / "ckpt" / "step=3.ckpt"), save=False)
     wide = Llama(LlamaConfig(vocab_size=2 * VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -44,6 +44,16 @@ def test_a_newest_checkpoint_that_fails_to_load_falls_back_to_the_one_before(res
                                                                            "step=6.ckpt"]
 
 
+def test_a_read_that_runs_out_of_memory_on_one_rank_falls_back_on_every_rank(results):
+    root, ranks = results
+    newest = root / "memory" / "ckpt" / "step=6.ckpt"
+    warned = [line for line in ranks[0]["one_rank_out_of_memory"]["said"] if f"could not load `{newest}`" in line]
+    assert len(warned) == 1 and "MemoryError: cannot allocate" in warned[0], ranks[0]["one_rank_out_of_memory"]["said"]
+    for rank in ranks:
+        run, reference = rank["one_rank_out_of_memory"], rank["reference"]
+        assert run["step"] == 8 and run["losses"] == reference["losses"]
+
+
 def test_a_checkpoint_of_another_vocabulary_is_refused_before_any_step_naming_both_shapes(results):
     _, ranks = results
     for rank in ranks:
