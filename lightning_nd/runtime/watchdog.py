@@ -185,7 +185,7 @@ class RankWatchdog:
         held = self.store.get("verdict") if self.store.check(["verdict"]) else b""
         if held and parse_verdict(held, self.world_size) is not None:
             return
-        self.store.compare_set("verdict", held, f"{rank}|{reason[:MAX_REASON]}")
+        self.store.compare_set("verdict", held, f"{rank}|{reason[:MAX_REASON]}")  # type: ignore[arg-type]  # bytes, as held
 
     def _run(self) -> None:
         last_count, last_change, unreachable_since, failure_seen, found = -1, time.monotonic(), None, None, None
