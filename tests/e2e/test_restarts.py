@@ -63,7 +63,7 @@ def staged(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def resumed_steps(output: str) -> list[int]:
-    return [int(step) for step in re.findall(r"`ckpt_path='auto'` resumes from `[^`]+` \(step (\d+)\)", output)]
+    return [int(step) for step in re.findall(r"`ckpt_path='auto'` resumes from `[^`]+` \(step (\d+)[,)]", output)]
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -108,6 +108,7 @@ def test_under_lightnings_launcher_the_same_command_again_resumes_where_the_cras
         assert (code == 0) == (not faults), output[-6000:]
         runs.append((output, losses(tmp_path)[sum(len(curve) for _, curve in runs):]))
     assert [resumed_steps(output) for output, _ in runs] == [[], [EVERY], [EVERY]]
+    assert all("written by run `" in output for output, _ in runs[1:])  # each command again is a run of its own
     first, cut, last = ({step: loss for _, step, loss in curve} for _, curve in runs)
     assert sorted(first) == list(range(1, killed_at + 1)) and sorted(cut) == sorted(last) == list(range(EVERY + 1, STEPS + 1))
     assert last == cut and all(last[step] == first[step] for step in range(EVERY + 1, killed_at + 1))

@@ -87,7 +87,7 @@ def test_a_requeue_signal_saves_between_two_steps_and_the_requeued_job_resumes(s
     assert is_complete(run / "hpc_ckpt_1.ckpt") and read_sharded(run / "hpc_ckpt_1.ckpt")["global_step"] == step
     # The batch that had started when the signal came runs to its end before the job stops, and the train-end save of
     # `last` may finish before SLURM ends the tasks: `auto` then takes that newer complete checkpoint, one step later.
-    resumed = re.findall(r"`ckpt_path='auto'` resumes from `([^`]+)` \(step (\d+)\)", output)
+    resumed = re.findall(r"`ckpt_path='auto'` resumes from `([^`]+)` \(step (\d+)[,)]", output)
     assert len(resumed) == 1, output[-6000:]
     path, start = resumed[0][0], int(resumed[0][1])
     assert (path, start) == (str(run / "hpc_ckpt_1.ckpt"), step) or (

@@ -92,7 +92,7 @@ def test_damaged_checkpoint_is_refused_naming_the_piece(tmp_path, capsys, damage
     with pytest.raises(CheckpointError) as error:
         read_sharded(path, progress=lambda _: None)
     assert message in str(error.value) and "HINT" in str(error.value)
-    assert main(["verify", str(path)]) == 1 and message in capsys.readouterr().err
+    assert main(["verify", str(path)]) == 2 and message in capsys.readouterr().err
 
 
 def test_latest_skips_half_written_and_damaged_folders(tmp_path, capsys):
@@ -140,7 +140,7 @@ def test_latest_ignores_links_and_refuses_a_missing_folder(tmp_path, capsys):
     assert latest_checkpoint(tmp_path).name == "step=1.ckpt"
     with pytest.raises(CheckpointError, match="is not a folder"):
         latest_checkpoint(tmp_path / "nowhere")
-    assert main(["latest", str(tmp_path / "nowhere")]) == 1 and "is not a folder" in capsys.readouterr().err
+    assert main(["latest", str(tmp_path / "nowhere")]) == 2 and "is not a folder" in capsys.readouterr().err
 
 
 def test_optimizer_state_of_an_optimizer_that_never_stepped_leaves_it_untouched():
