@@ -6,6 +6,7 @@ Written as JSON (`json_state.py`, format 2); a checkpoint of format 1 holds them
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,15 +47,8 @@ def write_rng(folder: Path, rank: int, rng: dict[str, Any]) -> None:
 
 def read_meta(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Lightning's state of the checkpoint folder ``path`` (its ``manifest`` says the format)."""
-    if manifest.get("format", 0) < 2:
-        _bounded(path / LEGACY_META, MAX_META_BYTES)
-        meta = trusted.load_meta(path / LEGACY_META)
-    else:
-        meta = read_json(path / META, MAX_META_BYTES)
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"`{path}`'s state is a {type(meta).__name__}, not a dict. HINT: resume from another"
-                              " checkpoint.")
-    return meta
+    legacy = manifest.get("format", 0) < 2
+    return _read_dict(path / (LEGACY_META if legacy else META), legacy, trusted.load_meta, MAX_META_BYTES, "state")
 
 
 def read_rng(path: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any] | None:
@@ -63,15 +57,20 @@ def read_rng(path: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any] 
     name = rng_file(rank, legacy=legacy)
     if name not in manifest["files"]:
         return None
+    return _read_dict(path / name, legacy, trusted.load_rng, MAX_RNG_BYTES, "random states")
+
+
+def _read_dict(file: Path, legacy: bool, load_legacy: Callable[[Path], Any], limit: int, what: str) -> dict[str, Any]:
+    """A dict from ``file``: format 1's pickle through the allow-list (``load_legacy``), else JSON; both bounded."""
     if legacy:
-        _bounded(path / name, MAX_RNG_BYTES)
-        rng = trusted.load_rng(path / name)
+        _bounded(file, limit)
+        value = load_legacy(file)
     else:
-        rng = read_json(path / name, MAX_RNG_BYTES)
-    if not isinstance(rng, dict):
-        raise CheckpointError(f"`{path / name}` is a {type(rng).__name__}, not random states. HINT: resume from another"
-                              " checkpoint.")
-    return rng
+        value = read_json(file, limit)
+    if not isinstance(value, dict):
+        raise CheckpointError(f"`{file}` is a {type(value).__name__}, not the checkpoint's {what}. HINT: resume from"
+                              " another checkpoint.")
+    return value
 
 
 def _bounded(file: Path, limit: int) -> None:
