@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -22,6 +23,8 @@ MEMORY_FILE = "memory-rank{rank}.json"
 ROUTING_FILE = "routing.jsonl"
 """One `RoutingInterval` a line, from rank 0."""
 
+log = logging.getLogger("diagnostics")
+
 
 def write_atomic(path: Path, text: str) -> None:
     """Write through a temporary file and rename: a reader never sees half a record, even if this rank dies."""
@@ -32,8 +35,9 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def read_captures(folder: Path) -> dict[int, RankCapture]:
-    """Every ``rank<R>/capture.json`` under ``folder`` (a diagnostics dir), by rank; unreadable ones are skipped: not
-    a bounded JSON record (`bounds`), or one whose rank, world size and groups are not those of a world."""
+    """Every ``rank<R>/capture.json`` under ``folder`` (a diagnostics dir), by rank; an unreadable one is skipped with
+    a warning naming it: not a bounded JSON record (`bounds`), or one whose rank, world size and groups are not those
+    of a world."""
     captures = {}
     for path in sorted(Path(folder).glob(f"rank*/{CAPTURE_FILE}")):
         try:
@@ -41,8 +45,10 @@ def read_captures(folder: Path) -> dict[int, RankCapture]:
             world = capture.world_size
             rank(world - 1, "a world size")
             if rank(capture.rank) >= world or any(rank(member) >= world for g in capture.groups for member in g.ranks):
-                continue
-        except (OSError, ValueError, KeyError, TypeError):
+                raise ValueError(f"its rank or a group member is not below its world size {world}")
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            log.warning("skipped `%s`, which is not a rank's capture (%s: %s)", path, type(error).__name__,
+                        str(error)[:200])
             continue
         captures[capture.rank] = capture
     return captures
