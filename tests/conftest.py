@@ -18,6 +18,7 @@ pytest 9 no longer reads)."""
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -69,3 +70,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if time.monotonic() - _started > budget:
         pytest.fail(f"not run: the suite has run for more than its {budget:.0f} s budget ({SUITE_BUDGET}); see the"
                     " slowest durations below", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left():
+    """After each test, no default process group. A Trainer run in the test's own process (``devices=1``) starts a
+    one-process group that Lightning leaves up when it ends, as it does for its own strategies; every later test of
+    that worker would see it (test_errors checks that a refusal starts none, and a test starting its own fails)."""
+    yield
+    dist = sys.modules.get("torch.distributed")  # not imported: no group
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

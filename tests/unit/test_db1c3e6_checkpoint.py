@@ -59,7 +59,11 @@ def test_it_resumes_under_ndparallel_from_its_step():
                       callbacks=[loaded])
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(32, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator))
-    trainer.fit(Tiny(), DataLoader(data, batch_size=4), ckpt_path=str(SAVED / "step=3.ckpt"))
+    try:
+        trainer.fit(Tiny(), DataLoader(data, batch_size=4), ckpt_path=str(SAVED / "step=3.ckpt"))
+    finally:  # the one-process group Lightning started stays up otherwise, for every later test of this process
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert trainer.global_step == 4
     for name, value in torch.load(SAVED / "expected.pt")["weights"].items():
         assert torch.equal(loaded.weights[name], value), name
