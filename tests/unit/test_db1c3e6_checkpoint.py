@@ -1,6 +1,6 @@
 """A checkpoint lightning-nd wrote at db1c3e6, format 1 (`tests/data/checkpoint_db1c3e6/`: 2 ranks, dp_shard=2, a
 tiny MLP, AdamW, 3 steps, an omegaconf config and a path in the hyper-parameters) still reads and resumes: whole in
-one process with its weights and hyper-parameters, and under `NDParallel` in one process from its step."""
+one process with its weights and hyper-parameters, and under `NDParallel` from its step (in a process of its own)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nd import NDParallel
 from lightning_nd.checkpoint import files, read_sharded
+from tests.launcher import launch
 
 SAVED = Path(__file__).resolve().parents[1] / "data" / "checkpoint_db1c3e6"
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -52,18 +53,20 @@ def test_it_reads_whole_with_its_weights_and_hyper_parameters():
     assert set(whole["optimizer_states"][0]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
 
 
-def test_it_resumes_under_ndparallel_from_its_step():
+def resume_from_it() -> dict:
+    """In a process of its own (`tests.launcher`): NDParallel resumes from the folder and trains one step more."""
     loaded = Loaded()
     trainer = Trainer(strategy=NDParallel(), accelerator="cpu", devices=1, max_steps=4, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[loaded])
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(32, 8, generator=generator), torch.randint(0, 4, (32,), generator=generator))
-    try:
-        trainer.fit(Tiny(), DataLoader(data, batch_size=4), ckpt_path=str(SAVED / "step=3.ckpt"))
-    finally:  # the one-process group Lightning started stays up otherwise, for every later test of this process
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    assert trainer.global_step == 4
+    trainer.fit(Tiny(), DataLoader(data, batch_size=4), ckpt_path=str(SAVED / "step=3.ckpt"))
+    return {"global_step": trainer.global_step, "weights": loaded.weights}
+
+
+def test_it_resumes_under_ndparallel_from_its_step(tmp_path):
+    (resumed,) = launch("tests.unit.test_db1c3e6_checkpoint:resume_from_it", 1, tmp_path, timeout=120)
+    assert resumed["global_step"] == 4
     for name, value in torch.load(SAVED / "expected.pt")["weights"].items():
-        assert torch.equal(loaded.weights[name], value), name
+        assert torch.equal(resumed["weights"][name], value), name
