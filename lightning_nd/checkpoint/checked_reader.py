@@ -17,23 +17,24 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 
 from lightning_nd.checkpoint import trusted
-from lightning_nd.checkpoint.files import DCP_METADATA, CheckpointError, is_plain_name, regular_size
+from lightning_nd.checkpoint.files import DCP_METADATA, CheckpointError, bounded_size, is_plain_name, regular_size
 
 MAX_INDEX_BYTES = 256 << 20
 
 
 class CheckedReader(FileSystemReader):
-    """A ``FileSystemReader`` of one lightning-nd checkpoint folder that reads its one checked index."""
+    """A ``FileSystemReader`` of one lightning-nd checkpoint folder that gives DCP the folder's ``index``, read and
+    checked once by `read_index` (every load of a resume reads the same one)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, index: Metadata) -> None:
         super().__init__(folder)
-        self.folder = Path(folder)
+        self.folder, self.index = Path(folder), index
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # DCP's fallback after the index failed: there is no other index
             raise CheckpointError(f"`{self.folder}` has one index, `{DCP_METADATA}`; lightning-nd reads no rank-local"
                                   " one.")
-        metadata = read_index(self.folder)
+        metadata = self.index
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -42,10 +43,7 @@ class CheckedReader(FileSystemReader):
 def read_index(folder: Path) -> Metadata:
     """``folder``'s DCP index, checked (see the module's docstring); a `CheckpointError` naming what is wrong."""
     file = folder / DCP_METADATA
-    size = regular_size(file)
-    if size is None or size > MAX_INDEX_BYTES:
-        raise CheckpointError(f"`{file}` is not a regular file of at most {MAX_INDEX_BYTES} bytes. HINT: resume from"
-                              " another checkpoint.")
+    bounded_size(file, MAX_INDEX_BYTES)
     metadata = trusted.load_dcp_metadata(file)
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"`{file}` is not DCP's index (it unpickles to a `{type(metadata).__name__}`). HINT: resume"

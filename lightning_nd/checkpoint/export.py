@@ -39,12 +39,12 @@ def read_sharded(path: Path, progress: Callable[[str], None] = log.info) -> dict
     manifest = files.read_manifest(path)
     progress(f"Checking {len(manifest['files'])} files of `{path}` (sizes and checksums)")
     files.raise_problems(path, files.problems(path, manifest))
-    read_index(path)
+    index = read_index(path)
     meta = read_meta(path, manifest)
     progress(f"Reading the shards of {manifest.get('world_size', '?')} ranks (layout {manifest.get('layout')})")
     state: dict[str, Any] = {}
     try:
-        _load_state_dict(state, storage_reader=CheckedReader(path), planner=trusted.load_planner(path, whole=True),
+        _load_state_dict(state, storage_reader=CheckedReader(path, index), planner=trusted.load_planner(path, whole=True),
                          no_dist=True)
     except CheckpointException as error:  # DCP wraps the failure: a value refused is said as it is
         if (refused := trusted.refusal_in(error)) is not None:

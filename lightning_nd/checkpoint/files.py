@@ -78,6 +78,15 @@ def regular_size(file: Path) -> int | None:
     return found.st_size if stat.S_ISREG(found.st_mode) else None
 
 
+def bounded_size(file: Path, limit: int) -> int:
+    """The size of ``file``, a regular file of at most ``limit`` bytes; else a `CheckpointError` saying so."""
+    size = regular_size(file)
+    if size is None or size > limit:
+        raise CheckpointError(f"`{file}` is not a regular file of at most {limit} bytes"
+                              f" ({'none' if size is None else f'{size} bytes'}). HINT: resume from another checkpoint.")
+    return size
+
+
 def crc32(path: Path, chunk: int = 1 << 22) -> int:
     value = 0
     with open(path, "rb") as handle:

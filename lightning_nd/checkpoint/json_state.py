@@ -24,7 +24,7 @@ from typing import Any
 import numpy
 import torch
 
-from lightning_nd.checkpoint.files import CheckpointError, regular_size
+from lightning_nd.checkpoint.files import CheckpointError, bounded_size
 
 TAG = "$type"
 TORCH_DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
@@ -170,10 +170,7 @@ def write_json(file: Path, value: Any, where: str) -> None:
 
 def read_json(file: Path, limit: int) -> Any:
     """``file`` decoded; anything wrong with it (too big, not JSON, too deep, malformed) is one `CheckpointError`."""
-    size = regular_size(file)
-    if size is None or size > limit:
-        raise CheckpointError(f"`{file}` is not a regular file of at most {limit} bytes"
-                              f" ({'none' if size is None else f'{size} bytes'}). HINT: resume from another checkpoint.")
+    bounded_size(file, limit)
     try:
         return decode(json.loads(file.read_bytes()), f"`{file.name}`")
     except (ValueError, RecursionError, MemoryError, OverflowError) as error:

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lightning_nd.checkpoint.files import CheckpointError, problems, read_manifest
+from lightning_nd.checkpoint.files import MANIFEST, CheckpointError, problems, read_manifest
 from lightning_nd.runtime.job import run_key
 
 log = logging.getLogger("lightning_nd")
@@ -42,7 +42,7 @@ def complete_manifests(*folders: str | os.PathLike, run: str | None = None) -> l
             try:
                 manifest = read_manifest(path)
             except CheckpointError as error:
-                if (path / "lightning_nd.json").exists():  # a checkpoint cut short has none: no news
+                if (path / MANIFEST).exists():  # a checkpoint cut short has none: no news
                     log.warning(f"lightning-nd: skipped `{path}`: {error}")
                 continue
             if manifest["saved_at"] > now + FUTURE_S:

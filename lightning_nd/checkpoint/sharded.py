@@ -12,10 +12,11 @@ import logging
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.optim import Optimizer
 
 from lightning_nd.checkpoint import files, trusted
@@ -48,11 +49,18 @@ def on_rank0(action: Callable[[], Any], group: dist.ProcessGroup | None = None) 
         try:
             outcome[0] = action()
         except Exception as failure:  # noqa: BLE001 - raised on every rank below
-            outcome[1] = str(failure) if isinstance(failure, CheckpointError) else f"{type(failure).__name__}: {failure}"
+            outcome[1] = _said(failure)
     dist.broadcast_object_list(outcome, src=0, group=group)
     if outcome[1] is not None:
         raise CheckpointError(f"Saving the checkpoint failed on rank 0: {outcome[1]}")
     return outcome[0]
+
+
+def _said(error: Exception, path: Path | None = None) -> str:
+    """What a rank tells the others of its failure: a `CheckpointError`'s own words, else its type and message."""
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"{f'`{path}`: ' if path else ''}{type(error).__name__}: {error}"
 
 
 def save_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any], rng: dict[str, Any], info: dict[str, Any]) -> None:
@@ -103,7 +111,7 @@ def verify(path: Path) -> dict[str, Any]:
         rank, world = dist.get_rank(), dist.get_world_size()
         found = files.problems(path, manifest, sorted(manifest["files"])[rank::world])
     except Exception as error:  # noqa: BLE001 - said on every rank below
-        found = [str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"]
+        found = [_said(error)]
     everywhere = [problem for part in gather(found) for problem in part]
     if everywhere and not manifest:
         raise CheckpointError(everywhere[0])
@@ -116,14 +124,14 @@ def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
     """Load model and optimizers in place; returns Lightning's remaining state and this rank's RNG states
     (None when the checkpoint has none for this rank)."""
 
-    meta, rng, index = _read_states(path, verify(path))
-    metadata = index.state_dict_metadata
+    meta, rng, stored = _read_states(path, verify(path))
+    metadata = stored.state_dict_metadata
     saved = set(metadata)
     model_target = model_state(model, names)
     missing = _check_model_keys(path, saved, set(model_target), strict)
     check_shapes(path, {name: getattr(metadata[f"model.{name}"], "size", None) for name in model_target
                         if f"model.{name}" in metadata}, model_target)
-    _load(path, {"model": {k: v for k, v in model_target.items() if k not in missing}})
+    _load(path, stored, {"model": {k: v for k, v in model_target.items() if k not in missing}})
     set_model_state(model, names, model_target, strict=strict)
     _check_optimizers(path, saved, optimizers)
     for index, optimizer in enumerate(optimizers):
@@ -132,27 +140,28 @@ def load_sharded(path: Path, model: nn.Module, optimizers: Sequence[Optimizer], 
         # Parameters that had not stepped when the checkpoint was saved have no state in it.
         target["state"] = {name: value for name, value in target["state"].items()
                            if all(f"{key}.state.{name}.{field}" in saved for field in value)}
-        _load(path, {key: target})
+        _load(path, stored, {key: target})
         if not target["state"]:
             optimizer.state.clear()  # saved before its first step: drop what creating the load target made
         set_optimizer_state(model, optimizer, names, target)
     return meta, rng
 
 
-def _read_states(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, Any]:
+def _read_states(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, Metadata]:
     """Every rank, before any weights: DCP's index (`checked_reader`), Lightning's state and this rank's random states
     (`state_files`); whatever fails on one rank (a refused file, a malformed one, one asking for too much memory) is
     raised on all, so none is left waiting in DCP's collectives."""
-    meta, rng, index, error = {}, None, None, None
+    meta: dict[str, Any] = {}
+    rng, index, error = None, None, None
     try:
         index = read_index(path)
         meta = read_meta(path, manifest)
         rng = read_rng(path, manifest, dist.get_rank())
     except Exception as failure:  # noqa: BLE001 - said on every rank below
-        error = str(failure) if isinstance(failure, CheckpointError) else f"`{path}`: {type(failure).__name__}: {failure}"
+        error = _said(failure, path)
     if errors := [message for message in gather(error) if message is not None]:
         raise CheckpointError(errors[0])
-    return meta, rng, index
+    return meta, rng, cast("Metadata", index)  # read, or raised above
 
 
 def _check_optimizers(path: Path, saved: set[str], optimizers: Sequence[Optimizer]) -> None:
@@ -176,12 +185,12 @@ def _check_optimizers(path: Path, saved: set[str], optimizers: Sequence[Optimize
         )
 
 
-def _load(path: Path, state: dict[str, Any]) -> None:
+def _load(path: Path, stored: Metadata, state: dict[str, Any]) -> None:
     import torch.distributed.checkpoint as dcp
 
     swaps = contiguous(state)
     try:
-        dcp.load(state, storage_reader=CheckedReader(path), planner=trusted.load_planner(path))
+        dcp.load(state, storage_reader=CheckedReader(path, stored), planner=trusted.load_planner(path))
     except (Exception, dcp.CheckpointException) as error:  # DCP's wrapper of every rank's failure is no `Exception`
         restore(swaps, loaded=False)
         failed = CheckpointError(f"Loading `{', '.join(state)}` from `{path}` failed: {error}")

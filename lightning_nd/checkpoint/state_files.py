@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_nd.checkpoint import trusted
-from lightning_nd.checkpoint.files import LEGACY_META, META, CheckpointError, regular_size, rng_file
+from lightning_nd.checkpoint.files import LEGACY_META, META, CheckpointError, bounded_size, rng_file
 from lightning_nd.checkpoint.json_state import NotEncodable, encode, read_json, write_json
 
 MAX_META_BYTES = 256 << 20
@@ -63,7 +63,7 @@ def read_rng(path: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any] 
 def _read_dict(file: Path, legacy: bool, load_legacy: Callable[[Path], Any], limit: int, what: str) -> dict[str, Any]:
     """A dict from ``file``: format 1's pickle through the allow-list (``load_legacy``), else JSON; both bounded."""
     if legacy:
-        _bounded(file, limit)
+        bounded_size(file, limit)
         value = load_legacy(file)
     else:
         value = read_json(file, limit)
@@ -71,10 +71,3 @@ def _read_dict(file: Path, legacy: bool, load_legacy: Callable[[Path], Any], lim
         raise CheckpointError(f"`{file}` is a {type(value).__name__}, not the checkpoint's {what}. HINT: resume from"
                               " another checkpoint.")
     return value
-
-
-def _bounded(file: Path, limit: int) -> None:
-    size = regular_size(file)
-    if size is None or size > limit:
-        raise CheckpointError(f"`{file}` is not a regular file of at most {limit} bytes. HINT: resume from another"
-                              " checkpoint.")
