@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_nd.checkpoint import read_sharded
+from lightning_nd.checkpoint.checked_reader import read_index
 from lightning_nd.checkpoint.sharded import _load, save_sharded
 
 WHOLE = torch.arange(3 * 8 * 2, dtype=torch.float32).view(3, 8, 2)  # [experts, gate; up, hidden]
@@ -38,7 +39,7 @@ def round_trip(folder: str) -> dict:
     written = read_sharded(path)["state_dict"]["experts.gate_up_proj"] if dist.get_rank() == 0 else None
     target = {"model": {"experts.gate_up_proj": _packed(torch.zeros_like(WHOLE), mesh)}}
     own = target["model"]["experts.gate_up_proj"]
-    _load(path, target)
+    _load(path, read_index(path), target)
     result = {"kept": kept, "loaded_in_place": target["model"]["experts.gate_up_proj"] is own,
               "local_equal": torch.equal(own.to_local(), packed.to_local()), "whole_equal": torch.equal(own.full_tensor(), WHOLE),
               "written_equal": None if written is None else torch.equal(written, WHOLE)}
