@@ -78,6 +78,14 @@ def regular_size(file: Path) -> int | None:
     return found.st_size if stat.S_ISREG(found.st_mode) else None
 
 
+def said(error: Exception, path: Path | None = None) -> str:
+    """What a rank tells the others of its failure, in one line: a `CheckpointError`'s own words, else its type and
+    message (naming ``path`` when given)."""
+    if isinstance(error, CheckpointError):
+        return str(error)
+    return f"{f'`{path}`: ' if path else ''}{type(error).__name__}: {error}"
+
+
 def bounded_size(file: Path, limit: int) -> int:
     """The size of ``file``, a regular file of at most ``limit`` bytes; else a `CheckpointError` saying so."""
     size = regular_size(file)

@@ -49,18 +49,11 @@ def on_rank0(action: Callable[[], Any], group: dist.ProcessGroup | None = None) 
         try:
             outcome[0] = action()
         except Exception as failure:  # noqa: BLE001 - raised on every rank below
-            outcome[1] = _said(failure)
+            outcome[1] = files.said(failure)
     dist.broadcast_object_list(outcome, src=0, group=group)
     if outcome[1] is not None:
         raise CheckpointError(f"Saving the checkpoint failed on rank 0: {outcome[1]}")
     return outcome[0]
-
-
-def _said(error: Exception, path: Path | None = None) -> str:
-    """What a rank tells the others of its failure: a `CheckpointError`'s own words, else its type and message."""
-    if isinstance(error, CheckpointError):
-        return str(error)
-    return f"{f'`{path}`: ' if path else ''}{type(error).__name__}: {error}"
 
 
 def save_sharded(path: Path, state: dict[str, Any], meta: dict[str, Any], rng: dict[str, Any], info: dict[str, Any]) -> None:
@@ -111,7 +104,7 @@ def verify(path: Path) -> dict[str, Any]:
         rank, world = dist.get_rank(), dist.get_world_size()
         found = files.problems(path, manifest, sorted(manifest["files"])[rank::world])
     except Exception as error:  # noqa: BLE001 - said on every rank below
-        found = [_said(error)]
+        found = [files.said(error)]
     everywhere = [problem for part in gather(found) for problem in part]
     if everywhere and not manifest:
         raise CheckpointError(everywhere[0])
@@ -158,7 +151,7 @@ def _read_states(path: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any], 
         meta = read_meta(path, manifest)
         rng = read_rng(path, manifest, dist.get_rank())
     except Exception as failure:  # noqa: BLE001 - said on every rank below
-        error = _said(failure, path)
+        error = files.said(failure, path)
     if errors := [message for message in gather(error) if message is not None]:
         raise CheckpointError(errors[0])
     return meta, rng, cast("Metadata", index)  # read, or raised above

@@ -4,9 +4,10 @@ Lightning passes a ``ckpt_path`` it does not know through to its checkpoint conn
 strategy to load it. That is the first point where the processes exist, so `NDParallel` translates ``"auto"`` there:
 rank 0 lists the complete checkpoints (`checkpoint.listing.complete_manifests`: a manifest, every file at its size) in
 every `ModelCheckpoint`'s folder and in ``default_root_dir`` (where Lightning's SLURM requeue writes ``hpc_ckpt_<N>``),
-this run's own first, newest saved first, and every rank gets that list (one written by another run says whose). The newest that loads wins, whichever callback wrote it (an
-``hpc_ckpt`` written at a requeue is newer than the periodic save before it); one that fails to load (truncated,
-corrupt, unreadable) is skipped with a warning and the one before it tried. A checkpoint of another model is refused
+this run's own first, newest saved first, and every rank gets that list (one written by another run says whose). The
+newest that loads wins, whichever callback wrote it (an ``hpc_ckpt`` written at a requeue is newer than the periodic
+save before it); one that fails to load (truncated, corrupt, unreadable) is skipped with a warning and the one before it
+tried. A checkpoint of another model is refused
 (an older one would not fit either). None: a fresh start, said once.
 
 For a script that decides the path itself, `lightning_nd.checkpoint.resume_path(*folders)` gives the same choice in
@@ -23,7 +24,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 
-from lightning_nd.checkpoint.files import CheckpointError, CheckpointMismatch
+from lightning_nd.checkpoint.files import CheckpointError, CheckpointMismatch, said
 from lightning_nd.checkpoint.listing import complete_manifests, whose
 
 AUTO = "auto"
@@ -82,7 +83,7 @@ def _listed(folders: list[str]) -> list[tuple[str, int | None, str]] | str:
     try:
         return [(str(path), manifest.get("global_step"), whose(manifest)) for path, manifest in complete_manifests(*folders)]
     except Exception as error:  # noqa: BLE001 - raised on every rank by the caller
-        return str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+        return said(error)
 
 
 def _resuming(path: str, step: int | None, folders: list[str], skipped: int, writer: str) -> str:
