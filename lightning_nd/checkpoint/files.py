@@ -198,7 +198,8 @@ def problems(path: Path, manifest: dict[str, Any], names: list[str] | None = Non
             found.append(f"`{name}` ({writer}) " + ("is not a regular file (a link, a device or a pipe)" if there
                                                     else "is missing"))
         elif size != entry["bytes"]:
-            found.append(f"`{name}` ({writer}) has {size} bytes, {entry['bytes']} were written (truncated)")
+            change = "truncated" if size < entry["bytes"] else "grown or replaced since"
+            found.append(f"`{name}` ({writer}) has {size} bytes, {entry['bytes']} were written ({change})")
         elif checksum and crc32(file) != entry["crc32"]:
             found.append(f"`{name}` ({writer}) does not match its checksum (corrupt)")
     return found

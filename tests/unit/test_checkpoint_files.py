@@ -70,6 +70,7 @@ def test_a_safetensors_export_holds_the_whole_state_and_reads_back_as_the_torch_
     ("manifest", "has no `lightning_nd.json`: its save never finished"),
     ("missing", "`__0_0.distcp` (written by rank 0) is missing"),
     ("truncated", "`__0_0.distcp` (written by rank 0) has 10 bytes"),
+    ("grown", "were written (grown or replaced since)"),
     ("corrupt", "`__0_0.distcp` (written by rank 0) does not match its checksum (corrupt)"),
     ("meta", "`meta.json` (written by rank 0) is missing"),
 ])
@@ -83,6 +84,8 @@ def test_damaged_checkpoint_is_refused_naming_the_piece(tmp_path, capsys, damage
         shard.unlink()
     elif damage == "truncated":
         shard.write_bytes(shard.read_bytes()[:10])
+    elif damage == "grown":
+        shard.write_bytes(shard.read_bytes() + b"more")
     elif damage == "corrupt":
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
